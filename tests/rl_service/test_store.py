@@ -1,0 +1,145 @@
+"""The Redis store against a real redis-server."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from rl_service.job_states import InvalidTransition, JobState
+from rl_service.spec import JobSpec
+from rl_service.store import IdempotencyConflict, JobNotFound, Store, hash_api_key
+
+
+@pytest.fixture
+def store(redis_url: str) -> Store:
+    return Store(redis_url, prefix="t")
+
+
+def _spec(**kw) -> JobSpec:
+    return JobSpec(total_steps=3, **kw)
+
+
+def test_submit_creates_job_indexes_queue_schedule_and_event(store: Store) -> None:
+    job, created = store.submit_job("acme", _spec(name="a"), "/data/jobs")
+    assert created and job.state == JobState.QUEUED and job.tenant == "acme" and job.name == "a"
+    assert job.work_dir == f"/data/jobs/{job.id}"
+    assert store.queued_ids() == [job.id]
+    assert store.list_jobs("acme")[1] == 1 and store.list_jobs("other")[1] == 0
+    assert [j.id for j in store.list_jobs("acme", state="queued")[0]] == [job.id]
+    assert store.current_schedule(job.id)[0] == 1
+    events = store.events(job.id)
+    assert [e["kind"] for e in events] == ["submitted"]
+
+
+def test_idempotency_key_returns_the_first_job_and_rejects_another_body(store: Store) -> None:
+    a, created_a = store.submit_job("acme", _spec(), "/d", idempotency_key="k1")
+    b, created_b = store.submit_job("acme", _spec(), "/d", idempotency_key="k1")
+    assert created_a and not created_b and a.id == b.id
+    assert store.list_jobs("acme")[1] == 1
+    with pytest.raises(IdempotencyConflict):
+        store.submit_job("acme", _spec(seed=5), "/d", idempotency_key="k1")
+    # keys are per tenant
+    c, created_c = store.submit_job("other", _spec(), "/d", idempotency_key="k1")
+    assert created_c and c.id != a.id
+
+
+def test_queue_orders_by_priority_then_arrival(store: Store) -> None:
+    low = store.submit_job("t", _spec(priority=-1), "/d")[0]
+    mid1 = store.submit_job("t", _spec(), "/d")[0]
+    high = store.submit_job("t", _spec(priority=5), "/d")[0]
+    mid2 = store.submit_job("t", _spec(), "/d")[0]
+    assert store.queued_ids() == [high.id, mid1.id, mid2.id, low.id]
+
+
+def test_transitions_are_checked_and_move_indexes_atomically(store: Store) -> None:
+    job = store.submit_job("t", _spec(), "/d")[0]
+    with pytest.raises(InvalidTransition):
+        store.transition(job.id, JobState.RUNNING)  # queued -> running skips starting
+    assert store.get_job(job.id).state == JobState.QUEUED
+    assert store.transition(job.id, JobState.STARTING) == JobState.QUEUED
+    assert store.queued_ids() == []
+    store.transition(job.id, JobState.RUNNING)
+    got = store.get_job(job.id)
+    assert got.state == JobState.RUNNING and got.started_at is not None
+    assert store.job_ids_in("running") == [job.id] and store.job_ids_in("queued") == []
+    store.transition(job.id, JobState.PAUSED)
+    store.transition(job.id, JobState.QUEUED)  # resume re-queues
+    assert store.queued_ids() == [job.id]
+    store.transition(job.id, JobState.CANCELLED, reason="user")
+    got = store.get_job(job.id)
+    assert got.state == JobState.CANCELLED and got.finished_at is not None
+    assert store.queued_ids() == []
+    with pytest.raises(InvalidTransition):
+        store.transition(job.id, JobState.QUEUED)
+    kinds = [(e["kind"], e["data"].get("to")) for e in store.events(job.id)]
+    assert kinds[-1] == ("state", "cancelled") and len(kinds) == 6
+    assert store.count_by_state()["cancelled"] == 1
+    with pytest.raises(JobNotFound):
+        store.transition("job-nope", JobState.STARTING)
+
+
+def test_expect_restricts_the_sources(store: Store) -> None:
+    job = store.submit_job("t", _spec(), "/d")[0]
+    with pytest.raises(InvalidTransition):
+        store.transition(job.id, JobState.CANCELLED, expect=[JobState.PAUSED])
+    store.transition(job.id, JobState.CANCELLED, expect=[JobState.QUEUED])
+
+
+def test_schedule_patch_versions_and_events(store: Store) -> None:
+    job = store.submit_job("t", _spec(), "/d")[0]
+    store.add_metrics(job.id, 4, {"loss": 1.0, "nan": float("nan")})
+    new = store.patch_schedule(job.id, {"w_end": 0.25})
+    assert new.version == 2 and new.effective_from == 5
+    version, sched = store.current_schedule(job.id)
+    assert version == 2 and sched.w_end == 0.25
+    assert store.get_job(job.id).schedule_version == 2
+    assert store.events(job.id)[-1]["kind"] == "schedule_patched"
+    before = store.r.get(store.k_schedule(job.id))
+    with pytest.raises(ValueError):
+        store.patch_schedule(job.id, {"w_end": -1.0})
+    assert store.r.get(store.k_schedule(job.id)) == before
+    assert store.metrics(job.id)[0]["metrics"] == {"loss": 1.0, "nan": None}
+
+
+def test_events_page_with_an_exclusive_cursor(store: Store) -> None:
+    job = store.submit_job("t", _spec(), "/d")[0]
+    for i in range(5):
+        store.add_event(job.id, "x", {"i": i})
+    first = store.events(job.id, limit=3)
+    rest = store.events(job.id, after=first[-1]["id"], limit=10)
+    assert [e["data"].get("i") for e in first + rest] == [None, 0, 1, 2, 3, 4]
+
+
+def test_checkpoints_replace_same_step(store: Store) -> None:
+    job = store.submit_job("t", _spec(), "/d")[0]
+    store.add_checkpoint(job.id, 1, "file:///a")
+    store.add_checkpoint(job.id, 2, "file:///b")
+    store.add_checkpoint(job.id, 2, "file:///c")
+    assert [(c["step"], c["uri"]) for c in store.checkpoints(job.id)] == [(1, "file:///a"), (2, "file:///c")]
+    assert store.get_job(job.id).last_checkpoint == "file:///c"
+
+
+def test_api_keys_are_hashed_at_rest(store: Store, redis_url: str) -> None:
+    key = store.create_api_key("acme", name="ci")
+    assert store.lookup_api_key(key) == {"tenant": "acme", "name": "ci", "admin": False}
+    assert store.lookup_api_key(key + "x") is None
+    raw = redis.Redis.from_url(redis_url, decode_responses=True)
+    for k in raw.scan_iter():
+        assert key not in k
+        if raw.type(k) == "hash":
+            assert key not in str(raw.hgetall(k))
+    assert raw.exists(f"t:apikey:{hash_api_key(key)}")
+    assert store.revoke_api_key(key) and store.lookup_api_key(key) is None
+
+
+def test_environments_rate_and_lock(store: Store) -> None:
+    assert store.put_environment("a", "calc2", {"kind": "python"})
+    assert not store.put_environment("a", "calc2", {"kind": "http"})
+    assert store.get_environment("a", "calc2") == {"kind": "python"}
+    assert store.get_environment("b", "calc2") is None
+    assert store.delete_environment("a", "calc2") and store.list_environments("a") == {}
+    assert [store.hit_rate("a") for _ in range(3)][-1] == 3
+    assert store.acquire_lock("one", 5000) and not store.acquire_lock("two", 5000)
+    assert store.acquire_lock("one", 5000)
+    store.release_lock("one")
+    assert store.acquire_lock("two", 5000)
