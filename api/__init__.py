@@ -1,0 +1,1 @@
+"""The FastAPI control plane, auth, request/response schemas and the `taper` CLI."""

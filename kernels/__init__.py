@@ -1,0 +1,1 @@
+"""KDA ops: Triton kernels for CUDA and pure-torch paths for CPU (chunked, recurrent decode, naive reference)."""

@@ -1,0 +1,1 @@
+"""The KDA-hybrid Stable-LatentMoE causal LM: config, layers, HF model, tokenizer and the vLLM plugin."""

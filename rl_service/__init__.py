@@ -1,0 +1,1 @@
+"""The learner, the job runner, the scheduler and the Redis store."""

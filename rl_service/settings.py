@@ -1,0 +1,66 @@
+"""Service settings: the one place that reads the environment (prefix ``TAPER_``; ``RAY_ADDRESS`` as Ray names it)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TaperSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TAPER_", extra="ignore")
+
+    redis_url: str | None = Field(
+        None, description="Redis to use. Unset: the service starts a private redis-server under data_dir."
+    )
+    data_dir: Path = Field(Path("taper_data"), description="Checkpoints, trajectories, logs and the private Redis.")
+    ray_address: str | None = Field(
+        None,
+        validation_alias=AliasChoices("RAY_ADDRESS", "TAPER_RAY_ADDRESS"),
+        description="Ray cluster to join. Unset: a local Ray is started.",
+    )
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(8000, ge=1, le=65535)
+    api_url: str = Field("http://127.0.0.1:8000", description="Where the CLI finds the API.")
+    api_key: str | None = Field(None, description="Bearer key the CLI sends.")
+    max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body.")
+    submit_rate_per_minute: int = Field(60, ge=1, description="Job submissions per tenant per minute.")
+    local_cpus: int | None = Field(None, ge=1, description="CPUs a locally started Ray may use (default: all).")
+    redis_server_bin: str = Field("redis-server", description="The binary the private Redis is started from.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+
+class SettingsError(ValueError):
+    """A setting from the environment has a bad value; the message names the variable."""
+
+
+def _variable_name(field: str) -> str:
+    alias = TaperSettings.model_fields[field].validation_alias
+    if isinstance(alias, AliasChoices):
+        return str(alias.choices[0])
+    return f"TAPER_{field.upper()}"
+
+
+def load_settings() -> TaperSettings:
+    try:
+        return TaperSettings()
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            name = _variable_name(field) if field in TaperSettings.model_fields else field
+            problems.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+        raise SettingsError("invalid setting: " + "; ".join(problems)) from None
+
+
+@lru_cache
+def get_settings() -> TaperSettings:
+    return load_settings()

@@ -1,0 +1,1 @@
+"""Inference engine wrapper, the multi-turn agent loop, environments, trajectories and Ray rollout actors."""
