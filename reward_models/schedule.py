@@ -44,12 +44,18 @@ class RewardSchedule(BaseModel):
     kind: ScheduleKind = "linear"
     w_start: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="Process weight at the start.")
     w_end: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Process weight at the end.")
-    horizon: int = Field(100, ge=1, description="Steps over which w moves from w_start to w_end (after warmup).")
+    horizon: int = Field(
+        100, ge=1, description="Steps over which w moves from w_start to w_end (after warmup)."
+    )
     warmup: int = Field(0, ge=0, description="Steps w holds at w_start before moving.")
     half_life: float | None = Field(None, description="exponential only: steps for (w - w_end) to halve.")
-    milestones: list[int] | None = Field(None, description="step only: strictly increasing steps where w drops.")
+    milestones: list[int] | None = Field(
+        None, description="step only: strictly increasing steps where w drops."
+    )
     points: list[tuple[int, float]] | None = Field(None, description="piecewise only: [(step, w), ...].")
-    density_start: float = Field(1.0, allow_inf_nan=False, description="Fraction of process nodes kept at the start.")
+    density_start: float = Field(
+        1.0, allow_inf_nan=False, description="Fraction of process nodes kept at the start."
+    )
     density_end: float | None = Field(None, allow_inf_nan=False, description="Fraction kept at the end.")
     seed: int = Field(0, description="Seed of the deterministic node sampling.")
 
@@ -160,7 +166,9 @@ class ScheduleVersion(BaseModel):
 
     version: int = Field(ge=1)
     effective_from: int = Field(ge=0, description="First training step this version applies to.")
-    applied_at: int | None = Field(None, description="Training step at which the patch arrived (None: initial).")
+    applied_at: int | None = Field(
+        None, description="Training step at which the patch arrived (None: initial)."
+    )
     schedule: RewardSchedule
     patch: dict[str, Any] = Field(default_factory=dict)
 

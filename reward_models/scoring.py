@@ -1,0 +1,102 @@
+"""Score finished trajectories: per-step process rewards and the outcome reward, in place.
+
+Infrastructure failures (status ``env_error`` / ``tool_timeout``) get no rewards: their outcome stays
+None ("missing", not zero) and credit assignment drops them. A verifier that raises marks the trajectory
+``env_error`` (the environment failed, not the policy). Values outside [0, 1] are a contract violation of
+the environment or component and raise ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from reward_models.components import DEFAULT_COMPONENTS, ProcessComponent, build_component
+from rollout_workers.trajectory import Trajectory, TrajectoryStatus
+
+log = logging.getLogger(__name__)
+
+ComponentSpec = str | dict[str, Any] | ProcessComponent
+
+
+def build_components(specs: Sequence[ComponentSpec] | None = None) -> list[ProcessComponent]:
+    return [build_component(s) for s in (DEFAULT_COMPONENTS if specs is None else specs)]
+
+
+def _check_unit(value: Any, what: str) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} must be a number in [0, 1] (got {value!r})") from e
+    if not (math.isfinite(f) and 0.0 <= f <= 1.0):
+        raise ValueError(f"{what} must be a number in [0, 1] (got {value!r})")
+    return f
+
+
+def score_process(trajectory: Trajectory, env: Any, components: Sequence[ProcessComponent]) -> None:
+    """Fill ``Step.process_rewards`` of one trajectory."""
+    env_name = getattr(env, "name", type(env).__name__)
+    merged: list[dict[str, float]] = [{} for _ in trajectory.steps]
+    owner: dict[str, str] = {}
+    for comp in components:
+        per_step = comp.score(trajectory, env)
+        if len(per_step) != len(trajectory.steps):
+            raise ValueError(
+                f"process component '{comp.kind}' returned {len(per_step)} step scores "
+                f"for {len(trajectory.steps)} steps"
+            )
+        for i, scores in enumerate(per_step):
+            for name, value in scores.items():
+                if owner.setdefault(name, comp.kind) != comp.kind:
+                    raise ValueError(
+                        f"process reward name '{name}' is produced by both '{owner[name]}' and '{comp.kind}' "
+                        f"(environment {env_name!r})"
+                    )
+                merged[i][name] = _check_unit(
+                    value, f"process reward '{name}' (component '{comp.kind}', environment {env_name!r})"
+                )
+    for step, scores in zip(trajectory.steps, merged, strict=True):
+        step.process_rewards = scores
+
+
+def score_outcome(trajectory: Trajectory, env: Any) -> None:
+    """Set ``outcome_reward`` from the environment's verifier (None for infrastructure failures)."""
+    if trajectory.status.is_infra_failure:
+        trajectory.outcome_reward = None
+        return
+    env_name = getattr(env, "name", type(env).__name__)
+    try:
+        value = env.outcome(trajectory)
+    except Exception as e:  # the verifier crashed: an environment failure, not the policy's
+        log.warning("outcome verifier of %r failed on trajectory %s: %s", env_name, trajectory.id, e)
+        trajectory.status = TrajectoryStatus.ENV_ERROR
+        trajectory.error = f"outcome verifier failed: {type(e).__name__}: {e}"
+        trajectory.outcome_reward = None
+        return
+    trajectory.outcome_reward = _check_unit(value, f"outcome reward of environment {env_name!r}")
+
+
+def score_trajectories(
+    trajectories: Sequence[Trajectory],
+    env: Any,
+    components: Sequence[ComponentSpec] | None = None,
+) -> None:
+    """Score each trajectory in place: process rewards on every step, then the outcome reward.
+
+    `components`: kind names, spec dicts (``{"kind": "model_scorer", "path": ...}``) or instances;
+    None = DEFAULT_COMPONENTS. Build them once with `build_components` and pass the instances to
+    reuse loaded scorer models across calls.
+    """
+    built = build_components(components)
+    for traj in trajectories:
+        if traj.status.is_infra_failure:
+            traj.outcome_reward = None
+            for step in traj.steps:
+                step.process_rewards = {}
+            continue
+        score_outcome(traj, env)
+        if traj.status.is_infra_failure:
+            continue
+        score_process(traj, env, built)
