@@ -1,8 +1,8 @@
 """Score finished trajectories: per-step process rewards and the outcome reward, in place.
 
 Infrastructure failures (status ``env_error`` / ``tool_timeout``) get no rewards: their outcome stays
-None ("missing", not zero) and credit assignment drops them. A verifier that raises marks the trajectory
-``env_error`` (the environment failed, not the policy). Values outside [0, 1] are a contract violation of
+None ("missing", not zero) and credit assignment drops them. A verifier or process component that raises
+marks the trajectory ``env_error`` (the environment failed, not the policy). Values outside [0, 1] are a contract violation of
 the environment or component and raise ValueError naming it.
 """
 
@@ -19,6 +19,10 @@ from rollout_workers.trajectory import Trajectory, TrajectoryStatus
 log = logging.getLogger(__name__)
 
 ComponentSpec = str | dict[str, Any] | ProcessComponent
+
+
+class ComponentFailed(RuntimeError):
+    """A process component (or the environment hook it calls) raised while scoring one trajectory."""
 
 
 def build_components(specs: Sequence[ComponentSpec] | None = None) -> list[ProcessComponent]:
@@ -41,7 +45,10 @@ def score_process(trajectory: Trajectory, env: Any, components: Sequence[Process
     merged: list[dict[str, float]] = [{} for _ in trajectory.steps]
     owner: dict[str, str] = {}
     for comp in components:
-        per_step = comp.score(trajectory, env)
+        try:
+            per_step = comp.score(trajectory, env)
+        except Exception as e:
+            raise ComponentFailed(f"process component '{comp.kind}' failed: {type(e).__name__}: {e}") from e
         if len(per_step) != len(trajectory.steps):
             raise ValueError(
                 f"process component '{comp.kind}' returned {len(per_step)} step scores "
@@ -99,4 +106,12 @@ def score_trajectories(
         score_outcome(traj, env)
         if traj.status.is_infra_failure:
             continue
-        score_process(traj, env, built)
+        try:
+            score_process(traj, env, built)
+        except ComponentFailed as e:  # like a crashed verifier: this trajectory cannot be scored
+            log.warning("scoring trajectory %s of %r: %s", traj.id, getattr(env, "name", env), e)
+            traj.status = TrajectoryStatus.ENV_ERROR
+            traj.error = str(e)
+            traj.outcome_reward = None
+            for step in traj.steps:
+                step.process_rewards = {}

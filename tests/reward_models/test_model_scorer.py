@@ -1,0 +1,83 @@
+"""The model-based process reward on a tiny random causal LM saved to a temp dir."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from reward_models.components import build_component
+from reward_models.model_scorer import ModelScorerComponent, save_scorer
+from reward_models.scoring import score_trajectories
+
+
+@pytest.fixture(scope="module")
+def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, torch.Tensor, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    weight, bias = torch.randn(32), torch.tensor(0.1)
+    path = save_scorer(model, weight, bias, tmp_path_factory.mktemp("scorer"), name="judge")
+    return path, model, weight, bias
+
+
+def test_scores_each_step_from_its_last_action_token(b: Any, calc_env: Any, scorer_dir: Any) -> None:
+    path, model, weight, bias = scorer_dir
+    comp = build_component({"kind": "model_scorer", "path": str(path)})
+    assert isinstance(comp, ModelScorerComponent) and not comp.loaded  # lazy
+    steps = [
+        b.step(n_action=4, n_obs=3, start_id=20),
+        b.step(n_action=0, n_obs=2),
+        b.step(n_action=2, n_obs=0),
+    ]
+    t = b.traj("g", None, steps, task={"question": "1+1?", "answer": 2})
+    scores = comp.score(t, calc_env)
+    assert comp.loaded
+    assert scores[1] == {}  # no tokens written in that step: nothing to judge
+    # slow reference: a separate forward pass on each step's prefix, head on its last position
+    ids = t.prompt_ids + t.completion_ids()
+    ends = {0: len(t.prompt_ids) + 3, 2: len(t.prompt_ids) + 4 + 3 + 0 + 2 + 1}
+    for k, end in ends.items():
+        with torch.no_grad():
+            h = model(input_ids=torch.tensor([ids[: end + 1]]), output_hidden_states=True).hidden_states[-1][
+                0, -1
+            ]
+        expected = float(torch.sigmoid(h @ weight + bias))
+        assert scores[k]["judge"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+        assert 0.0 < scores[k]["judge"] < 1.0
+
+
+def test_pluggable_into_scoring_and_picklable_without_weights(b: Any, calc_env: Any, scorer_dir: Any) -> None:
+    path = scorer_dir[0]
+    comp = ModelScorerComponent(str(path), name="judge")
+    t = b.traj(
+        "g",
+        None,
+        [b.step(calls=[b.call("calculate", {"expression": "1+1"}, result="2")])],
+        task={
+            "question": "1+1?",
+            "answer": 2,
+        },
+    )
+    score_trajectories([t], calc_env, components=["format", comp])
+    assert set(t.steps[0].process_rewards) == {"format", "judge"}
+    clone = pickle.loads(pickle.dumps(comp))
+    assert comp.loaded and not clone.loaded and clone.path == comp.path
+
+
+def test_bad_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a scorer checkpoint"):
+        build_component({"kind": "model_scorer", "path": str(tmp_path)})
