@@ -19,6 +19,7 @@ Key layout (the one place it is written down; ``P`` is the key prefix, ``taper``
     P:tenant:{t}:apikeys         SET     sha256 digests of the tenant's keys
     P:rate:{t}:{minute}          STRING  submissions in that minute (expires)
     P:scheduler:lock             STRING  the token of the process that runs the scheduler loop
+    P:placed                     SET     job ids that may hold Ray resources (placement group, driver actor)
 
 Writes that belong together (a job with its indexes, queue entry, schedule and first event; a state
 change with its index moves and event) run in one Lua script or MULTI/EXEC, so a reader never sees half
@@ -251,6 +252,9 @@ class Store:
 
     def k_lock(self) -> str:
         return f"{self.prefix}:scheduler:lock"
+
+    def k_placed(self) -> str:
+        return f"{self.prefix}:placed"
 
     def ping(self) -> bool:
         return bool(self.r.ping())

@@ -1,0 +1,41 @@
+"""JobHooks over Redis: how a job driver (rl_service.job.JobRunner inside a Ray actor) reports to the
+control plane and hears from it. Satisfies the rl_service.hooks.JobHooks protocol."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reward_models.schedule import RewardSchedule
+from rl_service.hooks import Control
+from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, CONTROL_RUN
+from rl_service.store import Store
+
+
+class RedisHooks:
+    def __init__(self, store: Store, job_id: str) -> None:
+        self.store = store
+        self.job_id = job_id
+
+    @classmethod
+    def connect(cls, redis_url: str, job_id: str, prefix: str = "taper") -> RedisHooks:
+        return cls(Store(redis_url, prefix=prefix), job_id)
+
+    def emit_event(self, kind: str, data: dict[str, Any]) -> None:
+        self.store.add_event(self.job_id, kind, data)
+
+    def emit_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.store.add_metrics(self.job_id, step, metrics)
+
+    def current_schedule(self) -> tuple[int, RewardSchedule]:
+        return self.store.current_schedule(self.job_id)
+
+    def control(self) -> Control:
+        value = self.store.job_field(self.job_id, "control")
+        if value in (CONTROL_PAUSE, CONTROL_CANCEL):
+            return value  # type: ignore[return-value]
+        if value is None:  # the job record is gone: nothing left to work for
+            return CONTROL_CANCEL
+        return CONTROL_RUN
+
+    def add_checkpoint(self, step: int, uri: str) -> None:
+        self.store.add_checkpoint(self.job_id, step, uri)

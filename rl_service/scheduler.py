@@ -1,0 +1,331 @@
+"""The scheduler: places queued jobs onto Ray resources and keeps their drivers alive.
+
+Each job runs in a detached Ray placement group (its resources: one learner bundle per learner rank and
+one rollout bundle per rollout worker) with a detached driver actor in bundle 0 that runs the JobRunner and
+reports over Redis. Detached means neither outlives nor dies with the API process: an API restart leaves
+running jobs alone, and the scheduler of the restarted process picks them up from Redis.
+
+The loop is a reconciler: every tick it compares what Redis says each job should have with what Ray has,
+and fixes the difference, so a crash at any point of placing a job is repaired on the next tick.
+
+- queued jobs are placed in queue order (priority, then arrival) while the cluster has room for them; a job
+  that does not fit now blocks lower ones (strict priority), except one that can never fit the cluster.
+- starting jobs get their placement group and, once it is ready, a driver actor.
+- running jobs whose driver is gone (killed, node lost, crashed) go back to starting and get a new driver,
+  which resumes from the newest checkpoint in the job's work dir; after ``max_attempts`` they fail.
+- jobs that no longer need resources (paused, finished) have their driver and placement group removed.
+
+Only one process runs the loop at a time (a Redis lock with a TTL), so several API replicas are safe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, JobState
+from rl_service.redis_hooks import RedisHooks
+from rl_service.spec import JobSpec
+from rl_service.store import JobNotFound, JobRecord, Store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RUNNER = "rl_service.job:JobRunner"
+FINAL_RESULTS = {"succeeded": JobState.SUCCEEDED, "failed": JobState.FAILED, "cancelled": JobState.CANCELLED,
+                 "paused": JobState.PAUSED}
+
+
+def driver_name(job_id: str) -> str:
+    return f"taper-driver-{job_id}"
+
+
+def pg_name(job_id: str) -> str:
+    return f"taper-pg-{job_id}"
+
+
+def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
+    """Bundle 0..num_learners-1: learner ranks (bundle 0 also hosts the driver); then one per rollout worker."""
+    res = spec.resources
+
+    def bundle(cpus: float, gpus: float) -> dict[str, float]:
+        b = {"CPU": float(cpus)}
+        if gpus:
+            b["GPU"] = float(gpus)
+        return b
+
+    learners = [bundle(res.learner_cpus, res.learner_gpus) for _ in range(res.num_learners)]
+    rollouts = [{**bundle(res.rollout_cpus, res.rollout_gpus), **res.custom} for _ in range(spec.rollout.num_workers)]
+    return learners + rollouts
+
+
+def _total(bundles: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _fits(need: dict[str, float], have: dict[str, float]) -> bool:
+    return all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
+
+
+def load_runner(runner: str | type) -> type:
+    if not isinstance(runner, str):
+        return runner
+    module, _, attr = runner.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class JobDriver:
+    """Runs one job (a detached Ray actor; see Scheduler._start_driver). Threaded so ping() answers mid-run."""
+
+    def __init__(self, job_id: str, redis_url: str, prefix: str, runner: str | type) -> None:
+        self.job_id = job_id
+        self.store = Store(redis_url, prefix=prefix)
+        self.runner = runner
+
+    def ping(self) -> str:
+        return self.job_id
+
+    def run(self) -> str:
+        store, job_id = self.store, self.job_id
+        job = store.get_job(job_id)
+        if job.control == CONTROL_CANCEL:
+            store.transition(job_id, JobState.CANCELLED, expect=[JobState.STARTING], reason="cancel requested")
+            return "cancelled"
+        if job.control == CONTROL_PAUSE:
+            store.transition(job_id, JobState.PAUSED, expect=[JobState.STARTING], reason="pause requested")
+            return "paused"
+        store.transition(job_id, JobState.RUNNING, expect=[JobState.STARTING], data={"attempt": job.attempts})
+        try:
+            runner_cls = load_runner(self.runner)
+            work_dir = Path(job.work_dir)
+            work_dir.mkdir(parents=True, exist_ok=True)
+            result = runner_cls(job_id, job.spec, RedisHooks(store, job_id), work_dir).run()
+            target = FINAL_RESULTS.get(str(result))
+            if target is None:
+                raise RuntimeError(f"job runner returned an unknown result {result!r}")
+            store.transition(job_id, target, expect=[JobState.RUNNING], reason=f"runner returned {result}")
+            return target.value
+        except Exception as exc:
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            log.exception("job %s failed", job_id)
+            store.add_event(job_id, "error", {"error": detail, "traceback": traceback.format_exc()[-4000:]})
+            store.transition(job_id, JobState.FAILED, expect=[JobState.RUNNING], fields={"error": detail},
+                             reason="runner raised")
+            return "failed"
+
+
+class Scheduler:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        runner: str | type = DEFAULT_RUNNER,
+        namespace: str | None = None,
+        tick_s: float = 0.5,
+        max_attempts: int = 3,
+        lock_ttl_ms: int = 5000,
+        pg_timeout_s: float = 120.0,
+        driver_grace_s: float = 5.0,
+    ) -> None:
+        self.store = store
+        self.runner = runner
+        self.namespace = namespace
+        self.tick_s = tick_s
+        self.max_attempts = max_attempts
+        self.lock_ttl_ms = lock_ttl_ms
+        self.pg_timeout_s = pg_timeout_s
+        self.driver_grace_s = driver_grace_s
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warned_unschedulable: set[str] = set()
+        self._driver_started: dict[str, float] = {}
+        self._pending_pg_since: dict[str, float] = {}
+
+    # ---- loop ----
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="taper-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.store.release_lock(self.token)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("scheduler tick failed")
+            self._stop.wait(self.tick_s)
+
+    def tick(self) -> bool:
+        """One reconcile pass; returns False when another process holds the scheduler lock."""
+        if not self.store.acquire_lock(self.token, self.lock_ttl_ms):
+            return False
+        self.cleanup()
+        self.reconcile()
+        self.place()
+        return True
+
+    # ---- Ray helpers ----
+    def _ns(self) -> str:
+        return self.namespace or ray.get_runtime_context().namespace
+
+    def _driver(self, job_id: str) -> Any | None:
+        try:
+            return ray.get_actor(driver_name(job_id), namespace=self._ns())
+        except ValueError:
+            return None
+
+    def _pg(self, job_id: str) -> PlacementGroup | None:
+        try:
+            return get_placement_group(pg_name(job_id))
+        except ValueError:
+            return None
+
+    def _release(self, job_id: str) -> None:
+        actor = self._driver(job_id)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+        pg = self._pg(job_id)
+        if pg is not None:
+            remove_placement_group(pg)
+        self._driver_started.pop(job_id, None)
+        self._pending_pg_since.pop(job_id, None)
+
+    # ---- the three passes ----
+    def cleanup(self) -> None:
+        """Free the resources of jobs that no longer need them (paused or finished)."""
+        for job_id in self.store.r.smembers(self.store.k_placed()):
+            state = self.store.job_field(job_id, "state")
+            if state is None or not JobState(state).has_driver:
+                self._release(job_id)
+                self.store.r.srem(self.store.k_placed(), job_id)
+
+    def reconcile(self) -> None:
+        for state in (JobState.RUNNING, JobState.STARTING):
+            for job_id in self.store.job_ids_in(state):
+                try:
+                    self._reconcile_one(self.store.get_job(job_id))
+                except JobNotFound:
+                    continue
+                except Exception:
+                    log.exception("reconciling job %s failed", job_id)
+
+    def _reconcile_one(self, job: JobRecord) -> None:
+        if self._driver(job.id) is not None:
+            return
+        started = self._driver_started.get(job.id)
+        if started is not None and time.monotonic() - started < self.driver_grace_s:
+            return  # a driver we just created may not be visible yet
+        if job.state == JobState.RUNNING:
+            self.store.add_event(job.id, "driver_lost", {"attempt": job.attempts, "step": job.step})
+            if self._finish_without_driver(job):
+                return
+            self.store.transition(job.id, JobState.STARTING, expect=[JobState.RUNNING],
+                                  reason="driver lost; resuming from the last checkpoint")
+            job = self.store.get_job(job.id)
+        if self._finish_without_driver(job):
+            return
+        pg = self._pg(job.id)
+        if pg is None:
+            self.store.r.sadd(self.store.k_placed(), job.id)
+            pg = placement_group(job_bundles(job.spec), strategy="PACK", name=pg_name(job.id), lifetime="detached")
+            self._pending_pg_since[job.id] = time.monotonic()
+        if not pg.wait(timeout_seconds=0):
+            since = self._pending_pg_since.setdefault(job.id, time.monotonic())
+            if time.monotonic() - since > self.pg_timeout_s:
+                self._release(job.id)
+                self.store.transition(job.id, JobState.QUEUED, expect=[JobState.STARTING],
+                                      reason="resources did not become available; back in the queue")
+            return
+        self._pending_pg_since.pop(job.id, None)
+        self._start_driver(job, pg)
+
+    def _finish_without_driver(self, job: JobRecord) -> bool:
+        """Honour a cancel/pause request or the attempt limit for a job whose driver is gone."""
+        if job.control == CONTROL_CANCEL:
+            self.store.transition(job.id, JobState.CANCELLED, expect=[job.state], reason="cancel requested")
+        elif job.control == CONTROL_PAUSE:
+            self.store.transition(job.id, JobState.PAUSED, expect=[job.state], reason="pause requested")
+        elif job.attempts >= self.max_attempts:
+            self.store.transition(job.id, JobState.FAILED, expect=[job.state],
+                                  fields={"error": f"driver died {job.attempts} times"}, reason="too many attempts")
+        else:
+            return False
+        return True
+
+    def _start_driver(self, job: JobRecord, pg: PlacementGroup) -> None:
+        res = job.spec.resources
+        self.store.update_job(job.id, allowed=[JobState.STARTING], fields={"attempts": str(job.attempts + 1)},
+                              event="driver_started", event_data={"attempt": job.attempts + 1})
+        actor_cls = ray.remote(JobDriver)
+        try:
+            driver = actor_cls.options(
+                name=driver_name(job.id),
+                namespace=self._ns(),
+                lifetime="detached",
+                max_restarts=0,
+                max_concurrency=4,
+                num_cpus=res.learner_cpus,
+                num_gpus=res.learner_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+                ),
+            ).remote(job.id, self.store.url, self.store.prefix, self.runner)
+        except ValueError:  # the name is still held by a driver that is going away; retry next tick
+            return
+        self._driver_started[job.id] = time.monotonic()
+        driver.run.remote()  # fire and forget: the driver reports through Redis
+
+    def place(self) -> None:
+        """Move queued jobs to starting while the cluster has room, in queue order."""
+        queued = self.store.queued_ids()
+        if not queued:
+            return
+        available = dict(ray.available_resources())
+        total = dict(ray.cluster_resources())
+        for job_id in queued:
+            try:
+                job = self.store.get_job(job_id)
+            except JobNotFound:
+                continue
+            need = _total(job_bundles(job.spec))
+            if not _fits(need, total):
+                if job_id not in self._warned_unschedulable:
+                    self._warned_unschedulable.add(job_id)
+                    self.store.add_event(job_id, "unschedulable",
+                                         {"needs": need, "cluster": {k: total.get(k, 0.0) for k in need}})
+                continue
+            if not _fits(need, available):
+                break  # strict priority: wait for room rather than let later jobs overtake
+            try:
+                self.store.transition(job_id, JobState.STARTING, expect=[JobState.QUEUED], reason="placed")
+            except Exception:
+                continue  # cancelled or taken meanwhile
+            for k, v in need.items():
+                available[k] = available.get(k, 0.0) - v
+            self._reconcile_one(self.store.get_job(job_id))

@@ -1,0 +1,39 @@
+"""A stand-in for rl_service.job.JobRunner with the same contract (resume from the newest checkpoint in
+work_dir, poll control each step, read the schedule each step, report metrics/checkpoints), used to test the
+scheduler's mechanics without a model. The lifecycle tests over HTTP use the real JobRunner."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class StandInRunner:
+    step_seconds = 0.2
+
+    def __init__(self, job_id, spec, hooks, work_dir: Path) -> None:
+        self.job_id, self.spec, self.hooks, self.work_dir = job_id, spec, hooks, Path(work_dir)
+
+    def _resume_step(self) -> int:
+        ckpts = sorted((self.work_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        return int(ckpts[-1].name.split("-")[1]) if ckpts else 0
+
+    def run(self) -> str:
+        start = self._resume_step()
+        self.hooks.emit_event("runner_started", {"from_step": start})
+        for step in range(start, self.spec.total_steps):
+            control = self.hooks.control()
+            if control in ("pause", "cancel"):
+                return "paused" if control == "pause" else "cancelled"
+            version, schedule = self.hooks.current_schedule()
+            time.sleep(self.spec.seed / 1000 if self.spec.seed else self.step_seconds)
+            if self.spec.name == "explode":
+                raise RuntimeError("boom")
+            self.hooks.emit_metrics(step + 1, {"step": step + 1, "schedule_version": version,
+                                               "process_weight": schedule.weight(step), "resumed_from": start})
+            ckpt = self.work_dir / "checkpoints" / f"step-{step + 1}"
+            ckpt.mkdir(parents=True, exist_ok=True)
+            (ckpt / "state.json").write_text(json.dumps({"step": step + 1}))
+            self.hooks.add_checkpoint(step + 1, ckpt.as_uri())
+        return "succeeded"

@@ -1,0 +1,105 @@
+"""The scheduler on a real local Ray (2 CPUs) and a real Redis, with a stand-in runner."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import ray
+
+from rl_service.job_states import JobState
+from rl_service.scheduler import Scheduler, driver_name, job_bundles
+from rl_service.spec import JobSpec
+from rl_service.store import Store
+
+
+@pytest.fixture
+def store(redis_url: str) -> Store:
+    return Store(redis_url, prefix="ts")
+
+
+@pytest.fixture
+def scheduler(store: Store, standin_runner_cls, tmp_path) -> Iterator[Scheduler]:
+    sched = Scheduler(store, runner=standin_runner_cls, tick_s=0.1, driver_grace_s=1.0)
+    sched.start()
+    yield sched
+    sched.stop()
+    for job_id in store.r.smembers(store.k_placed()):
+        sched._release(job_id)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _state(store: Store, job_id: str) -> JobState:
+    return store.get_job(job_id).state
+
+
+def _spec(**kw) -> JobSpec:
+    kw.setdefault("total_steps", 3)
+    return JobSpec(**kw)
+
+
+def test_bundles_follow_the_spec() -> None:
+    spec = JobSpec.model_validate({"resources": {"learner_cpus": 2, "rollout_cpus": 0.5, "rollout_gpus": 1,
+                                                 "custom": {"rollout": 1}}, "rollout": {"num_workers": 2}})
+    assert job_bundles(spec) == [{"CPU": 2.0}, {"CPU": 0.5, "GPU": 1.0, "rollout": 1}, {"CPU": 0.5, "GPU": 1.0, "rollout": 1}]
+
+
+def test_job_runs_to_success_and_frees_its_resources(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    job = store.submit_job("t", _spec(), str(tmp_path))[0]
+    wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success")
+    got = store.get_job(job.id)
+    assert got.step == 3 and got.attempts == 1
+    assert [c["step"] for c in store.checkpoints(job.id)] == [1, 2, 3]
+    states = [e["data"]["to"] for e in store.events(job.id) if e["kind"] == "state"]
+    assert states == ["starting", "running", "succeeded"]
+    wait_for(lambda: not store.r.smembers(store.k_placed()), what="cleanup")
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == 2.0, what="CPUs back")
+
+
+def test_queue_priority_and_waiting_for_resources(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    first = store.submit_job("t", _spec(total_steps=4), str(tmp_path))[0]  # 2 CPUs: the whole cluster
+    wait_for(lambda: _state(store, first.id) == JobState.RUNNING, what="first running")
+    low = store.submit_job("t", _spec(priority=-5, total_steps=1), str(tmp_path))[0]
+    high = store.submit_job("t", _spec(priority=5, total_steps=1), str(tmp_path))[0]
+    time.sleep(0.3)
+    assert _state(store, low.id) == JobState.QUEUED and _state(store, high.id) == JobState.QUEUED
+    wait_for(lambda: _state(store, low.id) == JobState.SUCCEEDED, what="low done")
+    assert store.get_job(high.id).started_at < store.get_job(low.id).started_at
+    assert store.get_job(first.id).finished_at <= store.get_job(high.id).started_at
+
+
+def test_a_job_that_can_never_fit_does_not_block_the_queue(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    huge = store.submit_job("t", _spec(priority=9, resources={"learner_cpus": 64}), str(tmp_path))[0]
+    small = store.submit_job("t", _spec(total_steps=1), str(tmp_path))[0]
+    wait_for(lambda: _state(store, small.id) == JobState.SUCCEEDED, what="small done")
+    assert _state(store, huge.id) == JobState.QUEUED
+    assert any(e["kind"] == "unschedulable" for e in store.events(huge.id))
+
+
+def test_killed_driver_resumes_from_its_last_checkpoint(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    job = store.submit_job("t", _spec(total_steps=6, seed=300), str(tmp_path))[0]  # 0.3 s per step
+    wait_for(lambda: store.get_job(job.id).step >= 2, what="two steps")
+    ray.kill(ray.get_actor(driver_name(job.id), namespace=ray.get_runtime_context().namespace), no_restart=True)
+    wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success after restart")
+    got = store.get_job(job.id)
+    assert got.attempts == 2
+    kinds = [e["kind"] for e in store.events(job.id)]
+    assert "driver_lost" in kinds
+    resumed = [m["metrics"]["resumed_from"] for m in store.metrics(job.id)]
+    assert resumed[0] == 0 and resumed[-1] >= 2  # the second driver did not start over
+    assert [m["step"] for m in store.metrics(job.id)][-1] == 6
+
+
+def test_runner_exception_fails_the_job_with_its_error(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    job = store.submit_job("t", _spec(name="explode"), str(tmp_path))[0]
+    wait_for(lambda: _state(store, job.id) == JobState.FAILED, what="failure")
+    assert "boom" in store.get_job(job.id).error
