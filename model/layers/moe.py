@@ -1,0 +1,153 @@
+"""Stable LatentMoE with quantile balancing (DESIGN section 2).
+
+Router on the full hidden x: s = sigmoid(W_r x) (fp32); the top-k of s + b are chosen (b: balancing bias,
+a buffer without gradient); combine weights are s renormalised over the chosen set times
+`routed_scaling_factor`. Experts (SiTU-GLU MLPs) run in a latent width l: z = W_down x,
+y = sum_chosen w_e Expert_e(z) (fp32 sum), out = W_up RMSNorm(y) + SharedExpert(x).
+
+Quantile balancing (no auxiliary loss): training forwards record the router scores; after the optimizer
+step `update_balancing()` sets, per expert j, b~_j = -Q_j with Q_j the (1 - k/n) quantile of s_{.j} over
+the recorded tokens, centres b~, and moves b <- mu b + (1 - mu) b~. Eval forwards record nothing, so the
+bias is frozen at inference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.config import TaperConfig
+from model.layers.norm import RMSNorm
+from model.layers.situ_glu import SiTUGLUMLP, situ_glu
+
+
+def quantile_balancing_target(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Centred target bias b~ [n] from router scores [N, n]: -(1 - k/n) quantile per expert, minus its mean."""
+    if scores.dim() != 2 or scores.shape[0] == 0:
+        raise ValueError(f"scores must be [N > 0, n_experts], got {tuple(scores.shape)}")
+    n = scores.shape[1]
+    # torch.quantile has an input-size limit; sort + linear interpolation has none.
+    ordered = scores.float().sort(dim=0).values
+    position = (1.0 - top_k / n) * (ordered.shape[0] - 1)
+    lo = int(position)
+    hi = min(lo + 1, ordered.shape[0] - 1)
+    quantile = ordered[lo] + (position - lo) * (ordered[hi] - ordered[lo])
+    target = -quantile
+    return target - target.mean()
+
+
+class Router(nn.Module):
+    """`weight` [n, d] and the balancing bias buffer `bias_correction` [n] (fp32, saved, no gradient)."""
+
+    def __init__(self, hidden_size: int, n_experts: int, top_k: int, routed_scaling_factor: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
+        self.register_buffer("bias_correction", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
+        self.top_k, self.routed_scaling_factor = top_k, routed_scaling_factor
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """s = sigmoid(W_r x) in fp32: [N, n]."""
+        return torch.sigmoid(x.float() @ self.weight.float().t())
+
+    def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [N, k], combine weights [N, k] fp32)."""
+        chosen = torch.topk(scores.detach() + self.bias_correction.float(), self.top_k, dim=-1).indices
+        picked = scores.gather(-1, chosen)
+        weights = picked / picked.sum(-1, keepdim=True) * self.routed_scaling_factor
+        return chosen, weights
+
+
+class LatentExperts(nn.Module):
+    """Fused expert weights: `gate_up_proj` [n, 2*I, l] (rows [:I] gate a, [I:] up u), `down_proj` [n, l, I]."""
+
+    def __init__(self, n_experts: int, latent_size: int, intermediate_size: int, beta: float,
+                 beta_linear: float) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate_size, latent_size))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, latent_size, intermediate_size))
+        self.n_experts, self.intermediate_size = n_experts, intermediate_size
+        self.beta, self.beta_linear = beta, beta_linear
+
+    def expert(self, e: int, z: torch.Tensor) -> torch.Tensor:
+        """Expert e on latent rows z [m, l] -> [m, l]."""
+        a, u = (z @ self.gate_up_proj[e].t()).split(self.intermediate_size, dim=-1)
+        return situ_glu(a, u, self.beta, self.beta_linear) @ self.down_proj[e].t()
+
+    def forward(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """z [N, l]; expert_ids, weights [N, k]. Returns the fp32 weighted sum [N, l]."""
+        N, k = expert_ids.shape
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k
+        weight_of = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        y = z.new_zeros(N, z.shape[-1], dtype=torch.float32)
+        start = 0
+        # Every expert runs (empty ones on zero rows) so each slice of the fused weights joins autograd.
+        for e, count in enumerate(counts):
+            rows = token_of[start:start + count]
+            out = self.expert(e, z.index_select(0, rows))
+            y.index_add_(0, rows, out.float() * weight_of[start:start + count, None])
+            start += count
+        return y
+
+
+class StableLatentMoE(nn.Module):
+    def __init__(self, config: TaperConfig) -> None:
+        super().__init__()
+        d, ell = config.hidden_size, config.moe_latent_size
+        self.n_experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
+        self.momentum = config.balancing_momentum
+        self.router = Router(d, self.n_experts, self.top_k, config.routed_scaling_factor)
+        self.latent_down = nn.Linear(d, ell, bias=False)
+        self.latent_norm = RMSNorm(ell, eps=config.rms_norm_eps)
+        self.latent_up = nn.Linear(ell, d, bias=False)
+        self.experts = LatentExperts(self.n_experts, ell, config.moe_intermediate_size, config.situ_beta,
+                                     config.situ_beta_linear)
+        self.shared_expert = (
+            SiTUGLUMLP(d, config.n_shared_experts * config.shared_expert_intermediate_size, config.situ_beta,
+                       config.situ_beta_linear)
+            if config.n_shared_experts > 0 else None
+        )
+        self._recorded_scores: list[torch.Tensor] = []
+        self.last_load: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., d] -> [..., d]. token_mask [...] (1 = real token) keeps padding out of the balancing
+        statistics and the load metric; in training mode the scores are recorded for `update_balancing`."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        scores = self.router.scores(flat)
+        expert_ids, weights = self.router.select(scores)
+        keep = None if token_mask is None else token_mask.reshape(-1).to(torch.bool)
+        self._observe(scores, expert_ids, keep)
+        y = self.experts(self.latent_down(flat), expert_ids, weights)
+        out = self.latent_up(self.latent_norm(y).to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.reshape(shape)
+
+    @torch.no_grad()
+    def _observe(self, scores: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor | None) -> None:
+        if keep is not None:
+            scores, expert_ids = scores[keep], expert_ids[keep]
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.n_experts).float()
+        self.last_load = counts / counts.sum().clamp_min(1.0)
+        if self.training and scores.shape[0] > 0:
+            self._recorded_scores.append(scores.detach().float())
+
+    @torch.no_grad()
+    def update_balancing(self) -> torch.Tensor | None:
+        """Apply quantile balancing from the scores recorded since the last call, then forget them.
+        Returns the new bias, or None when nothing was recorded (e.g. eval mode)."""
+        if not self._recorded_scores:
+            return None
+        scores = torch.cat(self._recorded_scores)
+        self._recorded_scores.clear()
+        target = quantile_balancing_target(scores, self.top_k).to(self.router.bias_correction.device)
+        bias = self.router.bias_correction
+        bias.mul_(self.momentum).add_((1.0 - self.momentum) * target)
+        return bias.clone()
+
+    def clear_recorded_scores(self) -> None:
+        self._recorded_scores.clear()
