@@ -29,7 +29,7 @@ def completion_logits(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     Right padding plus causal attention leaves the real positions untouched, so no attention mask is passed
     (the recurrent KDA layers would otherwise need one).
     """
-    logits = model(input_ids=mb.input_ids).logits
+    logits = model(input_ids=mb.input_ids, use_cache=False).logits
     b, c = mb.completion_ids.shape
     pos = (mb.prompt_lens.unsqueeze(1) - 1 + torch.arange(c, device=logits.device)).clamp(max=logits.shape[1] - 1)
     rows = torch.arange(b, device=logits.device).unsqueeze(1)

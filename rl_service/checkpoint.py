@@ -1,0 +1,134 @@
+"""Job checkpoints: everything needed to continue a job exactly.
+
+Layout of one checkpoint `<root>/step_00000003/`:
+  config.json, model.safetensors   the policy (HF `save_pretrained`; MoE balancing biases are buffers in it),
+                                   loadable by `AutoModelForCausalLM` and by the rollout engines
+  tokenizer files                  when a tokenizer is given
+  learner.pt                       optimizer + LR scheduler state, optimizer step count
+  rng.pt                           Python / NumPy / torch (CPU and CUDA) RNG states
+  state.json                       the job's JSON state (step, data cursor, schedule history, ...)
+A checkpoint is written to a temporary directory and renamed into place, so a crash never leaves a
+half-written `step_*` directory; `keep_last` prunes the oldest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.path / "state.json").read_text())
+
+    def learner_state(self) -> dict[str, Any] | None:
+        p = self.path / "learner.pt"
+        return torch.load(p, map_location="cpu", weights_only=False) if p.exists() else None
+
+    def rng_state(self) -> dict[str, Any] | None:
+        p = self.path / "rng.pt"
+        return torch.load(p, map_location="cpu", weights_only=False) if p.exists() else None
+
+
+def capture_rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_weights(model: nn.Module, path: Path, tokenizer: Any = None,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """`save_pretrained` as safetensors (+ tokenizer). `state_dict` overrides the model's (e.g. gathered
+    from FSDP shards)."""
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if state_dict is not None:
+        kwargs["state_dict"] = state_dict
+    model.save_pretrained(path, **kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Load `path/model.safetensors` into `model` in place (strict, except weights tied to others)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def list_checkpoints(root: Path) -> list[Checkpoint]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = [Checkpoint(p, int(m.group(1))) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_checkpoint(root: Path) -> Checkpoint | None:
+    ckpts = list_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, Any],
+                    learner_state: dict[str, Any] | None = None, tokenizer: Any = None,
+                    keep_last: int | None = None, model_state_dict: dict[str, torch.Tensor] | None = None,
+                    rng: bool = True) -> Checkpoint:
+    """Write checkpoint `step` atomically; prune to the newest `keep_last`. Returns it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_weights(model, tmp, tokenizer, model_state_dict)
+    if learner_state is not None:
+        torch.save(learner_state, tmp / "learner.pt")
+    if rng:
+        torch.save(capture_rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep_last is not None:
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old.path, ignore_errors=True)
+    return Checkpoint(final, step)

@@ -1,0 +1,61 @@
+"""Checkpoints: round trip of weights / optimizer / RNG / state, atomic layout, pruning."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rl_service.checkpoint import (
+    capture_rng_state,
+    latest_checkpoint,
+    list_checkpoints,
+    load_weights,
+    restore_rng_state,
+    save_checkpoint,
+)
+from rl_service.learner import Learner, LearnerConfig
+from tests.rl_service.learner_helpers import make_samples, make_tiny_llama
+
+
+def test_round_trip_continues_training_identically(tmp_path) -> None:
+    samples = make_samples(4, seed=1)
+    a = Learner(make_tiny_llama(seed=0), LearnerConfig(learning_rate=1e-2, lr_scheduler_type="linear", max_steps=5))
+    a.step(samples)
+    save_checkpoint(tmp_path, 1, a.model, {"cursor": 7}, learner_state=a.state_dict())
+    ck = latest_checkpoint(tmp_path)
+    assert ck is not None and ck.step == 1 and ck.state == {"step": 1, "cursor": 7}
+
+    b = Learner(make_tiny_llama(seed=99), LearnerConfig(learning_rate=1e-2, lr_scheduler_type="linear", max_steps=5))
+    load_weights(b.model, ck.path)
+    b.load_state_dict(ck.learner_state())
+    ma, mb = a.step(samples), b.step(samples)
+    assert ma["loss"] == mb["loss"] and ma["learning_rate"] == mb["learning_rate"]
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_rng_state_round_trip() -> None:
+    state = capture_rng_state()
+    x = (random.random(), torch.rand(3))
+    restore_rng_state(state)
+    assert random.random() == x[0] and torch.equal(torch.rand(3), x[1])
+
+
+def test_keep_last_prunes_and_no_partial_dirs(tmp_path) -> None:
+    model = make_tiny_llama()
+    for s in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, s, model, {}, keep_last=2, rng=False)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_load_weights_rejects_a_different_model(tmp_path) -> None:
+    save_checkpoint(tmp_path, 0, make_tiny_llama(), {}, rng=False)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=16))
+    with pytest.raises(ValueError, match="does not match"):
+        load_weights(other, latest_checkpoint(tmp_path).path)
