@@ -1,0 +1,207 @@
+"""Host side of the Triton chunked KDA: launches, saved tensors, and the autograd Function."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.kda.triton_chunk_bwd import bwd_inter_kernel, bwd_intra_kernel, bwd_state_kernel
+from kernels.kda.triton_chunk_fwd import (
+    fwd_out_kernel,
+    fwd_state_kernel,
+    gate_cumsum_kernel,
+    intra_scores_kernel,
+    solve_wu_kernel,
+)
+from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
+
+
+def chunk_layout(cu_seqlens: torch.Tensor, BT: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """chunk_indices [NC, 2] int32 of (sequence, chunk in sequence), chunk_offsets [N] int32, NC."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    counts = [-(-n // BT) for n in lens]
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(counts, dtype=torch.long))
+    starts = torch.tensor([0] + counts[:-1]).cumsum(0)
+    within = torch.arange(int(sum(counts))) - starts[seq] if sum(counts) else torch.zeros(0, dtype=torch.long)
+    indices = torch.stack([seq, within], 1).to(torch.int32).to(cu_seqlens.device)
+    return indices, starts.to(torch.int32).to(cu_seqlens.device), int(sum(counts))
+
+
+def flat_cu_seqlens(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if cu_seqlens is not None:
+        return cu_seqlens.to(device=device, dtype=torch.int32)
+    return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+
+
+def kda_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, use_gate: bool, lower_bound: float | None,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, cu: torch.Tensor, cfg: KDAKernelConfig,
+) -> dict[str, torch.Tensor | None]:
+    """Flattened inputs: q, k [T, H, K]; v [T, HV, V]; f [T, HV, K]; beta [T, HV] probabilities."""
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    N = cu.numel() - 1
+    BT, BC = cfg.chunk_size, cfg.sub_chunk
+    BK = triton.next_power_of_2(K)
+    BV = min(cfg.block_v, triton.next_power_of_2(V))
+    chunk_indices, chunk_offsets, NC = chunk_layout(cu, BT)
+    dev = q.device
+    gcum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
+    safe = lower_bound is not None
+    gate_cumsum_kernel[(NC, HV)](
+        f, dt_bias, A_log, gcum, cu, chunk_indices, lower_bound if safe else 0.0,
+        HV=HV, K=K, BT=BT, BK=BK, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=dt_bias is not None,
+        num_warps=cfg.num_warps_intra,
+    )
+    Aqk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
+    Akk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
+    intra_scores_kernel[(NC, HV)](
+        q, k, gcum, Aqk, Akk, cu, chunk_indices, scale,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, num_warps=cfg.num_warps_intra,
+    )
+    Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
+    w = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
+    u = torch.empty(T, HV, V, dtype=v.dtype, device=dev)
+    solve_wu_kernel[(NC, HV)](
+        k, v, beta, gcum, Akk, Ai, w, u, cu, chunk_indices,
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), num_warps=cfg.num_warps_intra,
+    )
+    state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
+    h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
+    vn = torch.empty(T, HV, V, dtype=v.dtype, device=dev)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    fwd_state_kernel[(triton.cdiv(V, BV), N * HV)](
+        k, gcum, w, u, vn, h, h0, ht, cu, chunk_offsets,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
+        num_warps=cfg.num_warps_state,
+    )
+    o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
+    fwd_out_kernel[(triton.cdiv(V, BV), NC, HV)](
+        q, gcum, Aqk, vn, h, o, cu, chunk_indices, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=cfg.num_warps_out,
+    )
+    return dict(o=o, ht=ht, gcum=gcum, Aqk=Aqk, Akk=Akk, Ai=Ai, w=w, u=u, h=h, vn=vn,
+                chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
+
+
+def kda_bwd(
+    saved: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+    scale: float, initial_state: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None,
+    use_gate: bool, lower_bound: float | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+    cu: torch.Tensor, cfg: KDAKernelConfig,
+) -> tuple[torch.Tensor, ...]:
+    """Returns dq, dk [T, HV, K] fp32 (per value head), dv, dgate (df for the bounded gate, else dg),
+    dbeta [T, HV] fp32, dh0 (or None)."""
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    N = cu.numel() - 1
+    BT, BC = cfg.chunk_size, cfg.sub_chunk
+    BK = triton.next_power_of_2(K)
+    BV = min(cfg.block_v, triton.next_power_of_2(V))
+    chunk_indices, chunk_offsets = saved["chunk_indices"], saved["chunk_offsets"]
+    NC = chunk_indices.shape[0]
+    dev = q.device
+    gcum, h = saved["gcum"], saved["h"]
+    do = do.contiguous()
+    dh = torch.empty_like(h)
+    dvn = torch.empty(T, HV, V, dtype=v.dtype, device=dev)
+    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if initial_state is not None else None
+    bwd_state_kernel[(triton.cdiv(V, BV), N * HV)](
+        q, k, gcum, saved["w"], saved["Aqk"], do, dht, dh, dh0, dvn, cu, chunk_offsets, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        num_warps=cfg.num_warps_state,
+    )
+    f32 = dict(dtype=torch.float32, device=dev)
+    dv = torch.empty(T, HV, V, dtype=v.dtype, device=dev)
+    dAqk, dAkk = torch.empty(T, HV, BT, **f32), torch.empty(T, HV, BT, **f32)
+    dq_p, dk_p, dg_p = (torch.empty(T, HV, K, **f32) for _ in range(3))
+    dgam = torch.empty(max(NC, 1), HV, K, **f32)
+    dbeta = torch.empty(T, HV, **f32)
+    bwd_inter_kernel[(NC, HV)](
+        q, k, v, beta, gcum, saved["Akk"], saved["Ai"], saved["w"], saved["u"], saved["vn"], h, dh, do, dvn,
+        dv, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dbeta, cu, chunk_indices, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=cfg.num_warps_bwd,
+    )
+    dq, dk, dgate = (torch.empty(T, HV, K, **f32) for _ in range(3))
+    bounded = lower_bound is not None
+    bwd_intra_kernel[(NC, HV)](
+        q, k, gcum, f, dt_bias, A_log, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dq, dk, dgate,
+        cu, chunk_indices, scale, lower_bound if bounded else 0.0,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, SAFE=bounded, USE_GATE=use_gate, BOUNDED=bounded,
+        HAS_BIAS=dt_bias is not None, num_warps=cfg.num_warps_bwd,
+    )
+    return dq, dk, dv, dgate, dbeta, dh0
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """q, k already l2-normalised if asked, beta already probabilities; the gate runs in the kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, f, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_gate,
+                lower_bound, cu, cfg):
+        q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
+        saved = kda_fwd(q, k, v, f, beta, scale, initial_state, output_final_state, use_gate, lower_bound,
+                        A_log, dt_bias, cu, cfg)
+        ctx.save_for_backward(q, k, v, f, beta, A_log, dt_bias, initial_state, cu,
+                              *(saved[n] for n in _SAVED))
+        ctx.cfg, ctx.scale, ctx.use_gate, ctx.lower_bound = cfg, scale, use_gate, lower_bound
+        return saved["o"], saved["ht"]
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, f, beta, A_log, dt_bias, initial_state, cu, *rest = ctx.saved_tensors
+        saved = dict(zip(_SAVED, rest, strict=True))
+        dq, dk, dv, dgate, dbeta, dh0 = kda_bwd(
+            saved, q, k, v, f, beta, ctx.scale, initial_state, do, dht, ctx.use_gate, ctx.lower_bound, A_log,
+            dt_bias, cu, ctx.cfg,
+        )
+        T, H, K = q.shape
+        HV = v.shape[1]
+        if HV != H:
+            dq, dk = dq.view(T, H, HV // H, K).sum(2), dk.view(T, H, HV // H, K).sum(2)
+        dA_log = ddt_bias = None
+        df = dgate
+        if ctx.use_gate and ctx.lower_bound is None:
+            x = f.float() + (dt_bias.float().view(HV, K) if dt_bias is not None else 0.0)
+            e_a = A_log.float().exp().view(HV, 1)
+            df = -dgate * e_a * torch.sigmoid(x)
+            dA_log = (dgate * (-e_a * torch.nn.functional.softplus(x))).sum((0, 2)).to(A_log.dtype)
+        if ctx.use_gate and dt_bias is not None:
+            ddt_bias = df.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv, df.to(f.dtype), dbeta.to(beta.dtype), dA_log, ddt_bias,
+                dh0, None, None, None, None, None, None)
+
+
+_SAVED = ("gcum", "Aqk", "Akk", "Ai", "w", "u", "h", "vn", "chunk_indices", "chunk_offsets")
+
+
+def chunk_kda_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, lower_bound: float | None,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, cu_seqlens: torch.Tensor | None, chunk_size: int,
+    config: KDAKernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Arguments validated by `chunk_kda`. Works on any device Triton runs on (CUDA, or the CPU
+    interpreter under TRITON_INTERPRET=1)."""
+    from kernels.kda.common import l2norm
+
+    cfg = config or (DEFAULT_CONFIG if chunk_size == DEFAULT_CONFIG.chunk_size else
+                     KDAKernelConfig(chunk_size=chunk_size))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    if use_qk_l2norm_in_kernel:
+        q = l2norm(q.float()).to(q.dtype)
+        k = l2norm(k.float()).to(k.dtype)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float()).to(beta.dtype)
+    cu = flat_cu_seqlens(B, T, cu_seqlens, q.device)
+    h0 = initial_state.float() if initial_state is not None else None
+    o, ht = ChunkKDAFunction.apply(
+        q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V), g.reshape(B * T, HV, K),
+        beta.reshape(B * T, HV), A_log, dt_bias, h0, scale, output_final_state, use_gate_in_kernel,
+        lower_bound, cu, cfg,
+    )
+    return o.view(B, T, HV, V), ht

@@ -1,0 +1,265 @@
+"""Triton kernels of the chunked KDA backward pass (math: chunk_torch.py's per-chunk form).
+
+Per chunk, with S = state at the chunk start, dS' = gradient of the state at its end, M = Ai:
+  1. state gradients (reverse over chunks): dVn = Aqk^T dO + (K e^(gam-Gam)) dS';
+     dS = e^gam dS' + scale (Q e^Gam)^T dO - W^T dVn
+  2. inter: dAqk = tril(dO Vn^T); dBv = M^T dVn -> dv = beta dBv; dW = -dVn S^T; dBk = M^T dW;
+     dAkk = beta * strict(-(dBv U^T + dBk W^T)); direct parts of dq, dk, dGam, dgam, dbeta
+  3. intra: gradients through the gated score matrices Aqk and Akk (BC x BC blocks, same reference
+     points as the forward), then dg = reverse in-chunk cumsum of dGam (+ dgam), then the gate.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.kda.gate import gate_grad_fn
+from kernels.kda.triton_chunk_fwd import _chunk_coords
+
+
+@triton.jit
+def bwd_state_kernel(
+    q, k, gcum, w, Aqk, do, dht, dh, dh0, dvn, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    NT = tl.cdiv(T, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    s_off = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+    for it_rev in range(0, NT):
+        it = NT - 1 - it_rev
+        tl.store(dh + ((c0 + it) * HV + i_hv) * K * V + s_off, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+        rows = it * BT + o_t
+        ok = rows < T
+        m_tk = ok[:, None] & (o_k < K)[None, :]
+        m_tv = ok[:, None] & (o_v < V)[None, :]
+        b_do = tl.load(do + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)
+        last = tl.minimum(it * BT + BT, T) - 1
+        g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+        b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_q = tl.load(q + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_w = tl.load(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+        dt = b_k.dtype
+        kg = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(dt)
+        b_dvn = tl.dot(tl.trans(b_A.to(dt)), b_do.to(dt)) + tl.dot(kg, b_dh.to(dt))
+        tl.store(dvn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
+        qg = (b_q.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * scale).to(dt)
+        b_dh = b_dh * tl.exp(g_last)[:, None] + tl.dot(tl.trans(qg), b_do.to(dt)) - tl.dot(tl.trans(b_w), b_dvn.to(dt))
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + s_off, b_dh, mask=m_kv)
+
+
+@triton.jit
+def bwd_inter_kernel(
+    q, k, v, beta, gcum, Akk, Ai, w, u, vn, h, dh, do, dvn,
+    dv, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dbeta, cu_seqlens, chunk_indices, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    rows = i_t * BT + tl.arange(0, BT)
+    ok = rows < T
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_tk = ok[:, None] & (o_k < K)[None, :]
+    m_tt = ok[:, None] & (o_t < BT)[None, :]
+    a_off = (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
+    dt = k.dtype.element_ty
+    b_M = tl.load(Ai + a_off, mask=m_tt, other=0.0)
+    b_Mt = tl.trans(b_M).to(dt)
+    b_beta = tl.load(beta + (bos + rows) * HV + i_hv, mask=ok, other=0.0).to(tl.float32)
+    d_P = tl.zeros([BT, BT], dtype=tl.float32)
+    d_Lv = tl.zeros([BT, BT], dtype=tl.float32)
+    d_QE = tl.zeros([BT, BK], dtype=tl.float32)
+    d_Kd = tl.zeros([BT, BK], dtype=tl.float32)
+    d_W = tl.zeros([BT, BK], dtype=tl.float32)
+    d_gam_h = tl.zeros([BK], dtype=tl.float32)
+    d_beta = tl.zeros([BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_tv = ok[:, None] & (o_v < V)[None, :]
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        tv_off = (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        s_off = (i_c * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + tv_off, mask=m_tv, other=0.0).to(dt)
+        b_vn = tl.load(vn + tv_off, mask=m_tv, other=0.0).to(dt)
+        b_dvn = tl.load(dvn + tv_off, mask=m_tv, other=0.0).to(dt)
+        b_u = tl.load(u + tv_off, mask=m_tv, other=0.0).to(dt)
+        b_v = tl.load(v + tv_off, mask=m_tv, other=0.0).to(tl.float32)
+        b_h = tl.load(h + s_off, mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + s_off, mask=m_kv, other=0.0)
+        d_P += tl.dot(b_do, tl.trans(b_vn))
+        d_QE += tl.dot(b_do, tl.trans(b_h.to(dt)))
+        d_Kd += tl.dot(b_vn, tl.trans(b_dh.to(dt)))
+        d_W -= tl.dot(b_dvn, tl.trans(b_h.to(dt)))
+        d_gam_h += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), 1)
+        b_dBv = tl.dot(b_Mt, b_dvn)
+        tl.store(dv + tv_off, (b_dBv * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        d_beta += tl.sum(b_dBv * b_v, 1)
+        d_Lv += tl.dot(b_dBv.to(dt), tl.trans(b_u))
+    tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    qk_off = (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_w = tl.load(w + tk_off, mask=m_tk, other=0.0)
+    d_Bk = tl.dot(b_Mt, d_W.to(dt))
+    d_L = -(d_Lv + tl.dot(d_Bk.to(dt), tl.trans(b_w)))
+    d_L = tl.where(o_t[:, None] > o_t[None, :], d_L, 0.0)
+    b_Akk = tl.load(Akk + a_off, mask=m_tt, other=0.0)
+    d_beta += tl.sum(d_L * b_Akk, 1)
+    tl.store(dAkk + a_off, d_L * b_beta[:, None], mask=m_tt)
+    tl.store(dAqk + a_off, tl.where(o_t[:, None] >= o_t[None, :], d_P, 0.0), mask=m_tt)
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+    b_g = tl.load(gcum + tk_off, mask=m_tk, other=0.0)
+    b_q = tl.load(q + qk_off, mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + qk_off, mask=m_tk, other=0.0).to(tl.float32)
+    e_g = tl.where(m_tk, tl.exp(b_g), 0.0)
+    e_lg = tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)
+    d_beta += tl.sum(d_Bk * b_k * e_g, 1)
+    d_QE = d_QE * scale * e_g
+    d_Kd = d_Kd * e_lg
+    d_Bk = d_Bk * b_beta[:, None] * e_g
+    tl.store(dq_p + tk_off, d_QE, mask=m_tk)
+    tl.store(dk_p + tk_off, d_Kd + d_Bk, mask=m_tk)
+    tl.store(dg_p + tk_off, (d_QE * b_q) - (d_Kd * b_k) + (d_Bk * b_k), mask=m_tk)
+    d_gam = tl.sum(d_Kd * b_k, 0) + d_gam_h * tl.exp(g_last)
+    tl.store(dgam + (i_c * HV + i_hv) * K + o_k, d_gam, mask=o_k < K)
+    tl.store(dbeta + (bos + rows) * HV + i_hv, d_beta, mask=ok)
+
+
+@triton.jit
+def _pairwise_grads(dX, a, b, g_i, R: tl.constexpr):
+    """Diagonal block without factorised exponentials (unbounded gates): for X[t,s] = sum_c a_t b_s
+    e^(g_t - g_s), t >= s, returns (dL/da [BC,BK], dL/db [BC,BK]). R marks the axis layout."""
+    d = g_i[:, None, :] - g_i[None, :, :]
+    e = tl.exp(tl.where(R[:, :, None], d, float("-inf")))
+    da = tl.sum(dX[:, :, None] * b[None, :, :] * e, 1)
+    db = tl.sum(dX[:, :, None] * a[:, None, :] * e, 0)
+    return da, db
+
+
+@triton.jit
+def bwd_intra_kernel(
+    q, k, gcum, f, dt_bias, a_log, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dq, dk, dgate,
+    cu_seqlens, chunk_indices, scale, lower_bound,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, SAFE: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """dq, dk (per value head) and, in `dgate`, df for the bounded in-kernel gate, else dg (the host
+    applies the unbounded gate's derivative, which also feeds A_log)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    o_i = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    NB: tl.constexpr = BT // BC
+    dt = k.dtype.element_ty
+    d_gam = tl.load(dgam + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+    carry = d_gam
+    for i_rev in tl.static_range(NB):
+        i = NB - 1 - i_rev
+        rows_i = i_t * BT + i * BC + o_i
+        ok_i = rows_i < T
+        if i_t * BT + i * BC < T:
+            m_i = ok_i[:, None] & m_k[None, :]
+            tk_i = (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+            qk_i = (bos + rows_i)[:, None] * (H * K) + i_h * K + o_k[None, :]
+            b_g_i = tl.load(gcum + tk_i, mask=m_i, other=0.0)
+            b_q_i = tl.load(q + qk_i, mask=m_i, other=0.0).to(tl.float32) * scale
+            b_k_i = tl.load(k + qk_i, mask=m_i, other=0.0).to(tl.float32)
+            # rows of block i against columns j <= i: reference just before block i
+            if i > 0:
+                ref = tl.load(gcum + (bos + i_t * BT + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
+            else:
+                ref = tl.zeros([BK], dtype=tl.float32)
+            da_P = tl.zeros([BC, BK], dtype=tl.float32)
+            da_A = tl.zeros([BC, BK], dtype=tl.float32)
+            db_P = tl.zeros([BC, BK], dtype=tl.float32)
+            db_A = tl.zeros([BC, BK], dtype=tl.float32)
+            a_row = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
+            m_a_i = ok_i[:, None] & (o_i < BC)[None, :]
+            for j in tl.static_range(NB):
+                if j < i:
+                    rows_j = i_t * BT + j * BC + o_i
+                    m_j = (rows_j < T)[:, None] & m_k[None, :]
+                    b_gj = tl.load(gcum + (bos + rows_j)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_j, other=0.0)
+                    b_kj = tl.load(k + (bos + rows_j)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_j, other=0.0)
+                    k_right = (b_kj.to(tl.float32) * tl.where(m_j, tl.exp(ref[None, :] - b_gj), 0.0)).to(dt)
+                    dP_ij = tl.load(dAqk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
+                    dA_ij = tl.load(dAkk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
+                    da_P += tl.dot(dP_ij, k_right)
+                    da_A += tl.dot(dA_ij, k_right)
+            e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
+            da_P *= e_left
+            da_A *= e_left
+            # columns of block i against rows m >= i: reference at block i's last valid row
+            last_i = tl.minimum(i_t * BT + i * BC + BC, T) - 1
+            ref2 = tl.load(gcum + (bos + last_i) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
+            for mm in tl.static_range(NB):
+                if mm > i:
+                    rows_m = i_t * BT + mm * BC + o_i
+                    ok_m = rows_m < T
+                    m_m = ok_m[:, None] & m_k[None, :]
+                    b_gm = tl.load(gcum + (bos + rows_m)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_m, other=0.0)
+                    e_m = tl.where(m_m, tl.exp(b_gm - ref2[None, :]), 0.0)
+                    b_qm = tl.load(q + (bos + rows_m)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_m, other=0.0)
+                    b_km = tl.load(k + (bos + rows_m)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_m, other=0.0)
+                    a_col = (bos + rows_m)[:, None] * (HV * BT) + i_hv * BT + i * BC + o_i[None, :]
+                    m_a_m = ok_m[:, None] & (o_i < BC)[None, :]
+                    dP_mi = tl.load(dAqk + a_col, mask=m_a_m, other=0.0).to(dt)
+                    dA_mi = tl.load(dAkk + a_col, mask=m_a_m, other=0.0).to(dt)
+                    db_P += tl.dot(tl.trans(dP_mi), (b_qm.to(tl.float32) * e_m * scale).to(dt))
+                    db_A += tl.dot(tl.trans(dA_mi), (b_km.to(tl.float32) * e_m).to(dt))
+            e_right2 = tl.where(m_i, tl.exp(ref2[None, :] - b_g_i), 0.0)
+            db_P *= e_right2
+            db_A *= e_right2
+            # the diagonal block
+            dP_ii = tl.load(dAqk + a_row + i * BC, mask=m_a_i, other=0.0)
+            dA_ii = tl.load(dAkk + a_row + i * BC, mask=m_a_i, other=0.0)
+            if SAFE:
+                k_r = (b_k_i * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(dt)
+                da_P += tl.dot(dP_ii.to(dt), k_r) * e_left
+                da_A += tl.dot(dA_ii.to(dt), k_r) * e_left
+                e_l2 = tl.where(m_i, tl.exp(b_g_i - ref2[None, :]), 0.0)
+                db_P += tl.dot(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt)) * e_right2
+                db_A += tl.dot(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt)) * e_right2
+            else:
+                R = (o_i[:, None] >= o_i[None, :]) & ok_i[:, None] & ok_i[None, :]
+                t_da, t_db = _pairwise_grads(dP_ii, b_q_i, b_k_i, b_g_i, R)
+                da_P += t_da
+                db_P += t_db
+                t_da, t_db = _pairwise_grads(dA_ii, b_k_i, b_k_i, b_g_i, R)
+                da_A += t_da
+                db_A += t_db
+            b_dq = tl.load(dq_p + tk_i, mask=m_i, other=0.0) + da_P * scale
+            b_dk = tl.load(dk_p + tk_i, mask=m_i, other=0.0) + db_P + da_A + db_A
+            d_G = tl.load(dg_p + tk_i, mask=m_i, other=0.0) + b_q_i * da_P - b_k_i * db_P + b_k_i * (da_A - db_A)
+            d_G = tl.where(m_i, d_G, 0.0)
+            b_dg = tl.cumsum(d_G, 0, reverse=True) + carry[None, :]
+            carry += tl.sum(d_G, 0)
+            tl.store(dq + tk_i, b_dq, mask=m_i)
+            tl.store(dk + tk_i, b_dk, mask=m_i)
+            if USE_GATE and BOUNDED:
+                x = tl.load(f + tk_i, mask=m_i, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+                b_dg = b_dg * gate_grad_fn(x, 0.0, lower_bound, BOUNDED)
+            tl.store(dgate + tk_i, b_dg, mask=m_i)

@@ -1,0 +1,286 @@
+"""Triton kernels of the chunked KDA forward pass.
+
+All kernels see a flattened token axis (B folded into T, sequences delimited by `cu_seqlens`) and a
+list of chunks `chunk_indices` [NC, 2] = (sequence, chunk within it). Per chunk of BT tokens and value
+head (Gam = in-chunk cumulative log-decay, see chunk_torch.py for the math):
+  1. gate + cumsum     -> gcum [T, HV, K] fp32
+  2. intra scores      -> Aqk [T, HV, BT] (incl. diagonal, times scale), Akk [T, HV, BT] (strict)
+  3. solve + w/u       -> Ai = (I + diag(beta) Akk)^-1, w = Ai beta K e^Gam, u = Ai beta V
+  4. state recurrence  -> h (state at each chunk start), vn = u - w h, final state
+  5. output            -> o = scale (Q e^Gam) h + Aqk vn
+Intra-chunk scores are built from BC x BC blocks. Row block i uses one reference r_i (Gam just before the
+block): left factor x_t e^(Gam_t - r_i) <= |x_t|, right factor k_s e^(r_i - Gam_s), which is <= |k_s| for
+earlier blocks and at most e^(BC*|lower_bound|) (e^80 for BC=16, lb=-5) on the diagonal block; with the
+bound (SAFE) every block is one tl.dot. Without it the diagonal blocks take pairwise exponentials.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.kda.gate import gate_fn
+
+
+@triton.jit
+def _chunk_coords(cu_seqlens, chunk_indices, i_c):
+    i_n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return i_n, i_t, bos, eos - bos
+
+
+@triton.jit
+def gate_cumsum_kernel(
+    f, dt_bias, a_log, gcum, cu_seqlens, chunk_indices, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    rows = i_t * BT + tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m = (rows < T)[:, None] & (o_k < K)[None, :]
+    off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    x = tl.load(f + off, mask=m, other=0.0).to(tl.float32)
+    if USE_GATE:
+        if HAS_BIAS:
+            x += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+        a = 0.0
+        if not BOUNDED:
+            a = tl.load(a_log + i_hv).to(tl.float32)
+        x = tl.where(m, gate_fn(x, a, lower_bound, BOUNDED), 0.0)
+    tl.store(gcum + off, tl.cumsum(x, 0), mask=m)
+
+
+@triton.jit
+def _diag_block_pairwise(x, k, g, rows, row_ok, xk_head, xk_stride, g_head, g_stride, K: tl.constexpr,
+                         BC: tl.constexpr, BKS: tl.constexpr, x_scale):
+    """sum_c x_t k_s exp(g_t - g_s) for t >= s inside one diagonal block, without factorising the
+    exponential (for unbounded gates). rows [BC] are global token ids; x and k share one layout."""
+    acc = tl.zeros([BC, BC], dtype=tl.float32)
+    o_i = tl.arange(0, BC)
+    causal = (o_i[:, None] >= o_i[None, :]) & row_ok[:, None] & row_ok[None, :]
+    for k0 in range(0, K, BKS):
+        o_k = k0 + tl.arange(0, BKS)
+        m = row_ok[:, None] & (o_k < K)[None, :]
+        xk_off = rows[:, None] * xk_stride + xk_head + o_k[None, :]
+        b_x = tl.load(x + xk_off, mask=m, other=0.0).to(tl.float32) * x_scale
+        b_k = tl.load(k + xk_off, mask=m, other=0.0).to(tl.float32)
+        b_g = tl.load(g + rows[:, None] * g_stride + g_head + o_k[None, :], mask=m, other=0.0)
+        d = b_g[:, None, :] - b_g[None, :, :]
+        e = tl.exp(tl.where(causal[:, :, None], d, float("-inf")))
+        acc += tl.sum(b_x[:, None, :] * b_k[None, :, :] * e, 2)
+    return acc
+
+
+@triton.jit
+def intra_scores_kernel(
+    q, k, gcum, Aqk, Akk, cu_seqlens, chunk_indices, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr,
+):
+    """Aqk (incl. diagonal, times scale) and Akk (strictly lower) for one chunk and value head; q and k
+    have H heads, value head i_hv reads head i_hv // (HV // H)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    o_i = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    NB: tl.constexpr = BT // BC
+    for i in tl.static_range(NB):
+        rows_i = i_t * BT + i * BC + o_i
+        ok_i = rows_i < T
+        m_i = ok_i[:, None] & m_k[None, :]
+        qk_off_i = (bos + rows_i)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        g_off_i = (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        b_g_i = tl.load(gcum + g_off_i, mask=m_i, other=0.0)
+        if i > 0:
+            ref = tl.load(gcum + (bos + i_t * BT + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
+        else:
+            ref = tl.zeros([BK], dtype=tl.float32)
+        e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
+        b_q = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+        b_k = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+        q_left = (b_q * e_left * scale).to(k.dtype.element_ty)
+        k_left = (b_k * e_left).to(k.dtype.element_ty)
+        a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
+        m_a = ok_i[:, None] & (o_i < BC)[None, :]
+        for j in tl.static_range(NB):
+            if j < i:
+                rows_j = i_t * BT + j * BC + o_i
+                m_j = (rows_j < T)[:, None] & m_k[None, :]
+                b_gj = tl.load(gcum + (bos + rows_j)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_j, other=0.0)
+                b_kj = tl.load(k + (bos + rows_j)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_j, other=0.0)
+                k_right = (b_kj.to(tl.float32) * tl.where(m_j, tl.exp(ref[None, :] - b_gj), 0.0)).to(k.dtype.element_ty)
+                s_qk = tl.dot(q_left, tl.trans(k_right))
+                s_kk = tl.dot(k_left, tl.trans(k_right))
+            elif j == i:
+                if SAFE:
+                    k_right = (b_k * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(k.dtype.element_ty)
+                    s_qk = tl.dot(q_left, tl.trans(k_right))
+                    s_kk = tl.dot(k_left, tl.trans(k_right))
+                    s_qk = tl.where(o_i[:, None] >= o_i[None, :], s_qk, 0.0)
+                else:
+                    s_qk = _diag_block_pairwise(q, k, gcum, bos + rows_i, ok_i, i_h * K, H * K, i_hv * K, HV * K,
+                                                K, BC, BKS, scale)
+                    s_kk = _diag_block_pairwise(k, k, gcum, bos + rows_i, ok_i, i_h * K, H * K, i_hv * K, HV * K,
+                                                K, BC, BKS, 1.0)
+                s_kk = tl.where(o_i[:, None] > o_i[None, :], s_kk, 0.0)
+            else:
+                s_qk = tl.zeros([BC, BC], dtype=tl.float32)
+                s_kk = tl.zeros([BC, BC], dtype=tl.float32)
+            tl.store(Aqk + a_off + j * BC, s_qk, mask=m_a)
+            tl.store(Akk + a_off + j * BC, s_kk, mask=m_a)
+
+
+@triton.jit
+def solve_wu_kernel(
+    k, v, beta, gcum, Akk, Ai, w, u, cu_seqlens, chunk_indices,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Ai = (I + diag(beta) Akk)^-1 by block forward substitution, then w and u."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    o_i = tl.arange(0, BC)
+    NB: tl.constexpr = BT // BC
+    eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    for i in tl.static_range(NB):
+        rows_i = i_t * BT + i * BC + o_i
+        ok_i = rows_i < T
+        m_a = ok_i[:, None] & (o_i < BC)[None, :]
+        a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
+        b_beta = tl.load(beta + (bos + rows_i) * HV + i_hv, mask=ok_i, other=0.0).to(tl.float32)
+        L_ii = tl.load(Akk + a_off + i * BC, mask=m_a, other=0.0) * b_beta[:, None]
+        # rows of Y = (I + L)^-1 - I: Y_r = -L_r - sum_{j<r} L_rj Y_j
+        Y = -L_ii
+        for r in tl.static_range(2, BC):
+            a = tl.sum(tl.where((o_i == r)[:, None], -L_ii, 0.0), 0)
+            a = a + tl.sum(a[:, None] * Y, 0)
+            Y = tl.where((o_i == r)[:, None], a[None, :], Y)
+        M_ii = Y + eye
+        tl.store(Ai + a_off + i * BC, M_ii, mask=m_a)
+        for j in tl.static_range(NB):
+            if j < i:
+                acc = tl.zeros([BC, BC], dtype=tl.float32)
+                for mm in tl.static_range(NB):
+                    if mm >= j and mm < i:
+                        L_im = tl.load(Akk + a_off + mm * BC, mask=m_a, other=0.0) * b_beta[:, None]
+                        rows_m = i_t * BT + mm * BC + o_i
+                        m_m = (rows_m < T)[:, None] & (o_i < BC)[None, :]
+                        M_mj = tl.load(Ai + (bos + rows_m)[:, None] * (HV * BT) + i_hv * BT + j * BC + o_i[None, :],
+                                       mask=m_m, other=0.0)
+                        acc += tl.dot(L_im, M_mj, input_precision="ieee")
+                M_ij = -tl.dot(M_ii, acc, input_precision="ieee")
+                tl.store(Ai + a_off + j * BC, M_ij, mask=m_a)
+            elif j > i:
+                tl.store(Ai + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=m_a)
+        tl.debug_barrier()
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    for i in tl.static_range(NB):
+        rows_i = i_t * BT + i * BC + o_i
+        ok_i = rows_i < T
+        a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
+        m_a = ok_i[:, None] & (o_i < BC)[None, :]
+        acc_w = tl.zeros([BC, BK], dtype=tl.float32)
+        for j in tl.static_range(NB):
+            if j <= i:
+                rows_j = i_t * BT + j * BC + o_i
+                ok_j = rows_j < T
+                m_j = ok_j[:, None] & (o_k < K)[None, :]
+                M_ij = tl.load(Ai + a_off + j * BC, mask=m_a, other=0.0).to(k.dtype.element_ty)
+                b_bj = tl.load(beta + (bos + rows_j) * HV + i_hv, mask=ok_j, other=0.0).to(tl.float32)
+                b_kj = tl.load(k + (bos + rows_j)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_j, other=0.0)
+                b_gj = tl.load(gcum + (bos + rows_j)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_j, other=0.0)
+                kb = (b_kj.to(tl.float32) * tl.where(m_j, tl.exp(b_gj), 0.0) * b_bj[:, None]).to(k.dtype.element_ty)
+                acc_w += tl.dot(M_ij, kb)
+        m_wi = ok_i[:, None] & (o_k < K)[None, :]
+        tl.store(w + (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :], acc_w.to(w.dtype.element_ty), mask=m_wi)
+        for v0 in range(0, V, BV):
+            acc_u = tl.zeros([BC, BV], dtype=tl.float32)
+            for j in tl.static_range(NB):
+                if j <= i:
+                    rows_j = i_t * BT + j * BC + o_i
+                    ok_j = rows_j < T
+                    m_vj = ok_j[:, None] & (v0 + o_v < V)[None, :]
+                    M_ij = tl.load(Ai + a_off + j * BC, mask=m_a, other=0.0).to(v.dtype.element_ty)
+                    b_bj = tl.load(beta + (bos + rows_j) * HV + i_hv, mask=ok_j, other=0.0).to(tl.float32)
+                    b_vj = tl.load(v + (bos + rows_j)[:, None] * (HV * V) + i_hv * V + v0 + o_v[None, :], mask=m_vj, other=0.0)
+                    acc_u += tl.dot(M_ij, (b_vj.to(tl.float32) * b_bj[:, None]).to(v.dtype.element_ty))
+            m_ui = ok_i[:, None] & (v0 + o_v < V)[None, :]
+            tl.store(u + (bos + rows_i)[:, None] * (HV * V) + i_hv * V + v0 + o_v[None, :], acc_u.to(u.dtype.element_ty), mask=m_ui)
+
+
+@triton.jit
+def fwd_state_kernel(
+    k, gcum, w, u, vn, h, h0, ht, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+):
+    """Sequential over a sequence's chunks; one program per (V tile, sequence, value head)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    NT = tl.cdiv(T, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    s_off = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + (i_n * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+    for it in range(0, NT):
+        tl.store(h + ((c0 + it) * HV + i_hv) * K * V + s_off, b_h.to(h.dtype.element_ty), mask=m_kv)
+        rows = it * BT + o_t
+        ok = rows < T
+        m_tk = ok[:, None] & (o_k < K)[None, :]
+        m_tv = ok[:, None] & (o_v < V)[None, :]
+        b_w = tl.load(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_u = tl.load(u + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype))
+        tl.store(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        last = tl.minimum(it * BT + BT, T) - 1
+        g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+        b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        kg = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(b_w.dtype)
+        b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kg), b_vn.to(b_w.dtype))
+    if STORE_FINAL:
+        tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
+
+
+@triton.jit
+def fwd_out_kernel(
+    q, gcum, Aqk, vn, h, o, cu_seqlens, chunk_indices, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    rows = i_t * BT + tl.arange(0, BT)
+    ok = rows < T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_s = tl.arange(0, BT)
+    m_tk = ok[:, None] & (o_k < K)[None, :]
+    m_tv = ok[:, None] & (o_v < V)[None, :]
+    b_q = tl.load(q + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+    qg = (b_q.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * scale).to(q.dtype.element_ty)
+    b_h = tl.load(h + (i_c * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(q.dtype.element_ty)
+    acc = tl.dot(qg, b_h)
+    b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_s[None, :], mask=ok[:, None], other=0.0)
+    b_vn = tl.load(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
+    acc += tl.dot(b_A.to(b_vn.dtype), b_vn)
+    tl.store(o + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)

@@ -1,0 +1,28 @@
+"""Tunable parameters of the Triton KDA kernels, in one place (the H200 speed work varies these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KDAKernelConfig:
+    chunk_size: int = 64  # BT: tokens per chunk
+    sub_chunk: int = 16  # BC: intra-chunk block; the lower bound keeps e^(5*BC) in range
+    block_v: int = 64  # BV: value columns per program in the state recurrences and outputs
+    state_dtype: torch.dtype | None = None  # per-chunk states saved for backward; None: the input dtype
+    num_warps_intra: int = 4
+    num_warps_state: int = 4
+    num_warps_out: int = 4
+    num_warps_bwd: int = 8
+    decode_block_v: int = 32
+    decode_num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:
+            raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of sub_chunk {self.sub_chunk} >= 16")
+
+
+DEFAULT_CONFIG = KDAKernelConfig()
