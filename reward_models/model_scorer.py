@@ -4,10 +4,10 @@ Checkpoint layout (a directory):
 - the causal LM in Hugging Face format (``config.json`` + safetensors; any ``AutoModelForCausalLM``,
   e.g. ``TaperForCausalLM`` once the ``model`` package has registered it);
 - ``scorer_head.safetensors``: ``weight`` [hidden_size] and ``bias`` [] of the scalar head;
-- ``scorer.json``: ``{"name": ..., "layer": -1}`` (which hidden-state layer feeds the head).
+- ``scorer.json``: ``{"name": ...}`` (the component name the scores are stored under).
 
-The score of step k is ``sigmoid(head(h))`` with ``h`` the hidden state at the last token the policy
-wrote in step k, reading the prompt and everything before it (one forward pass per trajectory: the
+The score of step k is ``sigmoid(head(h))`` with ``h`` the base model's last hidden state (after the
+final norm) at the last token the policy wrote in step k, reading the prompt and everything before it (one forward pass per trajectory: the
 model is causal). The model loads on first use, so building the component is cheap and picklable.
 """
 
@@ -37,7 +37,7 @@ def save_scorer(
     weight = torch.as_tensor(head_weight, dtype=torch.float32).reshape(-1).contiguous()
     bias = torch.as_tensor(head_bias, dtype=torch.float32).reshape(()).contiguous()
     save_file({"weight": weight, "bias": bias}, str(out / HEAD_FILE))
-    (out / META_FILE).write_text(json.dumps({"name": name, "layer": -1}))
+    (out / META_FILE).write_text(json.dumps({"name": name}))
     return out
 
 
@@ -54,7 +54,6 @@ class ModelScorerComponent(ProcessComponent):
             raise ValueError(f"model_scorer path {self.path!r} has no {META_FILE} (not a scorer checkpoint)")
         self.meta = json.loads(meta_file.read_text())
         self.name = name or self.meta.get("name", "model_score")
-        self.layer = int(self.meta.get("layer", -1))
         self._model: Any = None
         self._head: tuple[Any, Any] | None = None
 
@@ -77,7 +76,8 @@ class ModelScorerComponent(ProcessComponent):
             AutoConfig.from_pretrained(self.path) if _is_hf_known(self.path) else _register_taper(self.path)
         )
         model = AutoModelForCausalLM.from_pretrained(self.path, config=config, dtype=torch.float32)
-        model.to(self.device).eval()
+        # The transformer body (HF's base_model_prefix): its last_hidden_state feeds the head.
+        model = model.base_model.to(self.device).eval()
         head = load_file(str(Path(self.path) / HEAD_FILE), device=self.device)
         hidden = getattr(model.config, "hidden_size", None)
         if hidden is not None and head["weight"].numel() != hidden:
@@ -110,7 +110,7 @@ class ModelScorerComponent(ProcessComponent):
             ids = ids[offset:]
         with torch.inference_mode():
             x = torch.tensor([ids], dtype=torch.long, device=self.device)
-            hidden = self._model(input_ids=x, output_hidden_states=True).hidden_states[self.layer][0]
+            hidden = self._model(input_ids=x, use_cache=False).last_hidden_state[0]
             weight, bias = self._head
             for k, p in ends:
                 if p - offset < 0:

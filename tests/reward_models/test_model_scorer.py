@@ -14,11 +14,14 @@ from reward_models.model_scorer import ModelScorerComponent, save_scorer
 from reward_models.scoring import score_trajectories
 
 
-@pytest.fixture(scope="module")
-def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, torch.Tensor, torch.Tensor]:
+def tiny_model(arch: str) -> Any:
+    torch.manual_seed(0)
+    if arch == "taper":
+        from model import TaperConfig, TaperForCausalLM
+
+        return TaperForCausalLM(TaperConfig.preset("tiny")).eval()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=256,
         hidden_size=32,
@@ -28,9 +31,16 @@ def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, tor
         num_key_value_heads=2,
         max_position_embeddings=128,
     )
-    model = LlamaForCausalLM(cfg).eval()
-    weight, bias = torch.randn(32), torch.tensor(0.1)
-    path = save_scorer(model, weight, bias, tmp_path_factory.mktemp("scorer"), name="judge")
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["taper", "llama"])
+def scorer_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random causal LM (our TaperForCausalLM, and a stock HF Llama) with a random scalar head."""
+    model = tiny_model(request.param)
+    hidden = model.config.hidden_size
+    weight, bias = torch.randn(hidden) / hidden**0.5, torch.tensor(0.1)
+    path = save_scorer(model, weight, bias, tmp_path_factory.mktemp(request.param), name="judge")
     return path, model, weight, bias
 
 
@@ -52,9 +62,8 @@ def test_scores_each_step_from_its_last_action_token(b: Any, calc_env: Any, scor
     ends = {0: len(t.prompt_ids) + 3, 2: len(t.prompt_ids) + 4 + 3 + 0 + 2 + 1}
     for k, end in ends.items():
         with torch.no_grad():
-            h = model(input_ids=torch.tensor([ids[: end + 1]]), output_hidden_states=True).hidden_states[-1][
-                0, -1
-            ]
+            body = model.base_model
+            h = body(input_ids=torch.tensor([ids[: end + 1]]), use_cache=False).last_hidden_state[0, -1]
         expected = float(torch.sigmoid(h @ weight + bias))
         assert scores[k]["judge"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
         assert 0.0 < scores[k]["judge"] < 1.0
