@@ -17,7 +17,7 @@ Key layout (the one place it is written down; ``P`` is the key prefix, ``taper``
     P:tenant:{t}:envs            HASH    environment name -> registration (JSON)
     P:apikey:{sha256}            HASH    tenant, name, admin, created_at (the key itself is never stored)
     P:tenant:{t}:apikeys         SET     sha256 digests of the tenant's keys
-    P:rate:{t}:{minute}          STRING  submissions in that minute (expires)
+    P:rate:{t}:{minute}          STRING  jobs the tenant created in that minute (expires)
     P:scheduler:lock             STRING  the token of the process that runs the scheduler loop
     P:placed                     SET     job ids that may hold Ray resources (placement group, driver actor)
 
@@ -62,6 +62,10 @@ class JobNotFound(KeyError):
 
     def __str__(self) -> str:
         return f"job {self.job_id!r} not found"
+
+
+class RateLimitExceeded(Exception):
+    """The tenant submitted its allowance of jobs for this minute."""
 
 
 class IdempotencyConflict(ValueError):
@@ -120,17 +124,18 @@ _SUBMIT = """
 local p, id, tenant = ARGV[1], ARGV[2], ARGV[3]
 local idem_key, idem_digest = ARGV[4], ARGV[5]
 local created_ms, priority = tonumber(ARGV[6]), tonumber(ARGV[7])
-local fields = cjson.decode(ARGV[8])
 if idem_key ~= '' then
   local prev = redis.call('GET', idem_key)
   if prev then return {'existing', prev} end
 end
 local job = p .. ':job:' .. id
 if redis.call('EXISTS', job) == 1 then return {'duplicate', id} end
+local rate_key, rate_limit = ARGV[14], tonumber(ARGV[15])
+if rate_key ~= '' and tonumber(redis.call('GET', rate_key) or '0') >= rate_limit then
+  return {'rate_limited', ''}
+end
 local seq = redis.call('INCR', p .. ':seq')
-local flat = {}
-for k, v in pairs(fields) do flat[#flat + 1] = k; flat[#flat + 1] = v end
-redis.call('HSET', job, unpack(flat))
+redis.call('HSET', job, unpack(ARGV, 17))
 redis.call('ZADD', p .. ':jobs', created_ms, id)
 redis.call('ZADD', p .. ':state:queued', created_ms, id)
 redis.call('ZADD', p .. ':tenant:' .. tenant .. ':jobs', created_ms, id)
@@ -141,11 +146,14 @@ redis.call('XADD', job .. ':events', 'MAXLEN', '~', ARGV[12], '*', 'kind', 'subm
 if idem_key ~= '' then
   redis.call('SET', idem_key, id .. ' ' .. idem_digest, 'EX', ARGV[13])
 end
+if rate_key ~= '' then
+  if redis.call('INCR', rate_key) == 1 then redis.call('EXPIRE', rate_key, ARGV[16]) end
+end
 return {'created', id}
 """
 
 # Compare-and-set update of one job: checks the state is one of ARGV[3] (comma list), optionally moves it to
-# ARGV[4] (indexes, queue, timestamps), sets the fields ARGV[6] and appends the event ARGV[7]/ARGV[8].
+# ARGV[4] (indexes, queue, timestamps), sets the field/value pairs ARGV[10..] and appends the event ARGV[7]/ARGV[8].
 _UPDATE = """
 local p, id = ARGV[1], ARGV[2]
 local job = p .. ':job:' .. id
@@ -155,7 +163,9 @@ local allowed = false
 for s in string.gmatch(ARGV[3], '[^,]+') do if s == cur then allowed = true end end
 if not allowed then return {'invalid', cur} end
 local target, now = ARGV[4], ARGV[5]
-local fields = cjson.decode(ARGV[6])
+local fields = {}
+for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
+fields[#fields + 1] = 'updated_at'; fields[#fields + 1] = now
 if target ~= '' then
   local tenant = redis.call('HGET', job, 'tenant')
   local created = redis.call('HGET', job, 'created_ms')
@@ -169,26 +179,25 @@ if target ~= '' then
     local prio = tonumber(redis.call('HGET', job, 'priority'))
     redis.call('ZADD', p .. ':queue', -prio * 1e12 + seq, id)
   end
-  fields['state'] = target
-  if target == 'running' and not redis.call('HGET', job, 'started_at') then fields['started_at'] = now end
-  if target == 'succeeded' or target == 'failed' or target == 'cancelled' then fields['finished_at'] = now end
+  fields[#fields + 1] = 'state'; fields[#fields + 1] = target
+  if target == 'running' and not redis.call('HGET', job, 'started_at') then
+    fields[#fields + 1] = 'started_at'; fields[#fields + 1] = now
+  end
+  if target == 'succeeded' or target == 'failed' or target == 'cancelled' then
+    fields[#fields + 1] = 'finished_at'; fields[#fields + 1] = now
+  end
 end
-fields['updated_at'] = now
-local flat = {}
-for k, v in pairs(fields) do flat[#flat + 1] = k; flat[#flat + 1] = v end
-redis.call('HSET', job, unpack(flat))
+redis.call('HSET', job, unpack(fields))
 if ARGV[7] ~= '' then
-  local data = cjson.decode(ARGV[8])
-  if target ~= '' then data['from'] = cur; data['to'] = target end
-  redis.call('XADD', job .. ':events', 'MAXLEN', '~', ARGV[9], '*', 'kind', ARGV[7], 'data', cjson.encode(data), 'ts', now)
+  local data = ARGV[8]
+  if target ~= '' then
+    -- ARGV[8] is a JSON object written by Store; splice the transition in without re-encoding it
+    local head = '{"from":"' .. cur .. '","to":"' .. target .. '"'
+    if data == '{}' then data = head .. '}' else data = head .. ',' .. string.sub(data, 2) end
+  end
+  redis.call('XADD', job .. ':events', 'MAXLEN', '~', ARGV[9], '*', 'kind', ARGV[7], 'data', data, 'ts', now)
 end
 return {'ok', cur}
-"""
-
-_RATE = """
-local n = redis.call('INCR', KEYS[1])
-if n == 1 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
-return n
 """
 
 _RENEW_LOCK = """
@@ -206,7 +215,6 @@ class Store:
         self.r = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
         self._submit = self.r.register_script(_SUBMIT)
         self._update = self.r.register_script(_UPDATE)
-        self._rate = self.r.register_script(_RATE)
         self._renew = self.r.register_script(_RENEW_LOCK)
 
     # ---- keys (see the module docstring) ----
@@ -267,8 +275,10 @@ class Store:
         work_root: str,
         idempotency_key: str | None = None,
         environment: dict[str, Any] | None = None,
+        rate_per_minute: int | None = None,
     ) -> tuple[JobRecord, bool]:
-        """Create a queued job; returns (job, created). A repeated Idempotency-Key returns the first job."""
+        """Create a queued job; returns (job, created). A repeated Idempotency-Key returns the first job
+        (and does not count against ``rate_per_minute``, the tenant's submissions per minute; RateLimited)."""
         job_id = "job-" + uuid.uuid4().hex[:16]
         now = time.time()
         digest = spec_digest(spec)
@@ -303,15 +313,21 @@ class Store:
                 digest,
                 int(now * 1000),
                 spec.priority,
-                json.dumps(fields),
+                "",
                 history.to_json(),
                 dumps({"name": spec.name, "priority": spec.priority}),
                 repr(now),
                 EVENTS_MAXLEN,
                 IDEMPOTENCY_TTL_S,
+                self.k_rate(tenant, int(now // 60)) if rate_per_minute else "",
+                rate_per_minute or 0,
+                120,
+                *[x for kv in fields.items() for x in kv],
             ],
         )
         status, value = res[0], res[1]
+        if status == "rate_limited":
+            raise RateLimitExceeded(f"more than {rate_per_minute} submissions per minute")
         if status == "existing":
             prev_id, prev_digest = value.split(" ", 1)
             if prev_digest != digest:
@@ -422,10 +438,11 @@ class Store:
                 allowed_s,
                 JobState(target).value if target else "",
                 repr(time.time()),
-                json.dumps(str_fields) if str_fields else "{}",
+                "",
                 event or "",
                 dumps(event_data or {}),
                 EVENTS_MAXLEN,
+                *[x for kv in str_fields.items() for x in kv],
             ],
         )
         status, cur = res[0], res[1]
@@ -621,12 +638,6 @@ class Store:
 
     def has_api_keys(self) -> bool:
         return next(self.r.scan_iter(match=f"{self.prefix}:apikey:*", count=1000), None) is not None
-
-    # ---- rate limits ----
-    def hit_rate(self, tenant: str, window_s: int = 60) -> int:
-        """Count one submission in the tenant's current window; returns the count so far."""
-        window = int(time.time() // window_s)
-        return int(self._rate(keys=[self.k_rate(tenant, window)], args=[window_s * 2]))
 
     # ---- scheduler leadership ----
     def acquire_lock(self, token: str, ttl_ms: int) -> bool:

@@ -7,7 +7,7 @@ import redis
 
 from rl_service.job_states import InvalidTransition, JobState
 from rl_service.spec import JobSpec
-from rl_service.store import IdempotencyConflict, JobNotFound, Store, hash_api_key
+from rl_service.store import IdempotencyConflict, JobNotFound, RateLimitExceeded, Store, hash_api_key
 
 
 @pytest.fixture
@@ -138,8 +138,18 @@ def test_environments_rate_and_lock(store: Store) -> None:
     assert store.get_environment("a", "calc2") == {"kind": "python"}
     assert store.get_environment("b", "calc2") is None
     assert store.delete_environment("a", "calc2") and store.list_environments("a") == {}
-    assert [store.hit_rate("a") for _ in range(3)][-1] == 3
     assert store.acquire_lock("one", 5000) and not store.acquire_lock("two", 5000)
     assert store.acquire_lock("one", 5000)
     store.release_lock("one")
     assert store.acquire_lock("two", 5000)
+
+
+def test_rate_limit_counts_created_jobs_only(store: Store) -> None:
+    store.submit_job("a", _spec(), "/d", idempotency_key="x", rate_per_minute=2)
+    store.submit_job("a", _spec(), "/d", idempotency_key="x", rate_per_minute=2)  # a replay is free
+    store.submit_job("a", _spec(), "/d", rate_per_minute=2)
+    before = store.list_jobs("a")[1]
+    with pytest.raises(RateLimitExceeded):
+        store.submit_job("a", _spec(), "/d", rate_per_minute=2)
+    assert store.list_jobs("a")[1] == before == 2
+    store.submit_job("b", _spec(), "/d", rate_per_minute=2)  # per tenant

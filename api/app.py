@@ -1,0 +1,221 @@
+"""The FastAPI application factory: routers, auth, errors as JSON naming the field, request size limits,
+Prometheus metrics and (in `lifespan`) the store, Ray and the scheduler loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from pydantic_core import PydanticSerializationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.routers import environments, jobs, system
+from rl_service.service import RateLimited, ServiceError, TaperService, error_field
+from rl_service.settings import TaperSettings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, "field": field}}, status_code=status,
+                        headers=headers)
+
+
+class BodySizeLimit:
+    """Rejects request bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = error_response(413, "too_large", f"request body over {self.max_bytes} bytes", "body")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = self.max_bytes + 1
+                if declared > self.max_bytes:
+                    return await too_big(scope, receive, send)
+        received = 0
+        exceeded = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    exceeded = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if exceeded:
+                return  # the app's own answer to the aborted body (e.g. 400) is replaced by the 413
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except _BodyTooLarge:
+            pass
+        if exceeded and not started:
+            await too_big(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _JobsByState:
+    def __init__(self, service: TaperService) -> None:
+        self.service = service
+
+    def collect(self):
+        gauge = GaugeMetricFamily("taper_jobs", "Jobs by state", labels=["state"])
+        try:
+            for state, n in self.service.store.count_by_state().items():
+                gauge.add_metric([state], n)
+        except Exception:  # a scrape must not fail because Redis blinked
+            pass
+        yield gauge
+
+
+def _field_of(loc: tuple[Any, ...], message: str = "") -> str:
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:] or parts
+    return error_field(parts, message)
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, RateLimited) else None
+        if exc.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        return error_response(exc.status, exc.code, exc.message, exc.field, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        field = _field_of(tuple(first.get("loc", ())), str(first.get("msg", "")))
+        details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": e.get("msg", "")}
+                   for e in errors[:20]]
+        return JSONResponse(
+            {"error": {"code": "invalid", "message": f"{field}: {first.get('msg')}", "field": field,
+                       "details": details}},
+            status_code=422,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(UnicodeError)
+    async def _unicode_error(request: Request, exc: UnicodeError) -> JSONResponse:
+        return error_response(422, "invalid", "strings must be valid Unicode (no lone surrogates)", "body")
+
+    @app.exception_handler(PydanticSerializationError)
+    async def _serialization_error(request: Request, exc: PydanticSerializationError) -> JSONResponse:
+        return error_response(422, "invalid", f"value cannot be stored: {exc}", "body")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal", "internal error", None)
+
+
+class RequestMetrics:
+    """Counts and times requests per route template (pure ASGI: no extra task per request)."""
+
+    def __init__(self, app: ASGIApp, registry: CollectorRegistry) -> None:
+        self.app = app
+        self.requests = Counter("taper_http_requests", "HTTP requests", ["method", "route", "status"],
+                                registry=registry)
+        self.latency = Histogram("taper_http_request_seconds", "HTTP request latency", ["method", "route"],
+                                 registry=registry, buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.requests.labels(scope["method"], route, str(status)).inc()
+            self.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
+
+
+def create_app(
+    service: TaperService | None = None,
+    settings: TaperSettings | None = None,
+    *,
+    run_scheduler: bool = True,
+    runner: str | type | None = None,
+) -> FastAPI:
+    """The API. With ``service`` given (tests) nothing is started; otherwise the lifespan connects to Redis
+    (or starts a private one), joins or starts Ray, and runs the scheduler loop in this process."""
+    settings = settings or get_settings()
+    registry = CollectorRegistry()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime = None
+        if app.state.service is None:
+            from rl_service.service import start_runtime
+
+            runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner)
+            app.state.service = runtime.service
+            registry.register(_JobsByState(runtime.service))
+        try:
+            yield
+        finally:
+            if runtime is not None:
+                runtime.stop()
+
+    app = FastAPI(
+        title="Taper",
+        version="0.1.0",
+        description="Agentic RL post-training service: submit RL jobs, register tool environments and steer the "
+        "dense-to-sparse process-reward schedule while a job runs.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.prometheus = registry
+    if service is not None:
+        registry.register(_JobsByState(service))
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestMetrics, registry=registry)
+    _install_errors(app)
+    for r in (jobs.router, environments.router, system.router):
+        app.include_router(r, responses={401: {"description": "Missing or invalid API key"}})
+    return app

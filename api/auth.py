@@ -1,0 +1,24 @@
+"""Bearer API keys: each request acts for the tenant its key belongs to. Keys are stored hashed
+(rl_service.store); they are created with `taper keys create --tenant NAME`."""
+
+from __future__ import annotations
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from rl_service.service import Principal, TaperService, Unauthorized
+
+bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer tpr_...`")
+
+
+def get_service(request: Request) -> TaperService:
+    return request.app.state.service
+
+
+def principal(
+    request: Request,
+    creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+) -> Principal:
+    if creds is None or creds.scheme.lower() != "bearer":
+        raise Unauthorized("missing bearer API key (Authorization: Bearer <key>)", field="Authorization")
+    return get_service(request).authenticate(creds.credentials)

@@ -1,0 +1,42 @@
+"""/v1/environments: register, list, inspect and delete the tenant's tool environments."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Response
+
+from api.auth import get_service, principal
+from api.schemas import EnvironmentOut
+from rl_service.service import Principal, TaperService
+from rollout_workers.environments.registry import EnvironmentRegistration
+
+router = APIRouter(prefix="/v1/environments", tags=["environments"])
+
+Svc = Annotated[TaperService, Depends(get_service)]
+Who = Annotated[Principal, Depends(principal)]
+EnvName = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+@router.post("", status_code=201, response_model=EnvironmentOut, summary="Register an environment")
+def register_environment(svc: Svc, who: Who, body: EnvironmentRegistration) -> EnvironmentOut:
+    """kind `python`: an import path `pkg.module:Class` already installed on the cluster (never code);
+    kind `http`: a remote tool server (base URL, tools with JSON Schemas, timeouts, retries)."""
+    reg = svc.register_environment(who, body)
+    return EnvironmentOut(name=reg["name"], builtin=False, registration=reg)
+
+
+@router.get("", response_model=list[EnvironmentOut], summary="Built-in and registered environments")
+def list_environments(svc: Svc, who: Who) -> list[EnvironmentOut]:
+    return [EnvironmentOut(**e) for e in svc.list_environments(who)]
+
+
+@router.get("/{name}", response_model=EnvironmentOut)
+def get_environment(name: EnvName, svc: Svc, who: Who) -> EnvironmentOut:
+    return EnvironmentOut(**svc.get_environment(who, name))
+
+
+@router.delete("/{name}", status_code=204, response_class=Response)
+def delete_environment(name: EnvName, svc: Svc, who: Who) -> Response:
+    svc.delete_environment(who, name)
+    return Response(status_code=204)

@@ -1,0 +1,109 @@
+"""Request and response models of the REST API (the job spec and schedule types come from their owners)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from reward_models.schedule import RewardSchedule, ScheduleVersion
+from rl_service.job_states import JobState
+from rl_service.spec import JobSpec
+from rl_service.store import JobRecord
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    field: str | None = Field(None, description="The offending field (dotted path), header or parameter.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    state: JobState
+    control: str = Field(description="What the control plane asks of the job: run, pause or cancel.")
+    priority: int
+    created_at: float
+    updated_at: float
+    started_at: float | None
+    finished_at: float | None
+    step: int
+    total_steps: int
+    progress: float = Field(description="step / total_steps")
+    attempts: int = Field(description="Driver starts so far (more than 1 after a resume or a restart).")
+    error: str | None
+    schedule_version: int
+    last_checkpoint: str | None
+    last_metrics: dict[str, Any] | None
+    spec: JobSpec
+
+    @classmethod
+    def of(cls, job: JobRecord) -> JobOut:
+        data = job.model_dump(exclude={"tenant", "work_dir", "environment"})
+        return cls(**data, progress=min(job.step / max(job.total_steps, 1), 1.0))
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class EventOut(BaseModel):
+    id: str = Field(description="Stream id; pass it as `after` (or Last-Event-ID) to continue.")
+    kind: str
+    ts: float
+    data: dict[str, Any]
+
+
+class EventPage(BaseModel):
+    items: list[EventOut]
+    next: str | None = Field(description="Cursor for the next page (None when this page was short).")
+
+
+class MetricsRow(BaseModel):
+    id: str
+    step: int
+    ts: float
+    metrics: dict[str, Any]
+
+
+class MetricsPage(BaseModel):
+    items: list[MetricsRow]
+    next: str | None
+
+
+class CheckpointOut(BaseModel):
+    step: int
+    uri: str
+    ts: float
+
+
+class TrajectoryPage(BaseModel):
+    items: list[dict[str, Any]]
+    offset: int
+    limit: int
+
+
+class ScheduleOut(BaseModel):
+    version: int
+    effective_from: int
+    schedule: RewardSchedule
+    history: list[ScheduleVersion]
+
+
+class EnvironmentOut(BaseModel):
+    name: str
+    builtin: bool
+    registration: dict[str, Any] | None
+
+
+class Health(BaseModel):
+    ok: bool
+    redis: bool

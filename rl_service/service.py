@@ -1,0 +1,389 @@
+"""The control-plane service: everything the REST API (and the CLI through it) can do, with the rules.
+
+The API routers only translate HTTP to these calls; tenancy, validation beyond the request schemas,
+state-machine checks and the store's atomic writes all happen here or below.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from reward_models.schedule import RewardSchedule, ScheduleHistory, ScheduleVersion
+from rl_service.job_states import (
+    CONTROL_CANCEL,
+    CONTROL_PAUSE,
+    CONTROL_RUN,
+    InvalidTransition,
+    JobState,
+)
+from rl_service.spec import JobSpec
+from rl_service.store import IdempotencyConflict, JobNotFound, JobRecord, RateLimitExceeded, Store
+
+
+class ServiceError(Exception):
+    status: int = 400
+    code: str = "bad_request"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class NotFound(ServiceError):
+    status, code = 404, "not_found"
+
+
+class Conflict(ServiceError):
+    status, code = 409, "conflict"
+
+
+class InvalidInput(ServiceError):
+    status, code = 422, "invalid"
+
+
+class Unauthorized(ServiceError):
+    status, code = 401, "unauthorized"
+
+
+class Forbidden(ServiceError):
+    status, code = 403, "forbidden"
+
+
+class RateLimited(ServiceError):
+    status, code = 429, "rate_limited"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def _model_field_names(model: type[BaseModel], out: set[str] | None = None) -> set[str]:
+    out = set() if out is None else out
+    for name, info in model.model_fields.items():
+        out.add(name)
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel) and ann is not model:
+            _model_field_names(ann, out)
+    return out
+
+
+_KNOWN_FIELDS = _model_field_names(JobSpec) | _model_field_names(RewardSchedule)
+
+
+def error_field(loc: tuple[Any, ...] | list[Any], message: str) -> str:
+    """The dotted field of a pydantic error. A model-level check ("half_life is required ...") has no
+    location of its own, so the field its message starts with is appended."""
+    parts = [str(p) for p in loc if p != "__root__"]
+    text = message.removeprefix("Value error, ")
+    head = text.split(" ", 1)[0].split(":", 1)[0].strip("'\"`")
+    if head in _KNOWN_FIELDS and (not parts or parts[-1] != head):
+        parts.append(head)
+    return ".".join(parts)
+
+
+def invalid_from(exc: ValidationError | ValueError, prefix: str = "") -> InvalidInput:
+    """An InvalidInput naming the first offending field of a pydantic error (or the message of a ValueError)."""
+    if isinstance(exc, ValidationError) and exc.errors():
+        err = exc.errors()[0]
+        msg = str(err.get("msg", exc))
+        field = ".".join(p for p in (prefix, error_field(err.get("loc", ()), msg)) if p) or None
+        return InvalidInput(f"{field or 'body'}: {msg}", field=field)
+    return InvalidInput(str(exc), field=prefix or None)
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    admin: bool = False
+    key_name: str = ""
+
+
+class TaperService:
+    def __init__(self, store: Store, data_dir: Path, submit_rate_per_minute: int = 60,
+                 auth_cache_s: float = 5.0) -> None:
+        self.store = store
+        self.data_dir = Path(data_dir)
+        self.jobs_dir = (self.data_dir / "jobs").resolve()
+        self.submit_rate_per_minute = submit_rate_per_minute
+        self.auth_cache_s = auth_cache_s
+        self._auth_cache: dict[str, tuple[float, Principal]] = {}
+        self._auth_lock = threading.Lock()
+
+    # ---- auth ----
+    def authenticate(self, key: str | None) -> Principal:
+        """The principal of a bearer key (cached briefly: a revoked key stops working within auth_cache_s)."""
+        if not key:
+            raise Unauthorized("missing bearer API key (Authorization: Bearer <key>)", field="Authorization")
+        now = time.monotonic()
+        with self._auth_lock:
+            hit = self._auth_cache.get(key)
+            if hit and hit[0] > now:
+                return hit[1]
+        info = self.store.lookup_api_key(key)
+        if info is None:
+            raise Unauthorized("invalid API key", field="Authorization")
+        principal = Principal(tenant=info["tenant"], admin=info["admin"], key_name=info["name"])
+        with self._auth_lock:
+            if len(self._auth_cache) > 10_000:
+                self._auth_cache.clear()
+            self._auth_cache[key] = (now + self.auth_cache_s, principal)
+        return principal
+
+    def create_api_key(self, tenant: str, name: str = "", admin: bool = False) -> str:
+        validate_tenant(tenant)
+        return self.store.create_api_key(tenant, name=name, admin=admin)
+
+    # ---- jobs ----
+    def _job(self, p: Principal, job_id: str) -> JobRecord:
+        try:
+            return self.store.get_job(job_id, tenant=p.tenant)
+        except JobNotFound:
+            raise NotFound(f"job {job_id!r} not found", field="job_id") from None
+
+    def submit(self, p: Principal, spec: JobSpec, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        if idempotency_key is not None and not (1 <= len(idempotency_key) <= 255 and idempotency_key.isprintable()):
+            raise InvalidInput("Idempotency-Key must be 1-255 printable characters", field="Idempotency-Key")
+        environment = self._resolve_environment(p, spec.environment.name)
+        try:
+            return self.store.submit_job(p.tenant, spec, str(self.jobs_dir), idempotency_key, environment,
+                                         rate_per_minute=self.submit_rate_per_minute)
+        except IdempotencyConflict as exc:
+            raise Conflict(str(exc), field="Idempotency-Key") from None
+        except RateLimitExceeded as exc:
+            raise RateLimited(str(exc), retry_after_s=60 - int(time.time()) % 60) from None
+
+    def list_jobs(self, p: Principal, state: JobState | None, offset: int, limit: int) -> tuple[list[JobRecord], int]:
+        return self.store.list_jobs(p.tenant, state, offset, limit)
+
+    def get_job(self, p: Principal, job_id: str) -> JobRecord:
+        return self._job(p, job_id)
+
+    def cancel(self, p: Principal, job_id: str) -> JobRecord:
+        for _ in range(5):  # retry when the job changed state under us
+            job = self._job(p, job_id)
+            try:
+                if job.state in (JobState.QUEUED, JobState.PAUSED):
+                    self.store.transition(job_id, JobState.CANCELLED, expect=[job.state], reason="cancelled by user")
+                elif job.state.has_driver:
+                    self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
+                                          fields={"control": CONTROL_CANCEL}, event="cancel_requested")
+                else:
+                    raise Conflict(f"job is already {job.state.value}", field="state")
+                return self._job(p, job_id)
+            except InvalidTransition:
+                continue
+        raise Conflict("job kept changing state; try again", field="state")
+
+    def pause(self, p: Principal, job_id: str) -> JobRecord:
+        for _ in range(5):
+            job = self._job(p, job_id)
+            if job.state == JobState.PAUSED:
+                return job
+            if not job.state.has_driver:
+                raise Conflict(f"only a starting or running job can be paused (job is {job.state.value})", field="state")
+            if job.control == CONTROL_CANCEL:
+                raise Conflict("job is being cancelled", field="state")
+            try:
+                self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
+                                      fields={"control": CONTROL_PAUSE}, event="pause_requested")
+                return self._job(p, job_id)
+            except InvalidTransition:
+                continue
+        raise Conflict("job kept changing state; try again", field="state")
+
+    def resume(self, p: Principal, job_id: str) -> JobRecord:
+        for _ in range(5):
+            job = self._job(p, job_id)
+            try:
+                if job.state == JobState.PAUSED:
+                    self.store.transition(job_id, JobState.QUEUED, expect=[JobState.PAUSED],
+                                          fields={"control": CONTROL_RUN}, reason="resumed by user")
+                elif job.state.has_driver and job.control == CONTROL_PAUSE:
+                    self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
+                                          fields={"control": CONTROL_RUN}, event="pause_withdrawn")
+                elif job.state.has_driver or job.state == JobState.QUEUED:
+                    if job.control == CONTROL_CANCEL:
+                        raise Conflict("job is being cancelled", field="state")
+                else:
+                    raise Conflict(f"job is already {job.state.value}", field="state")
+                return self._job(p, job_id)
+            except InvalidTransition:
+                continue
+        raise Conflict("job kept changing state; try again", field="state")
+
+    def events(self, p: Principal, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+        self._job(p, job_id)
+        return self.store.events(job_id, after=after, limit=limit)
+
+    def metrics(self, p: Principal, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+        self._job(p, job_id)
+        return self.store.metrics(job_id, after=after, limit=limit)
+
+    def checkpoints(self, p: Principal, job_id: str) -> list[dict[str, Any]]:
+        self._job(p, job_id)
+        return self.store.checkpoints(job_id)
+
+    def trajectories(self, p: Principal, job_id: str, *, status: str | None = None, min_reward: float | None = None,
+                     max_reward: float | None = None, step: int | None = None, offset: int = 0,
+                     limit: int = 50) -> list[dict[str, Any]]:
+        job = self._job(p, job_id)
+        traj_dir = Path(job.work_dir) / "trajectories"
+        if not traj_dir.exists():
+            return []
+        from rollout_workers.storage import read_trajectories
+
+        trajs = read_trajectories(traj_dir, status=status, min_reward=min_reward, max_reward=max_reward,
+                                  step=step, offset=offset, limit=limit)
+        return [t.model_dump(mode="json") for t in trajs]
+
+    # ---- reward schedule ----
+    def schedule(self, p: Principal, job_id: str) -> ScheduleHistory:
+        self._job(p, job_id)
+        return self.store.schedule_history(job_id)
+
+    def patch_schedule(self, p: Principal, job_id: str, patch: dict[str, Any]) -> ScheduleVersion:
+        self._job(p, job_id)
+        if not isinstance(patch, dict) or not patch:
+            raise InvalidInput("the patch must be a non-empty JSON object of schedule fields", field="body")
+        try:
+            return self.store.patch_schedule(job_id, patch)
+        except JobNotFound:
+            raise NotFound(f"job {job_id!r} not found", field="job_id") from None
+        except InvalidTransition as exc:
+            raise Conflict(f"job is already {exc.current.value}; its schedule is final", field="state") from None
+        except ValidationError as exc:
+            raise invalid_from(exc) from None
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(str(exc), field="body") from None
+
+    # ---- environments ----
+    def _registry(self):  # imported lazily: the registry pulls in environment code the API rarely needs
+        from rollout_workers.environments import registry
+
+        return registry
+
+    def builtin_environments(self) -> list[str]:
+        return sorted(self._registry().BUILTIN_ENVIRONMENTS)
+
+    def _resolve_environment(self, p: Principal, name: str) -> dict[str, Any] | None:
+        """The tenant's registration snapshot for ``name`` (None for a built-in); 422 if unknown."""
+        registered = self.store.get_environment(p.tenant, name)
+        if registered is not None:
+            return registered
+        if name in self.builtin_environments():
+            return None
+        raise InvalidInput(f"unknown environment {name!r} (register it first or use a built-in)",
+                           field="environment.name")
+
+    def register_environment(self, p: Principal, body: Any) -> dict[str, Any]:
+        """Validate (rollout_workers' registry: imports the class / checks the URL and tool schemas) and store."""
+        registry = self._registry()
+        if not isinstance(body, registry.EnvironmentRegistration):
+            try:
+                body = registry.EnvironmentRegistration.model_validate(body)
+            except ValidationError as exc:
+                raise invalid_from(exc) from None
+        if body.name in self.builtin_environments():
+            raise Conflict(f"{body.name!r} is a built-in environment", field="name")
+        try:
+            reg = registry.validate_registration(body)
+        except ValueError as exc:
+            message = str(exc)
+            head = message.split(":", 1)[0]
+            field = head if head.replace(".", "").replace("_", "").isalnum() else None
+            raise InvalidInput(message, field=field) from None
+        data = reg.model_dump(mode="json")
+        if not self.store.put_environment(p.tenant, reg.name, data):
+            raise Conflict(f"environment {reg.name!r} is already registered; delete it first", field="name")
+        return data
+
+    def list_environments(self, p: Principal) -> list[dict[str, Any]]:
+        out = [{"name": n, "builtin": True, "registration": None} for n in self.builtin_environments()]
+        for name, reg in self.store.list_environments(p.tenant).items():
+            out.append({"name": name, "builtin": False, "registration": reg})
+        return out
+
+    def get_environment(self, p: Principal, name: str) -> dict[str, Any]:
+        reg = self.store.get_environment(p.tenant, name)
+        if reg is not None:
+            return {"name": name, "builtin": False, "registration": reg}
+        if name in self.builtin_environments():
+            return {"name": name, "builtin": True, "registration": None}
+        raise NotFound(f"environment {name!r} not found", field="name")
+
+    def delete_environment(self, p: Principal, name: str) -> None:
+        if not self.store.delete_environment(p.tenant, name):
+            if name in self.builtin_environments():
+                raise Conflict(f"{name!r} is a built-in environment", field="name")
+            raise NotFound(f"environment {name!r} not found", field="name")
+
+    # ---- health ----
+    def health(self) -> dict[str, Any]:
+        try:
+            ok = self.store.ping()
+        except Exception:
+            ok = False
+        return {"ok": ok, "redis": ok}
+
+
+def validate_tenant(tenant: str) -> None:
+    import re
+
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,63}", tenant):
+        raise InvalidInput("tenant must be 1-64 chars of a-z, 0-9, '_' or '-', starting with a letter or digit",
+                           field="tenant")
+
+
+@dataclass
+class ServiceRuntime:
+    """What a running control plane holds: the service, its scheduler loop and an embedded Redis if any."""
+
+    service: TaperService
+    scheduler: Any = None
+    redis_server: Any = None
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        self.service.store.close()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+
+def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | type | None = None) -> ServiceRuntime:
+    """Connect to (or start) Redis, join (or start) Ray and run the scheduler loop (embedded defaults,
+    DESIGN.md section 8). Writes a first API key for tenant ``default`` to ``data_dir/api-key`` when the store
+    has none, so a fresh single-machine install can be used at once."""
+    from rl_service.embedded import ensure_ray, start_private_redis
+    from rl_service.scheduler import DEFAULT_RUNNER, Scheduler
+
+    data_dir = Path(settings.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    redis_server = None
+    url = settings.redis_url
+    if url is None:
+        redis_server = start_private_redis(data_dir / "redis", binary=settings.redis_server_bin)
+        url = redis_server.url
+        (data_dir / "redis-url").write_text(url)
+    store = Store(url)
+    service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute)
+    if not store.has_api_keys():
+        key_file = data_dir / "api-key"
+        key = store.create_api_key("default", name="bootstrap", admin=True)
+        key_file.write_text(key + "\n")
+        key_file.chmod(0o600)
+    scheduler = None
+    if run_scheduler:
+        ensure_ray(settings.ray_address, num_cpus=settings.local_cpus)
+        # TODO(lead): a `job_runner` setting (import path of the JobRunner); read here when present.
+        chosen = runner or getattr(settings, "job_runner", None) or DEFAULT_RUNNER
+        scheduler = Scheduler(store, runner=chosen)
+        scheduler.start()
+    return ServiceRuntime(service=service, scheduler=scheduler, redis_server=redis_server)

@@ -1,0 +1,234 @@
+"""The REST API over a real Redis (no Ray: jobs stay queued; the lifecycle tests run them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from api_helpers import Api, redis_dump
+
+SPEC = {"name": "t", "total_steps": 3, "rollout": {"num_generations": 2, "prompts_per_step": 2}}
+
+
+def submit(api: Api, body=None, key=None, **headers):
+    return api.client.post("/v1/jobs", json=body if body is not None else SPEC, headers={**api.h(key), **headers})
+
+
+def test_auth_is_required(api: Api) -> None:
+    assert api.client.get("/v1/jobs").status_code == 401
+    r = api.client.get("/v1/jobs", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["field"] == "Authorization"
+    assert api.client.get("/v1/jobs", headers=api.h()).status_code == 200
+
+
+def test_submit_get_list_and_filter(api: Api) -> None:
+    r = submit(api)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["state"] == "queued" and job["spec"]["rollout"]["num_generations"] == 2
+    assert r.headers["Location"] == f"/v1/jobs/{job['id']}"
+    assert api.client.get(f"/v1/jobs/{job['id']}", headers=api.h()).json()["id"] == job["id"]
+    second = submit(api).json()
+    page = api.client.get("/v1/jobs?limit=1", headers=api.h()).json()
+    assert page["total"] == 2 and [j["id"] for j in page["items"]] == [second["id"]]
+    page2 = api.client.get("/v1/jobs?limit=1&offset=1", headers=api.h()).json()
+    assert [j["id"] for j in page2["items"]] == [job["id"]]
+    api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.h())
+    cancelled = api.client.get("/v1/jobs?state=cancelled", headers=api.h()).json()
+    assert [j["id"] for j in cancelled["items"]] == [job["id"]]
+    assert api.client.get("/v1/jobs?state=bogus", headers=api.h()).status_code == 422
+
+
+def test_idempotency_key(api: Api) -> None:
+    a = submit(api, **{"Idempotency-Key": "abc"})
+    b = submit(api, **{"Idempotency-Key": "abc"})
+    assert (a.status_code, b.status_code) == (201, 200) and a.json()["id"] == b.json()["id"]
+    before = redis_dump(api.store.url)
+    c = submit(api, {**SPEC, "seed": 7}, **{"Idempotency-Key": "abc"})
+    assert c.status_code == 409 and c.json()["error"]["field"] == "Idempotency-Key"
+    assert redis_dump(api.store.url) == before
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({**SPEC, "bogus": 1}, "bogus"),
+        ({**SPEC, "rollout": {"num_generations": "many"}}, "rollout.num_generations"),
+        ({**SPEC, "rollout": {"num_generations": 0}}, "rollout.num_generations"),
+        ({**SPEC, "total_steps": 1.5}, "total_steps"),
+        ({**SPEC, "reward_schedule": {"kind": "exponential"}}, "reward_schedule"),
+        ({**SPEC, "reward_schedule": {"kind": "linear", "w_start": -1}}, "reward_schedule.w_start"),
+        ({**SPEC, "environment": {"name": "nope"}}, "environment.name"),
+        ([1, 2], ""),
+    ],
+)
+def test_bad_bodies_get_422_naming_the_field_and_write_nothing(api: Api, body, field: str) -> None:
+    before = redis_dump(api.store.url)
+    r = submit(api, body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["field"].startswith(field) and err["message"]
+    assert redis_dump(api.store.url) == before
+
+
+def test_malformed_json_huge_payload_and_wrong_content(api: Api) -> None:
+    before = redis_dump(api.store.url)
+    r = api.client.post("/v1/jobs", content=b"{not json", headers={**api.h(), "Content-Type": "application/json"})
+    assert r.status_code == 422
+    huge = {**SPEC, "tasks": {"options": {"blob": "x" * 100_000}}}
+    r = submit(api, huge)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+
+    def chunks():
+        yield b'{"name": "'
+        for _ in range(20):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    r = api.client.post("/v1/jobs", content=chunks(), headers={**api.h(), "Content-Type": "application/json"})
+    assert r.status_code == 413
+    r = api.client.post("/v1/jobs", content=json.dumps({**SPEC, "name": "\ud800"}),
+                        headers={**api.h(), "Content-Type": "application/json"})
+    assert r.status_code in (201, 422)  # a lone surrogate must never be a 5xx
+    if r.status_code == 422:
+        assert redis_dump(api.store.url) == before
+
+
+def test_tenant_isolation(api: Api) -> None:
+    job = submit(api).json()
+    other = api.h(api.key_b)
+    for method, path in [
+        ("get", f"/v1/jobs/{job['id']}"),
+        ("post", f"/v1/jobs/{job['id']}/cancel"),
+        ("post", f"/v1/jobs/{job['id']}/pause"),
+        ("get", f"/v1/jobs/{job['id']}/events"),
+        ("get", f"/v1/jobs/{job['id']}/metrics"),
+        ("get", f"/v1/jobs/{job['id']}/checkpoints"),
+        ("get", f"/v1/jobs/{job['id']}/trajectories"),
+        ("get", f"/v1/jobs/{job['id']}/reward-schedule"),
+    ]:
+        r = api.client.request(method, path, headers=other)
+        assert r.status_code == 404, (path, r.text)
+    r = api.client.patch(f"/v1/jobs/{job['id']}/reward-schedule", json={"w_end": 0.1}, headers=other)
+    assert r.status_code == 404
+    assert api.client.get("/v1/jobs", headers=other).json()["total"] == 0
+    assert api.client.get(f"/v1/jobs/{job['id']}", headers=api.h()).json()["state"] == "queued"
+
+
+def test_reward_schedule_get_patch_and_bad_patches(api: Api) -> None:
+    job = submit(api).json()
+    url = f"/v1/jobs/{job['id']}/reward-schedule"
+    got = api.client.get(url, headers=api.h()).json()
+    assert got["version"] == 1 and got["schedule"]["kind"] == "linear"
+    r = api.client.patch(url, json={"kind": "exponential", "half_life": 5, "w_end": 0.0}, headers=api.h())
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == 2 and r.json()["effective_from"] == 1 and len(r.json()["history"]) == 2
+    events = api.client.get(f"/v1/jobs/{job['id']}/events", headers=api.h()).json()["items"]
+    assert events[-1]["kind"] == "schedule_patched" and events[-1]["data"]["version"] == 2
+    before = redis_dump(api.store.url)
+    for bad, field in [({"half_life": -1}, "half_life"), ({"kind": "wavy"}, "kind"), ({"nope": 1}, "nope"),
+                       ({"w_end": "x"}, "w_end"), ({}, "body"), ({"kind": "step"}, "")]:
+        r = api.client.patch(url, json=bad, headers=api.h())
+        assert r.status_code == 422, (bad, r.text)
+        assert (r.json()["error"]["field"] or "").startswith(field), (bad, r.json())
+    r = api.client.patch(url, content=b"[1]", headers={**api.h(), "Content-Type": "application/json"})
+    assert r.status_code == 422
+    assert redis_dump(api.store.url) == before
+
+
+def test_control_actions_follow_the_state_machine(api: Api) -> None:
+    job = submit(api).json()
+    base = f"/v1/jobs/{job['id']}"
+    r = api.client.post(f"{base}/pause", headers=api.h())
+    assert r.status_code == 409 and r.json()["error"]["field"] == "state"
+    assert api.client.post(f"{base}/resume", headers=api.h()).json()["state"] == "queued"
+    assert api.client.post(f"{base}/cancel", headers=api.h()).json()["state"] == "cancelled"
+    assert api.client.post(f"{base}/cancel", headers=api.h()).status_code == 409
+    assert api.client.patch(f"{base}/reward-schedule", json={"w_end": 0.1}, headers=api.h()).status_code == 409
+    assert api.client.post(f"{base}/explode", headers=api.h()).status_code == 422
+    # a running job only gets a request; the driver acts on it
+    job2 = submit(api).json()
+    api.store.transition(job2["id"], "starting")
+    api.store.transition(job2["id"], "running")
+    r = api.client.post(f"/v1/jobs/{job2['id']}/pause", headers=api.h()).json()
+    assert (r["state"], r["control"]) == ("running", "pause")
+    r = api.client.post(f"/v1/jobs/{job2['id']}/resume", headers=api.h()).json()
+    assert (r["state"], r["control"]) == ("running", "run")
+    r = api.client.post(f"/v1/jobs/{job2['id']}/cancel", headers=api.h()).json()
+    assert (r["state"], r["control"]) == ("running", "cancel")
+
+
+def test_submission_rate_limit(api: Api) -> None:
+    codes = [submit(api).status_code for _ in range(6)]
+    assert codes == [201] * 5 + [429]
+    r = submit(api)
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 0
+    assert submit(api, key=api.key_b).status_code == 201
+
+
+def test_events_paged_and_sse(api: Api) -> None:
+    job = submit(api).json()
+    for i in range(4):
+        api.store.add_event(job["id"], "note", {"i": i})
+    page = api.client.get(f"/v1/jobs/{job['id']}/events?limit=2", headers=api.h()).json()
+    assert [e["kind"] for e in page["items"]] == ["submitted", "note"] and page["next"]
+    rest = api.client.get(f"/v1/jobs/{job['id']}/events?after={page['next']}", headers=api.h()).json()
+    assert [e["data"]["i"] for e in rest["items"]] == [1, 2, 3]
+    assert api.client.get(f"/v1/jobs/{job['id']}/events?after=zzz", headers=api.h()).status_code == 422
+    api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.h())
+    with api.client.stream("GET", f"/v1/jobs/{job['id']}/events",
+                           headers={**api.h(), "Accept": "text/event-stream"}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        kinds = [line.split(":", 1)[1].strip() for line in r.iter_lines() if line.startswith("event:")]
+    assert kinds[0] == "submitted" and kinds[-1] == "state"
+
+
+def test_metrics_checkpoints_and_trajectories_empty(api: Api) -> None:
+    job = submit(api).json()
+    api.store.add_metrics(job["id"], 1, {"loss": 0.5})
+    m = api.client.get(f"/v1/jobs/{job['id']}/metrics", headers=api.h()).json()
+    assert m["items"][0]["metrics"] == {"loss": 0.5}
+    assert api.client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=api.h()).json() == []
+    t = api.client.get(f"/v1/jobs/{job['id']}/trajectories?status=ok&min_reward=0.5", headers=api.h()).json()
+    assert t["items"] == []
+    assert api.client.get(f"/v1/jobs/{job['id']}/trajectories?status=weird", headers=api.h()).status_code == 422
+
+
+def test_environments(api: Api) -> None:
+    envs = api.client.get("/v1/environments", headers=api.h()).json()
+    assert {"calculator"} <= {e["name"] for e in envs if e["builtin"]}
+    reg = {"kind": "python", "name": "my-calc",
+           "import_path": "rollout_workers.environments.calculator:CalculatorEnv"}
+    r = api.client.post("/v1/environments", json=reg, headers=api.h())
+    assert r.status_code == 201, r.text
+    assert api.client.post("/v1/environments", json=reg, headers=api.h()).status_code == 409
+    assert api.client.get("/v1/environments/my-calc", headers=api.h()).json()["builtin"] is False
+    assert api.client.get("/v1/environments/my-calc", headers=api.h(api.key_b)).status_code == 404
+    before = redis_dump(api.store.url)
+    for bad, field in [({**reg, "import_path": "os:system"}, "import_path"),
+                       ({**reg, "name": "calculator"}, "name"),
+                       ({**reg, "code": "print(1)"}, "code"),
+                       ({"kind": "http", "name": "h", "base_url": "ftp://x", "tools": []}, "base_url")]:
+        r = api.client.post("/v1/environments", json=bad, headers=api.h())
+        assert r.status_code in (409, 422), r.text
+        assert r.json()["error"]["field"] == field, r.json()
+    assert redis_dump(api.store.url) == before
+    # a job can use the tenant's registration, and another tenant cannot
+    assert submit(api, {**SPEC, "environment": {"name": "my-calc"}}).status_code == 201
+    assert submit(api, {**SPEC, "environment": {"name": "my-calc"}}, key=api.key_b).status_code == 422
+    assert api.client.delete("/v1/environments/my-calc", headers=api.h()).status_code == 204
+    assert api.client.delete("/v1/environments/my-calc", headers=api.h()).status_code == 404
+
+
+def test_health_prometheus_and_openapi(api: Api) -> None:
+    assert api.client.get("/healthz").json() == {"ok": True, "redis": True}
+    submit(api)
+    api.client.get("/v1/jobs", headers=api.h())
+    text = api.client.get("/metrics").text
+    assert 'taper_jobs{state="queued"} 1.0' in text
+    assert 'taper_http_requests_total{method="GET",route="/v1/jobs",status="200"}' in text
+    schema = api.client.get("/openapi.json").json()
+    assert "/v1/jobs/{job_id}/reward-schedule" in schema["paths"]
+    assert api.client.get("/docs").status_code == 200
+    r = api.client.get("/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
