@@ -72,7 +72,7 @@ if triton is not None:
     def gate_grad_fn(x, a_log, lower_bound, BOUNDED: tl.constexpr):
         """d gate / d x for the same x."""
         if BOUNDED:
-            s = tl.sigmoid(x)
-            return lower_bound * s * (1.0 - s)
+            # sigmoid(x) * sigmoid(-x), not s * (1 - s): stays accurate where s rounds to 1
+            return lower_bound * tl.sigmoid(x) * tl.sigmoid(-x)
         else:
             return -tl.exp(a_log) * tl.sigmoid(x)
