@@ -1,0 +1,29 @@
+"""Serve TaperForCausalLM in vLLM: registration (the `vllm.general_plugins` entry point), the vLLM model,
+its KDA / MLA layers, and live weight sync into a running engine.
+
+`kda_ops` (KDA over per-request state slots) imports without vLLM; everything else needs vLLM.
+"""
+
+from __future__ import annotations
+
+ARCHITECTURE = "TaperForCausalLM"
+MODEL_TYPE = "taper"
+
+
+def register() -> None:
+    """Register the architecture with vLLM's ModelRegistry and the config with transformers' AutoConfig.
+
+    vLLM calls this in every process it starts (engine core, workers); it is idempotent.
+    """
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    from model.config import TaperConfig
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        # Lazy "module:class" form: the model module (and torch-heavy imports) load only when used.
+        ModelRegistry.register_model(ARCHITECTURE, "model.vllm_plugin.model:TaperForCausalLM")
+    try:
+        AutoConfig.register(MODEL_TYPE, TaperConfig)
+    except ValueError:  # already registered (by model/ itself or an earlier call)
+        pass

@@ -1,0 +1,142 @@
+"""KDA token mixing over per-request state slots, as a serving engine runs it: the functions the vLLM KDA
+layer calls, importable without vLLM (the GPU machine tests them directly against the HF layer).
+
+A step's tokens are the requests' new tokens back to back, decodes (one token each) first. Each request
+owns one slot of two pools: the conv state `[slots, C, W-1]` (the last W-1 pre-conv inputs of the
+concatenated q|k|v channels, oldest first, as `KimiDeltaAttention.short_conv` keeps it) and the recurrent
+state `[slots, HV, K, V]` (fp32). Prefill runs `chunk_kda` over the variable-length prompts, continuing
+from a request's slot where it already has state (e.g. the second chunk of a chunked prefill); decode
+runs `fused_recurrent_kda` on the slots in place. The math itself (projections, conv, gate, output) is
+the HF layer's, called through its methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kda import fused_recurrent_kda
+from model.layers.kda import KimiDeltaAttention
+
+
+@dataclass(frozen=True)
+class KDABatch:
+    """Where each request's tokens and state slot are in one forward step (decodes first).
+
+    query_start_loc: [n+1] token offsets of the n requests; state_indices: [n] state slot per request;
+    has_initial_state: [n] bool, True where a prefill continues from its slot (None: every request
+    continues); num_decodes: the first num_decodes requests are one-token decodes (they always continue).
+    """
+
+    num_decodes: int
+    query_start_loc: torch.Tensor
+    state_indices: torch.Tensor
+    has_initial_state: torch.Tensor | None
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.state_indices.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    def validate(self) -> None:
+        n = self.num_requests
+        if self.query_start_loc.dim() != 1 or self.query_start_loc.numel() != n + 1:
+            raise ValueError(f"query_start_loc must be [n+1]={n + 1} offsets, got {tuple(self.query_start_loc.shape)}")
+        if self.has_initial_state is not None and self.has_initial_state.numel() != n:
+            raise ValueError(f"has_initial_state must have n={n} entries, got {self.has_initial_state.numel()}")
+        if not 0 <= self.num_decodes <= n:
+            raise ValueError(f"num_decodes must lie in [0, {n}], got {self.num_decodes}")
+        if self.num_decodes and int(self.query_start_loc[self.num_decodes]) != self.num_decodes:
+            raise ValueError("the first num_decodes requests must have exactly one token each")
+
+
+def conv_state_shape(layer: KimiDeltaAttention) -> tuple[int, int]:
+    """(C, W-1): one slot of the conv-state pool in this module's layout."""
+    return (layer.conv_channels, layer.conv_size - 1)
+
+
+def recurrent_state_shape(layer: KimiDeltaAttention) -> tuple[int, int, int]:
+    return (layer.num_v_heads, layer.head_dim, layer.v_head_dim)
+
+
+def _decode(
+    layer: KimiDeltaAttention, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+    conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] -> o [n, HV, V]."""
+    idx = slots.long()
+    q, k, v, new_conv = layer.short_conv(qkv[:, None], conv_state.index_select(0, idx))
+    conv_state.index_copy_(0, idx, new_conv.to(conv_state.dtype))
+    # Batch rows are the sequences (T = 1); the pool's slots are read and written in place.
+    o, _ = fused_recurrent_kda(
+        q, k, v, f[:, None], beta[:, None], scale=layer.head_dim**-0.5, initial_state=recurrent_state,
+        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, ssm_state_indices=slots,
+        inplace_final_state=True, **layer.gate_kwargs(),
+    )
+    return o[:, 0]
+
+
+def _prefill(
+    layer: KimiDeltaAttention, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+    conv_state: torch.Tensor, recurrent_state: torch.Tensor, query_start_loc: torch.Tensor,
+    slots: torch.Tensor, has_initial_state: torch.Tensor | None,
+) -> torch.Tensor:
+    """Back-to-back prompts (chunks): qkv [T, C] ... -> o [T, HV, V]; slots updated with the final states."""
+    idx = slots.long()
+    starts = query_start_loc.tolist()
+    keep = None if has_initial_state is None else has_initial_state.to(torch.bool)
+    conv_init = conv_state.index_select(0, idx)
+    rec_init = recurrent_state.index_select(0, idx).float()
+    if keep is not None:
+        conv_init = conv_init * keep[:, None, None].to(conv_init.dtype)
+        rec_init = rec_init * keep[:, None, None, None].to(rec_init.dtype)
+    qs, ks, vs, new_convs = [], [], [], []
+    for n, (a, b) in enumerate(zip(starts, starts[1:], strict=False)):
+        q, k, v, new_conv = layer.short_conv(qkv[None, a:b], conv_init[n:n + 1])
+        qs.append(q[0])
+        ks.append(k[0])
+        vs.append(v[0])
+        new_convs.append(new_conv[0])
+    conv_state.index_copy_(0, idx, torch.stack(new_convs).to(conv_state.dtype))
+    o, final = layer.core(
+        torch.cat(qs)[None], torch.cat(ks)[None], torch.cat(vs)[None], f[None], beta[None],
+        recurrent_state=rec_init, output_final_state=True, cu_seqlens=query_start_loc,
+    )
+    recurrent_state.index_copy_(0, idx, final.to(recurrent_state.dtype))
+    return o[0]
+
+
+def kda_forward_with_state(
+    layer: KimiDeltaAttention,
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    batch: KDABatch,
+) -> torch.Tensor:
+    """The KDA token mixer for one engine step: x [T', d] (T' >= batch.num_tokens; rows past the batch's
+    tokens are padding and get zeros). conv_state [slots, C, W-1] and recurrent_state [slots, HV, K, V]
+    are pools updated in place at the batch's slots. Returns y [T', d]."""
+    T = batch.num_tokens
+    y = x.new_zeros(x.shape)
+    if T == 0:
+        return y
+    xs = x[:T]
+    qkv = layer.project(xs)
+    f, beta = layer.gate_input(xs), layer.beta_logits(xs)
+    o = qkv.new_zeros(T, layer.num_v_heads, layer.v_head_dim)
+    nd = batch.num_decodes
+    if nd > 0:
+        o[:nd] = _decode(layer, qkv[:nd], f[:nd], beta[:nd], conv_state, recurrent_state,
+                         batch.state_indices[:nd])
+    if batch.num_requests > nd:
+        t0 = nd  # decodes hold one token each
+        qsl = batch.query_start_loc[nd:] - t0
+        has_init = None if batch.has_initial_state is None else batch.has_initial_state[nd:]
+        o[t0:] = _prefill(layer, qkv[t0:], f[t0:], beta[t0:], conv_state, recurrent_state, qsl,
+                          batch.state_indices[nd:], has_init)
+    y[:T] = layer.output(o, xs)
+    return y

@@ -1,0 +1,118 @@
+"""The token mixers as vLLM layers. Each subclasses the HF layer (so parameters, names and math are the
+HF model's) and adds what vLLM needs: KDA keeps its states in vLLM's hybrid (mamba-style) state cache and
+reads the gated-delta-net backend's per-request metadata; MLA is ordinary vLLM `Attention` over the
+up-projected keys/values (NoPE)."""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    is_conv_state_dim_first,
+)
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from model.config import TaperConfig
+from model.layers.kda import KimiDeltaAttention
+from model.layers.mla import GatedMLA
+from model.vllm_plugin.kda_ops import (
+    KDABatch,
+    conv_state_shape,
+    kda_forward_with_state,
+    recurrent_state_shape,
+)
+
+
+def oriented_conv_state_shape(channels_first: tuple[int, int]) -> tuple[int, int]:
+    """vLLM stores a conv-state slot as (C, W-1) or (W-1, C), as its platform layout says."""
+    return channels_first if is_conv_state_dim_first() else (channels_first[1], channels_first[0])
+
+
+def kda_state_shapes(config: TaperConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    C = 2 * config.kda_num_heads * config.kda_head_dim + config.kda_num_v_heads * config.kda_v_head_dim
+    conv = oriented_conv_state_shape((C, config.kda_conv_size - 1))
+    return conv, (config.kda_num_v_heads, config.kda_head_dim, config.kda_v_head_dim)
+
+
+def kda_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+    """(conv state in the model dtype, recurrent state fp32 unless configured otherwise)."""
+    return MambaStateDtypeCalculator.kda_state_dtype(
+        vllm_config.model_config.dtype,
+        vllm_config.cache_config.mamba_cache_dtype,
+        vllm_config.cache_config.mamba_ssm_cache_dtype,
+    )
+
+
+class VllmKimiDeltaAttention(KimiDeltaAttention, MambaBase):
+    """KDA with per-request conv + recurrent states in vLLM's state cache (GDN_ATTN metadata)."""
+
+    def __init__(self, config: TaperConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__(config, layer_idx)
+        if vllm_config.speculative_config is not None:
+            raise ValueError("speculative_config: speculative decoding is not supported by the Taper KDA layer")
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: the Taper vLLM model runs with tensor_parallel_size=1")
+        self.prefix = prefix
+        self._state_dtypes = kda_state_dtypes(vllm_config)
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name {prefix}")
+        context[prefix] = self  # how vLLM finds its mamba-style layers and binds their cache
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.GDN_ATTN
+
+    def get_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        return oriented_conv_state_shape(conv_state_shape(self)), recurrent_state_shape(self)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
+        return self._state_dtypes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """x [T, d] -> [T, d] for the step's tokens."""
+        metadata = get_forward_context().attn_metadata
+        meta = None if metadata is None else metadata.get(self.prefix)
+        if meta is None:  # profiling / dummy run: no state slots
+            return torch.zeros_like(x)
+        assert isinstance(meta, GDNAttentionMetadata)
+        n = meta.num_decodes + meta.num_prefills
+        batch = KDABatch(
+            num_decodes=meta.num_decodes,
+            query_start_loc=meta.non_spec_query_start_loc[: n + 1],
+            state_indices=meta.non_spec_state_indices_tensor[:n],
+            has_initial_state=None if meta.has_initial_state is None else meta.has_initial_state[:n],
+        )
+        conv_state, recurrent_state = self.kv_cache
+        if not is_conv_state_dim_first():
+            conv_state = conv_state.transpose(-1, -2)  # a (C, W-1) view of each slot
+        return kda_forward_with_state(self, x, conv_state, recurrent_state, batch)
+
+
+class VllmGatedMLA(GatedMLA):
+    """Gated MLA served as plain multi-head attention over up-projected keys/values."""
+
+    def __init__(self, config: TaperConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__(config, layer_idx)
+        self.attn = Attention(
+            num_heads=self.num_heads,
+            head_size=self.qk_head_dim,
+            scale=self.scale,
+            num_kv_heads=self.num_heads,
+            cache_config=vllm_config.cache_config,
+            quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.attn",
+            head_size_v=self.v_head_dim,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """x [T, d] -> [T, d]."""
+        q = self.project_q(x).flatten(-2)
+        k, v = self.project_kv(x)
+        attn = self.attn(q, k.flatten(-2), v.flatten(-2))
+        return self.output(attn.view(x.shape[0], self.num_heads, self.v_head_dim), x)

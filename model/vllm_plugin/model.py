@@ -1,0 +1,140 @@
+"""`TaperForCausalLM` for vLLM: the HF model's modules and parameter names, with vLLM token mixers.
+
+Tokens arrive flattened ([num_tokens, d], all requests of a step back to back). Every piece except the
+token mixers works per token and is the HF module itself (Block AttnRes, RMSNorm, SiTU-GLU MLP, Stable
+LatentMoE with its frozen balancing bias), so a `save_pretrained` directory loads with no conversion
+and a learner's state dict pushes in by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.sequence import IntermediateTensors
+
+from model.config import TaperConfig
+from model.layers.attn_res import AttnResState, BlockAttnRes
+from model.layers.moe import StableLatentMoE
+from model.layers.norm import RMSNorm
+from model.layers.situ_glu import SiTUGLUMLP
+from model.vllm_plugin.layers import (
+    VllmGatedMLA,
+    VllmKimiDeltaAttention,
+    kda_state_dtypes,
+    kda_state_shapes,
+)
+
+
+class TaperDecoderLayer(nn.Module):
+    def __init__(self, config: TaperConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.mixer_res = BlockAttnRes(d, eps)
+        self.mixer_norm = RMSNorm(d, eps)
+        mixer_cls = VllmGatedMLA if layer_idx in config.full_attn_layers else VllmKimiDeltaAttention
+        self.mixer = mixer_cls(config, layer_idx, vllm_config, prefix=f"{prefix}.mixer")
+        self.mlp_res = BlockAttnRes(d, eps)
+        self.mlp_norm = RMSNorm(d, eps)
+        self.mlp = (
+            StableLatentMoE(config) if config.is_moe_layer(layer_idx)
+            else SiTUGLUMLP(d, config.intermediate_size, config.situ_beta, config.situ_beta_linear)
+        )
+
+    def forward(self, res: AttnResState) -> None:
+        res.add(self.mixer(self.mixer_norm(self.mixer_res(res.candidates()))))
+        res.add(self.mlp(self.mlp_norm(self.mlp_res(res.candidates()))))
+
+
+class TaperModel(nn.Module):
+    def __init__(self, config: TaperConfig, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            TaperDecoderLayer(config, i, vllm_config, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.final_res = BlockAttnRes(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        res = AttnResState.start(inputs_embeds)
+        for layer in self.layers:
+            layer(res)
+            res.end_layer(self.config.attn_res_block_size)
+        return self.norm(self.final_res(res.candidates()))
+
+
+class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        if not isinstance(config, TaperConfig):
+            raise TypeError(f"hf_config must be a TaperConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = TaperModel(config, vllm_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.eval()  # MoE records balancing statistics only in training mode: frozen bias at inference
+
+    # ---- vLLM model interface ----------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        return self.model(inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(
+        cls, vllm_config: VllmConfig
+    ) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        return kda_state_shapes(vllm_config.model_config.hf_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+        return kda_state_dtypes(vllm_config)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        # (conv, recurrent) copy rules for prefix caching's state alignment, as for Kimi Linear's KDA.
+        return MambaStateCopyFuncCalculator.kda_state_copy_func()
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors (parameters and the MoE balancing-bias buffers) in place.
+        Unknown names and shape mismatches raise, naming the tensor."""
+        targets = dict(self.named_parameters())
+        targets.update(self.named_buffers())
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    name = "model.embed_tokens.weight"
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"checkpoint tensor {name!r} has no counterpart in the vLLM TaperForCausalLM")
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    )
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+                loaded.add(name)
+        return loaded
