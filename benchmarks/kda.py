@@ -1,0 +1,291 @@
+"""KDA kernels on a CUDA GPU: correctness against the fp64 naive recurrence and fla-core's `chunk_kda`
+(reference only, never our implementation), then ours vs fla side by side (triton.testing.do_bench,
+median): B=1, H=32, K=V=128, T in {8K, 32K, 128K}, forward and forward+backward, plus decode for 64 and
+256 sequences. Prints a table with ratios and writes JSON.
+
+    python benchmarks/kda.py [--out benchmarks/results/kda.json] [--quick] [--profile]
+
+Settings of the side-by-side: bf16 inputs, in-kernel bounded gate (lower_bound=-5; fla with A_log=None
+and safe_gate=True computes the same lower_bound*sigmoid(f + dt_bias)), q/k l2norm and beta sigmoid in
+the kernels' wrappers, fp32 states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
+
+try:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_recurrent_fwd
+except Exception as exc:  # noqa: BLE001 - the script still times ours without the reference
+    fla_chunk_kda = fla_recurrent_fwd = None
+    FLA_ERROR = repr(exc)
+else:
+    FLA_ERROR = None
+
+LB = -5.0
+DEV = os.environ.get("KDA_BENCH_DEVICE", "cuda")  # "cpu": smoke-test the checks' plumbing
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    if not torch.isfinite(x).all():
+        return float("nan")
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make(B: int, T: int, H: int, HV: int, K: int, V: int, dtype=torch.bfloat16, seed: int = 0, f_shift: float = 0.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, device=DEV, generator=g) * scale).to(dtype)
+
+    return dict(
+        q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K) + f_shift, beta=r(B, T, HV),
+        dt_bias=torch.randn(HV * K, device=DEV, generator=g) * 0.5,
+    )
+
+
+def ours(x, h0=None, out_state=False, cu=None, lower_bound=LB, A_log=None):
+    return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=out_state,
+                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                     lower_bound=lower_bound, A_log=A_log, dt_bias=x["dt_bias"], cu_seqlens=cu)
+
+
+def fla(x, h0=None, out_state=False, cu=None):
+    return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=out_state,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=True, lower_bound=LB, A_log=None, dt_bias=x["dt_bias"], cu_seqlens=cu)
+
+
+def naive(x, h0=None, cu=None, lower_bound=LB, A_log=None):
+    return naive_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                               lower_bound=lower_bound, A_log=A_log, dt_bias=x["dt_bias"], cu_seqlens=cu,
+                               compute_dtype=torch.float64)
+
+
+GRAD_KEYS = ("q", "k", "v", "g", "beta", "dt_bias")
+
+
+def grads(fn, x, h0, do, dht):
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in GRAD_KEYS}
+    h0l = h0.detach().clone().requires_grad_(True)
+    xx = dict(x, **leaves)
+    o, s = fn(xx, h0l)
+    loss = (o.double() * do.double()).sum() + (s.double() * dht.double()).sum()
+    gs = torch.autograd.grad(loss, [*leaves.values(), h0l])
+    return o.detach(), s.detach(), dict(zip([*GRAD_KEYS, "h0"], gs, strict=True))
+
+
+def check_vs_naive(name, B, T, H, HV, K, V, cu=None, unbounded=False, f_shift=0.0, seed=0) -> dict:
+    x = make(B, T, H, HV, K, V, seed=seed, f_shift=f_shift)
+    N = B if cu is None else len(cu) - 1
+    cu_t = None if cu is None else torch.tensor(cu, device=DEV)
+    h0 = torch.randn(N, HV, K, V, device=DEV) * 0.5
+    do = torch.randn(B, T, HV, V, device=DEV)
+    dht = torch.randn(N, HV, K, V, device=DEV)
+    kw = dict(lower_bound=None, A_log=torch.randn(HV, device=DEV) * 0.5) if unbounded else {}
+    o, s, g = grads(lambda xx, h: ours(xx, h, True, cu_t, **kw), x, h0, do, dht)
+    o_r, s_r, g_r = grads(lambda xx, h: naive(xx, h, cu_t, **kw), x, h0, do, dht)
+    res = {"o": rel(o, o_r), "final_state": rel(s, s_r)}
+    res.update({f"d{n}": rel(g[n], g_r[n]) for n in g})
+    if fla_chunk_kda is not None and not unbounded:
+        o_f, s_f, g_f = grads(lambda xx, h: fla(xx, h, True, cu_t), x, h0, do, dht)
+        res["fla_o"] = rel(o_f, o_r)
+        res["fla_dq"] = rel(g_f["q"], g_r["q"])
+        res["fla_dg"] = rel(g_f["g"], g_r["g"])
+    print(f"  vs fp64 naive [{name}]: " + " ".join(f"{k}={v:.1e}" for k, v in res.items()), flush=True)
+    return res
+
+
+def check_vs_fla(T: int) -> dict:
+    x = make(1, T, 32, 32, 128, 128, seed=1)
+    h0 = torch.randn(1, 32, 128, 128, device=DEV) * 0.5
+    do = torch.randn(1, T, 32, 128, device=DEV, dtype=torch.bfloat16)
+    dht = torch.randn(1, 32, 128, 128, device=DEV)
+    o, s, g = grads(lambda xx, h: ours(xx, h, True), x, h0, do, dht)
+    o_f, s_f, g_f = grads(lambda xx, h: fla(xx, h, True), x, h0, do, dht)
+    res = {"o": rel(o, o_f), "final_state": rel(s, s_f)}
+    res.update({f"d{n}": rel(g[n], g_f[n]) for n in g})
+    print(f"  ours vs fla T={T}: " + " ".join(f"{k}={v:.1e}" for k, v in res.items()), flush=True)
+    return res
+
+
+def check_decode() -> dict:
+    N, HV, K, V, slots = 64, 8, 128, 128, 80
+    x = make(1, N, HV, HV, K, V, seed=3)
+    pool = torch.randn(slots, HV, K, V, device=DEV) * 0.5
+    before = pool.clone()
+    idx = torch.randperm(slots, device=DEV)[:N]
+    idx[5] = -1
+    cu = torch.arange(N + 1, device=DEV)
+    o, _ = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=cu,
+                               ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True, lower_bound=LB, dt_bias=x["dt_bias"])
+    valid = idx >= 0
+    xv = {k: (v[:, valid] if v.dim() > 1 else v) for k, v in x.items()}
+    xv1 = {k: (v.transpose(0, 1) if v.dim() > 1 else v) for k, v in xv.items()}  # one sequence per row
+    o_r, s_r = naive(xv1, before[idx[valid]])
+    res = {"o": rel(o[0, valid], o_r[:, 0]), "slots": rel(pool[idx[valid]], s_r),
+           "padded_row_zero": bool((o[0, ~valid] == 0).all())}
+    print("  decode vs fp64 naive: " + " ".join(f"{k}={v}" for k, v in res.items()), flush=True)
+    return res
+
+
+def bench(fn, grad_to_none=None) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def time_chunk(T: int) -> dict:
+    x = make(1, T, 32, 32, 128, 128, seed=2)
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in GRAD_KEYS}
+    xx = dict(x, **leaves)
+    do = torch.randn(1, T, 32, 128, device=DEV, dtype=torch.bfloat16)
+    res = {}
+    impls = [("ours", ours)] + ([("fla", fla)] if fla_chunk_kda is not None else [])
+    for name, fn in impls:
+        with torch.no_grad():
+            res[f"{name}_fwd_ms"] = bench(lambda fn=fn: fn(x))
+
+        def fwd_bwd(fn=fn):
+            o, _ = fn(xx)
+            o.backward(do)
+
+        res[f"{name}_fwdbwd_ms"] = bench(fwd_bwd, grad_to_none=list(leaves.values()))
+        torch.cuda.empty_cache()
+    return res
+
+
+def time_decode(N: int) -> dict:
+    H, K, V = 32, 128, 128
+    x = make(1, N, H, H, K, V, seed=4)
+    pool = torch.randn(N + 8, H, K, V, device=DEV)
+    idx = torch.randperm(N + 8, device=DEV)[:N].to(torch.int32)
+    cu = torch.arange(N + 1, device=DEV, dtype=torch.int32)
+    res = {}
+
+    def run_ours():
+        fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=cu,
+                            ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                            use_beta_sigmoid_in_kernel=True, lower_bound=LB, dt_bias=x["dt_bias"])
+
+    res["ours_us"] = bench(run_ours) * 1e3
+    if fla_recurrent_fwd is not None:
+        def run_fla():
+            fla_recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=None, dt_bias=x["dt_bias"],
+                              initial_state=pool, inplace_final_state=True, cu_seqlens=cu.long(),
+                              ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                              use_beta_sigmoid_in_kernel=True, lower_bound=LB)
+        try:
+            res["fla_us"] = bench(run_fla) * 1e3
+        except Exception as exc:  # noqa: BLE001
+            res["fla_error"] = repr(exc)[:300]
+    state_bytes = 2 * N * H * K * V * 4
+    res["ours_state_TBps"] = state_bytes / (res["ours_us"] * 1e-6) / 1e12
+    return res
+
+
+def profile_32k() -> list[tuple[str, float]]:
+    x = make(1, 32768, 32, 32, 128, 128, seed=5)
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in GRAD_KEYS}
+    xx = dict(x, **leaves)
+    do = torch.randn(1, 32768, 32, 128, device=DEV, dtype=torch.bfloat16)
+    for _ in range(2):
+        ours(xx)[0].backward(do)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            ours(xx)[0].backward(do)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            rows.append((e.key[:60], t / 3 / 1e3))
+    rows.sort(key=lambda r: -r[1])
+    print("  profile ours fwd+bwd T=32K (ms per step):")
+    for k, t in rows[:14]:
+        print(f"    {t:8.3f}  {k}")
+    return rows[:20]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/kda.json")
+    ap.add_argument("--quick", action="store_true", help="T=8K and 32K only")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--skip-checks", action="store_true")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "fla_error": FLA_ERROR}
+    import triton
+
+    info["triton"] = triton.__version__
+    try:
+        import fla
+
+        info["fla"] = fla.__version__
+    except Exception:  # noqa: BLE001
+        info["fla"] = None
+    print(info, flush=True)
+    out: dict = {"info": info}
+    t0 = time.time()
+    if not args.skip_checks:
+        print("correctness (relative error, bf16 inputs):", flush=True)
+        out["vs_naive"] = {
+            "bounded": check_vs_naive("bounded B=2 T=300", 2, 300, 4, 4, 128, 128),
+            "at_bound": check_vs_naive("gates at the bound", 1, 256, 2, 2, 128, 128, f_shift=8.0, seed=1),
+            "varlen_gva": check_vs_naive("varlen, HV=2H", 1, 333, 2, 4, 128, 64, cu=[0, 17, 200, 201, 333], seed=2),
+            "unbounded": check_vs_naive("unbounded gate", 1, 200, 2, 2, 64, 64, unbounded=True, seed=3),
+        }
+        out["decode_vs_naive"] = check_decode()
+        if fla_chunk_kda is not None:
+            out["vs_fla"] = check_vs_fla(8192)
+        print(f"  checks took {time.time() - t0:.0f}s", flush=True)
+    Ts = [8192, 32768] if args.quick else [8192, 32768, 131072]
+    out["chunk"] = {}
+    for T in Ts:
+        out["chunk"][T] = r = time_chunk(T)
+        print(f"  T={T}: " + " ".join(f"{k}={v:.3f}" for k, v in r.items()), flush=True)
+    out["decode"] = {}
+    for N in (64, 256):
+        out["decode"][N] = r = time_decode(N)
+        print(f"  decode N={N}: " + " ".join(f"{k}={v}" for k, v in r.items()), flush=True)
+    if args.profile:
+        out["profile_32k"] = profile_32k()
+    print("\n| T | ours fwd ms | fla fwd ms | fla/ours | ours fwd+bwd ms | fla fwd+bwd ms | fla/ours |")
+    print("|---|---|---|---|---|---|---|")
+    for T, r in out["chunk"].items():
+        f_f, f_b = r.get("fla_fwd_ms", float("nan")), r.get("fla_fwdbwd_ms", float("nan"))
+        print(f"| {T} | {r['ours_fwd_ms']:.3f} | {f_f:.3f} | {f_f / r['ours_fwd_ms']:.2f} | "
+              f"{r['ours_fwdbwd_ms']:.3f} | {f_b:.3f} | {f_b / r['ours_fwdbwd_ms']:.2f} |")
+    print("\n| decode seqs | ours us | fla us | fla/ours |")
+    print("|---|---|---|---|")
+    for N, r in out["decode"].items():
+        fu = r.get("fla_us", float("nan"))
+        print(f"| {N} | {r['ours_us']:.1f} | {fu:.1f} | {fu / r['ours_us']:.2f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
