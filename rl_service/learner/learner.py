@@ -112,14 +112,19 @@ class Learner:
     def logprobs(self, samples: Sequence[PolicySample], model: nn.Module | None = None) -> list[list[float]]:
         """The model's logprobs of each sample's completion tokens (no grad)."""
         model = model if model is not None else self.model
+        was_training = model.training
+        model.eval()  # eval forwards record no MoE balancing statistics
         norm = LossNorm.of(samples)
         out: list[list[float]] = [[] for _ in samples]
-        for mb in self.micro_batches(samples, norm):
-            with self._autocast():
-                logits = completion_logits(model, mb)
-            lp, _ = token_logprobs_and_entropy(logits, mb.completion_ids, self.config.temperature, False)
-            for r, i in enumerate(mb.sample_index):
-                out[i] = lp[r, : len(samples[i].completion_ids)].tolist()
+        try:
+            for mb in self.micro_batches(samples, norm):
+                with self._autocast():
+                    logits = completion_logits(model, mb)
+                lp, _ = token_logprobs_and_entropy(logits, mb.completion_ids, self.config.temperature, False)
+                for r, i in enumerate(mb.sample_index):
+                    out[i] = lp[r, : len(samples[i].completion_ids)].tolist()
+        finally:
+            model.train(was_training)
         return out
 
     # ---- training ----

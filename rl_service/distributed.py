@@ -1,0 +1,245 @@
+"""Data-parallel learner: one `RankLearner` per process (a Ray actor, or a plain process in scripts), joined
+by torch.distributed (gloo on CPU, NCCL on GPU), the model sharded with FSDP2 (`fully_shard`) or replicated
+with DDP.
+
+Exactness: every token's loss weight comes from the *global* batch (`LossNorm`), each rank scales its loss
+by the world size, and the wrappers average gradients over ranks, so the ranks together compute the
+gradient of exactly the one-process loss. Ranks run the same number of micro-batches (empty ones pad),
+because FSDP2 gathers parameters in every forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rl_service.learner import Learner, LearnerConfig, LossNorm, PolicySample, pack_micro_batches
+
+Strategy = Literal["auto", "fsdp", "ddp"]
+BALANCING_BUFFER_SUFFIXES = ("bias_correction",)  # MoE balancing biases: averaged over ranks after each update
+
+_SUM_KEYS = ("loss", "loss/policy", "loss/kl", "action_tokens", "tokens_per_s")
+_MAX_KEYS = ("logprob_mismatch/max_abs", "is_ratio/max", "learn_time_s", "num_micro_batches")
+_MIN_KEYS = ("is_ratio/min",)
+_SAME_KEYS = ("grad_norm", "learning_rate")
+
+
+def shard_samples(samples: Sequence[PolicySample], world_size: int) -> list[list[PolicySample]]:
+    """Longest first onto the rank with the fewest tokens so far (deterministic)."""
+    shards: list[list[PolicySample]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        shards[r].append(samples[i])
+        load[r] += samples[i].num_tokens
+    return shards
+
+
+def combine_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Merge per-rank learner metrics: sums, extrema, and token-weighted means for the rest."""
+    tokens = [m.get("action_tokens", 0.0) for m in per_rank]
+    total = sum(tokens) or 1.0
+    out: dict[str, float] = {}
+    for key in per_rank[0]:
+        vals = [m.get(key, 0.0) for m in per_rank]
+        if key in _SUM_KEYS:
+            out[key] = sum(vals)
+        elif key in _MAX_KEYS:
+            out[key] = max(vals)
+        elif key in _MIN_KEYS:
+            out[key] = min(vals)
+        elif key in _SAME_KEYS:
+            out[key] = vals[0]
+        else:
+            out[key] = sum(v * t for v, t in zip(vals, tokens, strict=True)) / total
+    return out
+
+
+def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: the children of the largest ModuleList."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+class RankLearner:
+    """One data-parallel rank. `device` is this process's device ("cpu", "cuda:0", ...)."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, model_dir: str, config: LearnerConfig,
+                 strategy: Strategy = "auto", device: str = "cpu", ref_model_dir: str | None = None,
+                 pad_token_id: int = 0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        import model as _taper  # noqa: F401  (registers the taper architecture with AutoModel)
+
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        inner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        for t in list(inner.parameters()) + list(inner.buffers()):  # identical start on every rank
+            dist.broadcast(t.data, src=0)
+        self.inner = inner
+        self.strategy = self._pick(strategy)
+        if self.strategy == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (world_size,))
+            for block in _decoder_blocks(inner):
+                fully_shard(block, mesh=mesh)
+            fully_shard(inner, mesh=mesh)
+            wrapped: nn.Module = inner
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            wrapped = DDP(inner, device_ids=ids, find_unused_parameters=True)
+        ref = None
+        if config.beta > 0:
+            ref = AutoModelForCausalLM.from_pretrained(ref_model_dir or model_dir, dtype=torch.float32).to(self.device)
+        self.learner = Learner(wrapped, config, ref_model=ref, pad_token_id=pad_token_id, device=self.device,
+                               balancing_model=_SyncedBalancing(inner))
+        self.learner.loss_scale = float(world_size)
+
+    @staticmethod
+    def _pick(strategy: Strategy) -> str:
+        if strategy != "auto":
+            return strategy
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            return "ddp"
+        return "fsdp"
+
+    def ping(self) -> str:
+        return f"rank {self.rank}/{self.world_size} {self.strategy} on {self.device}"
+
+    def step(self, samples: list[PolicySample], norm: LossNorm, min_micro_batches: int) -> dict[str, float]:
+        return self.learner.step(samples, norm, min_micro_batches)
+
+    def gradients(self, samples: list[PolicySample], norm: LossNorm, min_micro_batches: int) -> dict[str, torch.Tensor]:
+        """Accumulate one pass and return the full (unsharded) gradients on CPU; zeroes them after."""
+        self.learner.optimizer.zero_grad(set_to_none=True)
+        mbs = self.learner.micro_batches(samples, norm, min_micro_batches)
+        metrics = self.learner.accumulate(mbs)
+        out = {"__loss__": torch.tensor(metrics["loss"])}
+        for name, p in self.inner.named_parameters():
+            g = p.grad
+            if g is None:
+                continue
+            out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu().clone()
+        self.learner.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state on CPU (a collective: call on every rank; only rank 0's is complete)."""
+        if self.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().cpu() for k, v in self.inner.state_dict().items()}
+
+    def save_pretrained(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        self.inner.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+class _SyncedBalancing:
+    """`update_balancing()` on the local model, then average the balancing biases over ranks so the
+    replicas route identically (each rank's quantiles come from its own tokens)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        self.inner = inner
+
+    def update_balancing(self) -> None:
+        update = getattr(self.inner, "update_balancing", None)
+        if not callable(update):
+            return
+        update()
+        world = dist.get_world_size()
+        for name, buf in self.inner.named_buffers():
+            if name.endswith(BALANCING_BUFFER_SUFFIXES):
+                dist.all_reduce(buf.data, op=dist.ReduceOp.SUM)
+                buf.data /= world
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DistributedLearner:
+    """Data-parallel learner over `num_ranks` Ray actors (same `step` contract as `Learner`)."""
+
+    def __init__(self, model_dir: str, config: LearnerConfig, num_ranks: int, use_gpu: bool = False,
+                 strategy: Strategy = "auto", num_cpus_per_rank: float = 1.0, ref_model_dir: str | None = None,
+                 pad_token_id: int = 0, actor_options: dict[str, Any] | None = None) -> None:
+        import ray
+
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self.num_ranks = num_ranks
+        addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        init_method = f"tcp://{addr}:{free_port()}"
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        opts: dict[str, Any] = {"num_cpus": num_cpus_per_rank, "num_gpus": 1 if use_gpu else 0,
+                                "runtime_env": {"env_vars": env}}
+        opts.update(actor_options or {})
+        actor = ray.remote(RankLearner).options(**opts)
+        self.ranks = [
+            actor.remote(
+                r, num_ranks, init_method, model_dir, config, strategy, "cuda:0" if use_gpu else "cpu",
+                ref_model_dir, pad_token_id)
+            for r in range(num_ranks)
+        ]
+        self.config = config
+        ray.get([a.ping.remote() for a in self.ranks])
+
+    def _plan(self, samples: Sequence[PolicySample]) -> tuple[list[list[PolicySample]], LossNorm, int]:
+        shards = shard_samples(samples, self.num_ranks)
+        n_mb = max(len(pack_micro_batches(s, self.config.micro_batch_tokens)) for s in shards)
+        return shards, LossNorm.of(samples), max(n_mb, 1)
+
+    def step(self, samples: Sequence[PolicySample]) -> dict[str, float]:
+        import ray
+
+        shards, norm, n_mb = self._plan(samples)
+        per_rank = ray.get([a.step.remote(s, norm, n_mb) for a, s in zip(self.ranks, shards, strict=True)])
+        return combine_metrics(per_rank)
+
+    def gradients(self, samples: Sequence[PolicySample]) -> dict[str, torch.Tensor]:
+        import ray
+
+        shards, norm, n_mb = self._plan(samples)
+        grads = ray.get([a.gradients.remote(s, norm, n_mb) for a, s in zip(self.ranks, shards, strict=True)])
+        out = grads[0]
+        out["__loss__"] = sum(g["__loss__"] for g in grads)
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        import ray
+
+        return ray.get([a.full_state_dict.remote() for a in self.ranks])[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.get([a.shutdown.remote() for a in self.ranks], timeout=30)
+        for a in self.ranks:
+            ray.kill(a)
