@@ -20,16 +20,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, moe_latent_size=64,
         n_shared_experts=1, shared_expert_intermediate_size=128, first_k_dense=1, intermediate_size=256,
     ),
-    # ~100M parameters (~40M active per token): one GPU.
+    # ~110M parameters (~65M active per token): one GPU.
     "small": dict(
         vocab_size=1536, hidden_size=768, num_hidden_layers=12, full_attn_layers=[3, 7, 11],
         kda_num_heads=6, kda_head_dim=128, kda_conv_size=4,
         num_attention_heads=12, qk_head_dim=64, v_head_dim=64, kv_lora_rank=256, q_lora_rank=None,
         attn_res_block_size=4,
         n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=256, moe_latent_size=384,
-        n_shared_experts=1, shared_expert_intermediate_size=768, first_k_dense=1, intermediate_size=2048,
+        n_shared_experts=1, shared_expert_intermediate_size=512, first_k_dense=1, intermediate_size=2048,
     ),
-    # The documented large layout (~19B total / ~2.5B active with a 160K vocabulary); config only in CI.
+    # The documented large layout (~19B total / ~3B active with a 160K vocabulary); config only in CI.
     "large": dict(
         vocab_size=163840, hidden_size=2304, num_hidden_layers=28,
         full_attn_layers=[3, 7, 11, 15, 19, 23, 27],
