@@ -1,0 +1,352 @@
+"""The deployment files parse, carry the fields their consumers need, and agree with each other and with
+pyproject.toml (image names and tags, Ray version, torch pin, referenced Services/Secrets/volumes)."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
+
+
+def _pin(package: str) -> str:
+    for dep in PYPROJECT["project"]["dependencies"]:
+        m = re.fullmatch(rf"{re.escape(package)}(\[[^\]]*\])?==([\w.]+)", dep)
+        if m:
+            return m.group(2)
+    raise AssertionError(f"{package} is not pinned with == in pyproject.toml")
+
+
+RAY_VERSION = _pin("ray")
+TORCH_VERSION = _pin("torch")
+IMAGE = {"cpu": f"taper:{VERSION}-cpu", "cuda": f"taper:{VERSION}-cuda"}
+DOCKERFILE = {"cpu": DEPLOY / "Dockerfile.cpu", "cuda": DEPLOY / "Dockerfile.cuda"}
+
+
+def k8s_docs() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                out.append((path.name, doc))
+    return out
+
+
+def find(kind: str, name: str | None = None) -> dict[str, Any]:
+    hits = [
+        d for _, d in k8s_docs() if d.get("kind") == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
+def pod_specs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(group name, pod spec) of every pod template in a workload or Ray resource."""
+    kind, spec = doc["kind"], doc.get("spec", {})
+    if kind == "RayJob":
+        spec = spec["rayClusterSpec"]
+    if kind in ("RayCluster", "RayJob"):
+        groups = [("head", spec["headGroupSpec"])] + [
+            (g["groupName"], g) for g in spec.get("workerGroupSpecs", [])
+        ]
+        return [(n, g["template"]["spec"]) for n, g in groups]
+    if kind in ("Deployment", "StatefulSet"):
+        return [(doc["metadata"]["name"], spec["template"]["spec"])]
+    return []
+
+
+def ray_groups(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    spec = doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+    return [("head", spec["headGroupSpec"])] + [(g["groupName"], g) for g in spec.get("workerGroupSpecs", [])]
+
+
+def custom_resources(group: dict[str, Any]) -> dict[str, float]:
+    raw = group.get("rayStartParams", {}).get("resources")
+    if raw is None:
+        return {}
+    # KubeRay's format: a JSON object inside a quoted string, e.g. '"{\"rollout\": 1}"'
+    assert raw.startswith('"') and raw.endswith('"'), f"resources must be a quoted JSON string, got {raw!r}"
+    return json.loads(raw[1:-1].replace('\\"', '"'))
+
+
+def quantity_bytes(q: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i?)?", str(q))
+    assert m, f"bad quantity {q!r}"
+    return float(m.group(1)) * units.get(m.group(2) or "", 1)
+
+
+# ---------------------------------------------------------------- everything parses
+
+
+def test_all_yaml_parses_and_k8s_objects_have_identity() -> None:
+    files = sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))
+    assert {p.name for p in files} >= {
+        "docker-compose.yml",
+        "raycluster.yaml",
+        "api.yaml",
+        "redis.yaml",
+        "secret.yaml",
+        "rayjob.yaml",
+        "kustomization.yaml",
+    }
+    for path in files:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        assert docs, f"{path} is empty"
+    for fname, doc in k8s_docs():
+        assert doc.get("apiVersion") and doc.get("kind"), f"{fname}: object without apiVersion/kind"
+        if doc["kind"] != "Kustomization":
+            assert doc["metadata"].get("name"), f"{fname}: {doc['kind']} without metadata.name"
+            assert doc["metadata"].get("namespace", "taper") == "taper" or doc["kind"] == "Namespace"
+
+
+def test_kustomization_lists_existing_files_and_leaves_the_rayjob_out() -> None:
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for res in kust["resources"]:
+        assert (K8S / res).is_file(), res
+    assert "rayjob.yaml" not in kust["resources"]
+    listed = set(kust["resources"]) | {"kustomization.yaml", "rayjob.yaml"}
+    assert {p.name for p in K8S.glob("*.yaml")} == listed, (
+        "a manifest is neither in kustomization nor the rayjob"
+    )
+    assert [i["name"] for i in kust["images"]] == ["taper"]
+
+
+# ---------------------------------------------------------------- images
+
+
+def all_images() -> list[tuple[str, str, dict[str, Any]]]:
+    """(where, image, container) for every container in the k8s manifests."""
+    out = []
+    for fname, doc in k8s_docs():
+        for group, spec in pod_specs(doc):
+            for c in spec.get("containers", []) + spec.get("initContainers", []):
+                out.append((f"{fname}:{group}", c["image"], c))
+    return out
+
+
+def test_images_are_the_built_ones_or_pinned_third_party() -> None:
+    for where, image, container in all_images():
+        if image.split(":")[0] == "taper":
+            assert image in IMAGE.values(), f"{where}: {image} is not one of {sorted(IMAGE.values())}"
+            gpu = "nvidia.com/gpu" in container.get("resources", {}).get("limits", {})
+            assert image == IMAGE["cuda" if gpu else "cpu"], (
+                f"{where}: GPU pods use the CUDA image, others the CPU one"
+            )
+        else:
+            assert ":" in image and not image.endswith(":latest"), f"{where}: pin {image}"
+
+
+def test_dockerfiles_install_like_the_setup_script() -> None:
+    bases = set()
+    for variant, path in DOCKERFILE.items():
+        text = path.read_text()
+        bases.add(re.search(r"^FROM (\S+)", text, re.M).group(1))
+        assert f"ARG TORCH_VERSION={TORCH_VERSION}" in text, f"{path.name}: torch pin differs from pyproject"
+        assert f'pip install -q -e ".[{variant}]"' in text
+        removes = "pip uninstall -q -y torchvision torchaudio torchcodec" in text
+        assert removes == (variant == "cpu"), f"{path.name}: torchvision & co. are removed for CPU only"
+        assert f'org.opencontainers.image.version="{VERSION}"' in text
+        assert (DEPLOY / f"{path.name}.dockerignore").is_file()
+        assert "/etc/profile.d/" in text and "wget" in text  # KubeRay's `bash -l` start and its probes
+    assert len(bases) == 1, "CPU and CUDA images must share a Python base: Ray needs one Python on all nodes"
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "torchvision torchaudio torchcodec" in setup and "torch==" in setup
+
+
+def test_compose_images_build_from_the_dockerfiles() -> None:
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"redis", "api", "ray-head", "ray-worker"} <= set(services)
+    built = {}
+    for name, svc in services.items():
+        if "build" in svc:
+            dockerfile = (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve()
+            assert dockerfile.is_file(), f"{name}: {dockerfile}"
+            built[svc["image"]] = dockerfile
+    assert built == {IMAGE["cpu"]: DOCKERFILE["cpu"].resolve(), IMAGE["cuda"]: DOCKERFILE["cuda"].resolve()}
+    for name, svc in services.items():
+        image = svc["image"]
+        assert image in built or (image.startswith("redis:") and not image.endswith(":latest")), name
+
+
+# ---------------------------------------------------------------- compose wiring
+
+
+def test_compose_wiring() -> None:
+    services = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    redis_cmd = " ".join(services["redis"]["command"])
+    assert "--appendonly yes" in redis_cmd
+    assert any(v.endswith(":/data") for v in services["redis"]["volumes"])
+    head_cmd = services["ray-head"]["command"]
+    port = re.search(r"--port=(\d+)", head_cmd).group(1)
+    client_port = re.search(r"--ray-client-server-port=(\d+)", head_cmd).group(1)
+    assert f"--address=ray-head:{port}" in services["ray-worker"]["command"]
+    env = services["api"]["environment"]
+    assert env["RAY_ADDRESS"] == f"ray://ray-head:{client_port}"
+    assert env["TAPER_REDIS_URL"].startswith("redis://redis:6379")
+    for name in ("api", "ray-head", "ray-worker"):
+        assert services[name]["environment"]["TAPER_DATA_DIR"] == "/data/taper"
+        assert "taper-data:/data/taper" in services[name]["volumes"], f"{name} must share the data volume"
+    assert json.loads(re.search(r"--resources='([^']*)'", services["ray-worker"]["command"]).group(1)) == {
+        "rollout": 4
+    }
+    for name in ("ray-head", "ray-worker"):
+        store = int(re.search(r"--object-store-memory=(\d+)", services[name]["command"]).group(1))
+        assert quantity_bytes(services[name]["shm_size"].upper().replace("GB", "G")) > store
+
+
+# ---------------------------------------------------------------- Ray cluster
+
+
+@pytest.mark.parametrize("kind", ["RayCluster", "RayJob"])
+def test_ray_groups_resources_bounds_and_object_store(kind: str) -> None:
+    doc = find(kind)
+    spec = doc["spec"]["rayClusterSpec"] if kind == "RayJob" else doc["spec"]
+    assert spec["rayVersion"] == RAY_VERSION
+    advertised: dict[str, float] = {}
+    gpu_groups = cpu_groups = 0
+    for name, group in ray_groups(doc):
+        params = group["rayStartParams"]
+        assert all(isinstance(v, str) for v in params.values()), (
+            f"{name}: rayStartParams values must be strings"
+        )
+        for k, v in custom_resources(group).items():
+            advertised[k] = advertised.get(k, 0) + v
+        if name != "head":
+            assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], name
+        pod = group["template"]["spec"]
+        container = pod["containers"][0]
+        limits = container["resources"]["limits"]
+        assert container["resources"]["requests"] == limits, f"{name}: Ray reads limits; keep requests equal"
+        gpus = int(limits.get("nvidia.com/gpu", 0))
+        if gpus:
+            gpu_groups += 1
+            assert params.get("num-gpus", str(gpus)) == str(gpus)
+            assert any(t["key"] == "nvidia.com/gpu" for t in pod.get("tolerations", []))
+        elif name != "head":
+            cpu_groups += 1
+        # object store in /dev/shm: the memory-backed volume must be larger
+        store = int(params["object-store-memory"])
+        dshm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert dshm["emptyDir"]["medium"] == "Memory"
+        assert quantity_bytes(dshm["emptyDir"]["sizeLimit"]) > store, f"{name}: /dev/shm below object store"
+        assert quantity_bytes(limits["memory"]) > store
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts.get("/dev/shm") == "dshm" and mounts.get("/data/taper") == "taper-data", name
+        assert any(
+            v.get("persistentVolumeClaim", {}).get("claimName") == "taper-data" for v in pod["volumes"]
+        )
+    assert advertised.get("rollout", 0) > 0 and advertised.get("learner", 0) > 0
+    assert gpu_groups >= 1
+    if kind == "RayCluster":
+        assert cpu_groups >= 1 and spec["enableInTreeAutoscaling"] is True
+        assert custom_resources(spec["headGroupSpec"]) == {}, "no rollout/learner work on the head"
+
+
+def test_api_reaches_ray_and_redis_and_is_exposed() -> None:
+    cluster = find("RayCluster")
+    api = find("Deployment", "taper-api")
+    container = api["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    client_port = next(
+        p["containerPort"]
+        for p in cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
+        if p["name"] == "client"
+    )
+    assert env["RAY_ADDRESS"]["value"] == f"ray://{cluster['metadata']['name']}-head-svc:{client_port}"
+    secret = find("Secret", "taper-secrets")
+    for name in ("TAPER_REDIS_URL", "TAPER_API_KEY"):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "taper-secrets" and ref["key"] in secret["stringData"]
+    # every secret reference anywhere points at a key that exists
+    for fname, doc in k8s_docs():
+        for _, pod in pod_specs(doc):
+            for c in pod["containers"]:
+                for e in c.get("env", []):
+                    ref = e.get("valueFrom", {}).get("secretKeyRef")
+                    if ref:
+                        assert ref["name"] == "taper-secrets" and ref["key"] in secret["stringData"], fname
+    # the Redis URL names the Redis Service and its port
+    redis_svc = find("Service", "taper-redis")
+    url = secret["stringData"]["TAPER_REDIS_URL"]
+    assert re.fullmatch(rf"redis://(:[^@]+@)?taper-redis:{redis_svc['spec']['ports'][0]['port']}/\d+", url)
+    # the Service selects the API pods and targets the container port
+    svc = find("Service", "taper-api")
+    labels = api["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    assert api["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert svc["spec"]["ports"][0]["targetPort"] in port_names
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert api["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_redis_is_persistent_and_password_protected() -> None:
+    sts = find("StatefulSet", "taper-redis")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    args = " ".join(container["args"])
+    assert "--appendonly yes" in args and "--requirepass $(REDIS_PASSWORD)" in args
+    assert {m["mountPath"]: m["name"] for m in container["volumeMounts"]}["/data"] == "redis-data"
+    assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]] == ["redis-data"]
+    assert sts["spec"]["serviceName"] == "taper-redis"
+    pvc = find("PersistentVolumeClaim", "taper-data")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_rayjob_runs_the_job_main_entry_on_a_valid_spec() -> None:
+    from rl_service.spec import JobSpec
+
+    job = find("RayJob")
+    m = re.fullmatch(r"python -m rl_service\.job_main --spec (\S+)", job["spec"]["entrypoint"])
+    assert m, job["spec"]["entrypoint"]
+    spec_path = Path(m.group(1))
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    mount = next(
+        vm for vm in head["containers"][0]["volumeMounts"] if vm["mountPath"] == str(spec_path.parent)
+    )
+    volume = next(v for v in head["volumes"] if v["name"] == mount["name"])
+    cm = find("ConfigMap", volume["configMap"]["name"])
+    spec = JobSpec.model_validate(yaml.safe_load(cm["data"][spec_path.name]))
+    # the job's resources fit the RayJob's cluster: rollout bundles need `rollout`, and GPUs suffice
+    groups = [g for n, g in ray_groups(job) if n != "head"]
+    rollout_units = sum(custom_resources(g).get("rollout", 0) * g["replicas"] for g in groups)
+    gpus = sum(int(g["rayStartParams"].get("num-gpus", "0")) * g["replicas"] for g in groups)
+    need_rollout = spec.resources.custom.get("rollout", 0) * spec.rollout.num_workers
+    need_gpus = (
+        spec.resources.rollout_gpus * spec.rollout.num_workers
+        + spec.resources.learner_gpus * spec.resources.num_learners
+    )
+    assert rollout_units >= need_rollout and gpus >= need_gpus
+    assert job["spec"]["shutdownAfterJobFinishes"] is True
+
+
+def test_readme_documents_the_entry_points_and_files() -> None:
+    text = (DEPLOY / "README.md").read_text()
+    for needle in (
+        "python -m rl_service.job_main --spec",
+        "RAY_ADDRESS=ray://taper-head-svc:10001",
+        "TAPER_REDIS_URL",
+        "Dockerfile.cpu",
+        "Dockerfile.cuda",
+        "docker-compose.yml",
+        "rayjob.yaml",
+        "## Sizing per model preset",
+        "## Scaling rollouts vs learners",
+        "## Upgrading without losing jobs",
+        "## Backing up Redis and checkpoints",
+    ):
+        assert needle in text, needle
+    for preset in ("tiny", "small", "large"):
+        assert f"| `{preset}` |" in text
