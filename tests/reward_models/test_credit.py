@@ -248,3 +248,20 @@ def test_property_finite_and_group_normalised(
                 by_index.setdefault(k, []).append(a)
     for vals in by_index.values():
         assert abs(sum(vals)) < 1e-6 * max(1.0, max(abs(v) for v in vals))
+
+
+def test_schedule_density_drives_node_sampling_in_credit(b: Any) -> None:
+    import functools
+
+    from reward_models.schedule import RewardSchedule
+
+    schedule = RewardSchedule(density_start=1.0, density_end=0.0, horizon=100, seed=3)
+    trajs = random_batch(b, random.Random(6), n_groups=20, size=8)
+    for t, expected in ((0, 1.0), (50, 0.5), (100, 0.0)):
+        batch = compute_advantages(
+            trajs, schedule.weight(t), keep_node=functools.partial(schedule.keep_node, t)
+        )
+        total, kept = batch.stats["nodes_total"], batch.stats["nodes_kept"]
+        assert abs(kept / total - expected) <= 4 * math.sqrt(0.25 / total) + 1e-12
+        if expected == 0.0:
+            assert all(a == 0.0 for pa in batch.process_advantages for a in pa)
