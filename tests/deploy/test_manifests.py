@@ -148,6 +148,15 @@ def test_images_are_the_built_ones_or_pinned_third_party() -> None:
             assert ":" in image and not image.endswith(":latest"), f"{where}: pin {image}"
 
 
+def test_taper_pods_can_write_their_volumes() -> None:
+    for fname, doc in k8s_docs():
+        for group, pod in pod_specs(doc):
+            if any(c["image"].startswith("taper:") for c in pod["containers"]):
+                assert pod.get("securityContext", {}).get("fsGroup") == 1000, f"{fname}:{group}"
+    for path in DOCKERFILE.values():
+        assert "--uid 1000 --gid 1000 taper" in path.read_text() and "USER taper" in path.read_text()
+
+
 def test_dockerfiles_install_like_the_setup_script() -> None:
     bases = set()
     for variant, path in DOCKERFILE.items():
