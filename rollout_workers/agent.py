@@ -1,0 +1,288 @@
+"""The multi-turn tool-calling agent loop: many episodes at once on one engine.
+
+Every round, the episodes waiting for the policy go to the engine in ONE batched `generate` call
+(token-id prompts); while it runs, the tool calls of the others proceed on their own threads. The
+context of an episode is only ever extended by ids: the sampled ids, then the ids of the text the
+loop inserted (tool messages + next assistant header), tokenised on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_workers.chat import ChatFormat
+from rollout_workers.engine import Engine, TurnOutput, TurnRequest, request_seed
+from rollout_workers.environments.base import Environment, ToolError
+from rollout_workers.parsing import has_tool_call_markup, parse_tool_calls
+from rollout_workers.sampling import SamplingConfig
+from rollout_workers.stats import RolloutStats
+from rollout_workers.tool_runner import ToolRunner, bound
+from rollout_workers.trajectory import Step, ToolCall, Trajectory, TrajectoryStatus
+
+MAX_TOOL_RESULT_CHARS = 4000
+
+
+@dataclass
+class EpisodeSpec:
+    task: dict[str, Any]
+    group_id: str
+    sample_index: int = 0
+
+
+@dataclass
+class _Episode:
+    spec: EpisodeSpec
+    traj: Trajectory
+    env: Environment | None = None
+    tools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    context: list[int] = field(default_factory=list)
+    done: bool = False
+    busy: bool = False  # its last turn is being handled (tool calls running)
+
+
+class AgentLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        env_factory: Callable[[], Environment],
+        sampling: SamplingConfig,
+        *,
+        env_name: str,
+        job_id: str | None = None,
+        train_step: int | None = None,
+        stats: RolloutStats | None = None,
+        batch_wait_s: float = 0.02,
+        tool_runner: ToolRunner | None = None,
+    ) -> None:
+        self.engine = engine
+        self.chat = ChatFormat(engine.tokenizer)
+        self.env_factory = env_factory
+        self.sampling = sampling
+        self.env_name = env_name
+        self.job_id = job_id
+        self.train_step = train_step
+        self.stats = stats or RolloutStats()
+        self.batch_wait_s = batch_wait_s
+        self._owns_runner = tool_runner is None
+        self.tool_runner = tool_runner or ToolRunner()
+
+    def close(self) -> None:
+        if self._owns_runner:
+            self.tool_runner.close()
+
+    # ------------------------------------------------------------------ driver
+    async def run(self, specs: list[EpisodeSpec]) -> list[Trajectory]:
+        started = time.monotonic()
+        episodes = list(await asyncio.gather(*(self._start(s) for s in specs)))
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                ready = [e for e in episodes if not e.done and not e.busy]
+                if not ready and not pending:
+                    break
+                if pending:
+                    if not ready:
+                        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                        ready = [e for e in episodes if not e.done and not e.busy]
+                    if pending and len(ready) < len(pending):
+                        # tools that answer within the window join this batch: fewer, fuller engine calls
+                        _, pending = await asyncio.wait(pending, timeout=self.batch_wait_s)
+                        ready = [e for e in episodes if not e.done and not e.busy]
+                    if not ready:
+                        continue
+                outputs = await self._generate(ready)
+                for ep, out in zip(ready, outputs, strict=True):
+                    ep.busy = True
+                    pending.add(asyncio.create_task(self._after_turn(ep, out)))
+        finally:
+            for t in pending:
+                t.cancel()
+        await asyncio.gather(*(self._close(e) for e in episodes))
+        for e in episodes:
+            self.stats.record_trajectory(e.traj.status.value, len(e.traj.prompt_ids))
+        self.stats.record_busy(time.monotonic() - started)
+        return [e.traj for e in episodes]
+
+    async def _generate(self, ready: list[_Episode]) -> list[TurnOutput]:
+        requests = []
+        for ep in ready:
+            budget = self.sampling.max_total_tokens - len(ep.context)
+            requests.append(
+                TurnRequest(
+                    prompt_ids=list(ep.context),
+                    max_tokens=min(self.sampling.max_tokens_per_turn, budget),
+                    seed=request_seed(
+                        self.sampling.seed, ep.traj.task_id, ep.spec.sample_index, len(ep.traj.steps), self.train_step
+                    ),
+                )
+            )
+        t0 = time.monotonic()
+        outputs = await asyncio.to_thread(self.engine.generate, requests, self.sampling, self.chat.stop_token_ids)
+        self.stats.record_generate(sum(len(o.token_ids) for o in outputs), time.monotonic() - t0)
+        return outputs
+
+    # ------------------------------------------------------------------ one episode
+    async def _start(self, spec: EpisodeSpec) -> _Episode:
+        task = spec.task
+        traj = Trajectory(
+            job_id=self.job_id,
+            env=self.env_name,
+            task_id=str(task.get("id", "")),
+            task=task,
+            group_id=spec.group_id,
+            prompt_ids=[],
+            prompt_text="",
+            train_step=self.train_step,
+            metadata={"sample_index": spec.sample_index},
+        )
+        ep = _Episode(spec=spec, traj=traj)
+        try:
+            ep.env = self.env_factory()
+            env = ep.env
+            messages = await self.tool_runner.run(bound(env.reset, task), self.sampling.tool_timeout_s)
+            tools = env.tools()
+            ep.tools = {t["name"]: t for t in tools}
+            traj.prompt_text, traj.prompt_ids = self.chat.render_prompt(messages, tools)
+            traj.metadata.update(env.episode_metadata())
+        except TimeoutError as e:
+            self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"reset timed out: {e}")
+            return ep
+        except Exception as e:
+            self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"reset failed: {e!r}")
+            return ep
+        ep.context = list(traj.prompt_ids)
+        if len(ep.context) >= self.sampling.max_total_tokens:
+            self._finish(ep, TrajectoryStatus.TRUNCATED, "max_total_tokens", None)
+        return ep
+
+    async def _after_turn(self, ep: _Episode, out: TurnOutput) -> None:
+        try:
+            await self._handle_turn(ep, out)
+        except Exception as e:  # a bug in handling must not take the other episodes down
+            self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"internal error handling the turn: {e!r}")
+        finally:
+            ep.busy = False
+
+    async def _handle_turn(self, ep: _Episode, out: TurnOutput) -> None:
+        s = self.sampling
+        step = Step(
+            action_ids=list(out.token_ids),
+            action_logprobs=list(out.logprobs),
+            action_text=self.chat.decode(out.token_ids),
+            weight_version=out.weight_version,
+            finish_reason=out.finish_reason,
+        )
+        ep.traj.steps.append(step)
+        ep.context += out.token_ids
+        ended_with_eos = bool(out.token_ids) and out.token_ids[-1] == self.chat.eos_token_id
+
+        if out.finish_reason == "length":
+            if len(ep.context) >= s.max_total_tokens:
+                return self._finish(ep, TrajectoryStatus.TRUNCATED, "max_total_tokens", None, inserted=0)
+            step.tool_calls = [
+                ToolCall(
+                    raw="",
+                    error=f"turn cut off after {len(out.token_ids)} tokens (max_tokens_per_turn) before it ended",
+                    error_kind="format",
+                )
+            ]
+        else:
+            text = step.action_text
+            if ended_with_eos and text.endswith(self.chat.eos_text):
+                text = text[: -len(self.chat.eos_text)]
+            if not has_tool_call_markup(text):
+                step.is_final = True
+                return self._finish(ep, TrajectoryStatus.OK, "final_answer", None, inserted=0)
+            step.tool_calls = parse_tool_calls(text, ep.tools, s.max_tool_calls_per_turn)
+
+        for call in step.tool_calls:
+            if call.error is not None:
+                self.stats.record_tool(0.0, call.error_kind)
+                continue
+            failure = await self._call_tool(ep, call)
+            if failure is not None:
+                return self._finish(ep, failure[0], failure[0].value, failure[1], inserted=0)
+
+        if len(ep.traj.steps) >= s.max_turns:
+            return self._finish(ep, TrajectoryStatus.TRUNCATED, "max_turns", None, inserted=0)
+        messages = [
+            {"role": "tool", "content": c.result if c.error is None else f"Error: {c.error}"} for c in step.tool_calls
+        ]
+        obs_text = self.chat.observation_text(messages, ended_with_eos)
+        obs_ids = self.chat.encode(obs_text)
+        if len(ep.context) + len(obs_ids) >= s.max_total_tokens:
+            return self._finish(ep, TrajectoryStatus.TRUNCATED, "max_total_tokens", None, inserted=0)
+        step.observation_ids, step.observation_text = obs_ids, obs_text
+        ep.context += obs_ids
+        self.stats.record_turn(len(obs_ids))
+
+    async def _call_tool(self, ep: _Episode, call: ToolCall) -> tuple[TrajectoryStatus, str] | None:
+        """Run one validated call; a (status, reason) when the episode must end."""
+        env, name, args = ep.env, call.name or "", dict(call.arguments or {})
+        assert env is not None
+        outcome: tuple[TrajectoryStatus, str] | None = None
+        t0 = time.monotonic()
+        try:
+            result, call.latency_s = await self.tool_runner.run_timed(bound(env.call, name, args), self.sampling.tool_timeout_s)
+        except TimeoutError as e:
+            call.error, call.error_kind = f"tool {name} timed out: {e}", "timeout"
+            outcome = (TrajectoryStatus.TOOL_TIMEOUT, call.error)
+            call.latency_s = time.monotonic() - t0
+        except ToolError as e:
+            call.error, call.error_kind = str(e) or type(e).__name__, "tool_error"
+            call.latency_s = time.monotonic() - t0
+        except Exception as e:
+            call.error, call.error_kind = f"environment crashed in {name}: {e!r}", "tool_error"
+            outcome = (TrajectoryStatus.ENV_ERROR, call.error)
+            call.latency_s = time.monotonic() - t0
+        else:
+            text = result if isinstance(result, str) else str(result)
+            if len(text) > MAX_TOOL_RESULT_CHARS:
+                text = text[:MAX_TOOL_RESULT_CHARS] + " [truncated]"
+            call.result = text
+        self.stats.record_tool(call.latency_s, call.error_kind)
+        return outcome
+
+    def _finish(
+        self, ep: _Episode, status: TrajectoryStatus, reason: str, error: str | None, inserted: int | None = None
+    ) -> None:
+        ep.done = True
+        ep.traj.status = status
+        ep.traj.error = error
+        ep.traj.metadata["stop_reason"] = reason
+        if inserted is not None:
+            self.stats.record_turn(inserted)
+
+    async def _close(self, ep: _Episode) -> None:
+        if ep.env is None:
+            return
+        env = ep.env
+        try:
+            await self.tool_runner.run(bound(env.close), self.sampling.tool_timeout_s)
+        except Exception:  # closing is best effort; the trajectory is already recorded
+            pass
+
+
+def make_group_specs(tasks: list[dict[str, Any]], n: int) -> list[list[EpisodeSpec]]:
+    """n episodes per task, sharing one fresh group id."""
+    groups = []
+    for task in tasks:
+        gid = uuid.uuid4().hex
+        groups.append([EpisodeSpec(task=task, group_id=gid, sample_index=i) for i in range(n)])
+    return groups
+
+
+def run_groups(loop: AgentLoop, groups: list[list[EpisodeSpec]]) -> list[list[Trajectory]]:
+    """Run all groups' episodes concurrently; trajectories come back grouped, in input order."""
+    flat = [spec for g in groups for spec in g]
+    trajs = asyncio.run(loop.run(flat))
+    out, i = [], 0
+    for g in groups:
+        out.append(trajs[i : i + len(g)])
+        i += len(g)
+    return out

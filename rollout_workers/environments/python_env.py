@@ -1,0 +1,138 @@
+"""Python: integer puzzles the model solves by running code in the sandbox (`run_python`)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import TYPE_CHECKING, Any
+
+from rollout_workers.environments.base import (
+    Environment,
+    ToolError,
+    extract_answer,
+    final_answer_text,
+    parse_int,
+    tool_call_message,
+)
+from rollout_workers.environments.sandbox import SandboxLimits, run_python
+
+if TYPE_CHECKING:
+    from rollout_workers.trajectory import Trajectory
+
+
+def _primes_below(n: int) -> list[int]:
+    return [p for p in range(2, n) if all(p % d for d in range(2, int(p**0.5) + 1))]
+
+
+def _fib(n: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+# (question template, reference code template, answer function); each takes one integer parameter.
+_PUZZLES: list[tuple[str, str, Any, tuple[int, int]]] = [
+    (
+        "What is the sum of the squares of the integers from 1 to {k}?",
+        "print(sum(i * i for i in range(1, {k} + 1)))",
+        lambda k: sum(i * i for i in range(1, k + 1)),
+        (5, 200),
+    ),
+    (
+        "How many prime numbers are there below {k}?",
+        "print(sum(all(p % d for d in range(2, int(p ** 0.5) + 1)) for p in range(2, {k})))",
+        lambda k: len(_primes_below(k)),
+        (10, 500),
+    ),
+    (
+        "What is the {k}th Fibonacci number (F(0) = 0, F(1) = 1)?",
+        "a, b = 0, 1\nfor _ in range({k}):\n    a, b = b, a + b\nprint(a)",
+        _fib,
+        (5, 60),
+    ),
+    (
+        "What is the sum of the digits of 2 to the power {k}?",
+        "print(sum(int(c) for c in str(2 ** {k})))",
+        lambda k: sum(int(c) for c in str(2**k)),
+        (10, 200),
+    ),
+]
+
+
+class PythonEnv(Environment):
+    name = "python"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.limits = SandboxLimits(
+            cpu_seconds=int(options.get("cpu_seconds", 5)),
+            memory_bytes=int(options.get("memory_mb", 256)) * 1024 * 1024,
+            output_bytes=int(options.get("output_bytes", 16 * 1024)),
+            wall_seconds=float(options.get("wall_seconds", 10.0)),
+        )
+
+    def tools(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": "run_python",
+                "description": "Run a Python program (no network, limited CPU/memory/time) and return what it prints.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"code": {"type": "string", "description": "Python source; print the result."}},
+                    "required": ["code"],
+                    "additionalProperties": False,
+                },
+            }
+        ]
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": task["question"]}]
+
+    async def call(self, tool: str, args: dict[str, Any]) -> str:
+        if tool != "run_python":
+            raise ToolError(f"unknown tool {tool!r}")
+        result = await asyncio.to_thread(run_python, str(args["code"]), self.limits)
+        return result.summary()
+
+    def outcome(self, trajectory: Trajectory) -> float:
+        answer = parse_int(extract_answer(final_answer_text(trajectory)))
+        return float(answer is not None and answer == int(trajectory.task["answer"]))
+
+    def process(self, trajectory: Trajectory, step_index: int) -> dict[str, float]:
+        """Step consistency: the program printed the task's answer / the final answer restates output."""
+        step = trajectory.steps[step_index]
+        target = str(trajectory.task["answer"])
+        if step.tool_calls:
+            return {"output_has_answer": float(any(target in (c.result or "").split() for c in step.tool_calls))}
+        if step.is_final:
+            outputs = [c.result or "" for s in trajectory.steps[:step_index] for c in s.tool_calls]
+            stated = extract_answer(step.action_text)
+            return {"answer_matches_tool": float(bool(outputs) and stated is not None and stated in outputs[-1].split())}
+        return {}
+
+    @classmethod
+    def generate_tasks(cls, n: int, seed: int, **_: Any) -> list[dict[str, Any]]:
+        rng = random.Random(seed)
+        tasks = []
+        for i in range(n):
+            kind = rng.randrange(len(_PUZZLES))
+            question, code, answer_fn, (lo, hi) = _PUZZLES[kind]
+            k = rng.randint(lo, hi)
+            tasks.append(
+                {
+                    "id": f"python-{seed}-{i}",
+                    "question": question.format(k=k),
+                    "reference_code": code.format(k=k),
+                    "answer": answer_fn(k),
+                }
+            )
+        return tasks
+
+    def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        return [
+            {"role": "user", "content": task["question"]},
+            tool_call_message("run_python", {"code": task["reference_code"]}),
+            {"role": "tool", "content": f"{task['answer']}\n"},
+            {"role": "assistant", "content": f"The answer is {task['answer']}."},
+        ]

@@ -1,0 +1,162 @@
+"""Environment registrations: built-ins, `python` (an installed class) and `http` (a remote tool server).
+
+A registration is data only (JSON-serialisable, stored by the control plane): an import path of code
+already installed on the cluster, or a URL. No code is ever accepted inside a request.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rollout_workers.environments.base import Environment, validate_tool_schemas
+from rollout_workers.environments.calculator import CalculatorEnv
+from rollout_workers.environments.http_env import HttpEnvironment
+from rollout_workers.environments.long_horizon import LongHorizonEnv
+from rollout_workers.environments.python_env import PythonEnv
+from rollout_workers.environments.retrieval import RetrievalEnv
+
+BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {
+    cls.name: cls for cls in (CalculatorEnv, PythonEnv, RetrievalEnv, LongHorizonEnv)
+}
+
+_NAME = re.compile(r"^[a-z][a-z0-9_\-]{0,63}$")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class EnvironmentRegistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["python", "http"]
+    name: str = Field(description="Unique environment name, lowercase: [a-z][a-z0-9_-]*.")
+    description: str = Field("", max_length=2000)
+    import_path: str | None = Field(None, description="python kind: 'package.module:ClassName', installed on the cluster.")
+    base_url: str | None = Field(None, description="http kind: the tool server's base URL (http or https).")
+    tools: list[dict[str, Any]] | None = Field(None, description="http kind: tool descriptions with JSON Schemas.")
+    timeout_s: float = Field(10.0, gt=0.0, le=3600.0, description="http kind: per-request timeout.")
+    retries: int = Field(2, ge=0, le=10, description="http kind: retries on connection errors, 429 and 5xx.")
+    backoff_s: float = Field(0.2, ge=0.0, le=60.0, description="http kind: first retry delay; doubles each retry.")
+    concurrency: int = Field(16, ge=1, le=4096, description="http kind: max requests in flight per process.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Constructor / task generator options.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"must match {_NAME.pattern}")
+        return v
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> EnvironmentRegistration:
+        if self.kind == "python":
+            if not self.import_path:
+                raise ValueError("import_path: required for kind 'python'")
+            if self.base_url is not None or self.tools is not None:
+                raise ValueError("base_url/tools: only for kind 'http' (a python environment declares its own tools)")
+        else:
+            if not self.base_url:
+                raise ValueError("base_url: required for kind 'http'")
+            if self.import_path is not None:
+                raise ValueError("import_path: only for kind 'python'")
+            if self.tools is None:
+                raise ValueError("tools: required for kind 'http'")
+        return self
+
+
+def validate_registration(reg: EnvironmentRegistration | dict[str, Any]) -> EnvironmentRegistration:
+    """Full check of a registration; raises ValueError whose message starts with the offending field."""
+    if isinstance(reg, dict):
+        try:
+            reg = EnvironmentRegistration.model_validate(reg)
+        except ValueError as e:
+            raise ValueError(_pydantic_message(e)) from None
+    if reg.name in BUILTIN_ENVIRONMENTS:
+        raise ValueError(f"name: {reg.name!r} is a built-in environment")
+    if reg.kind == "python":
+        cls = _import_class(reg.import_path or "")
+        try:
+            env = cls(**reg.options)
+        except Exception as e:
+            raise ValueError(f"options: {reg.import_path} could not be constructed with them: {e!r}") from None
+        try:
+            tools = env.tools()
+        except Exception as e:
+            raise ValueError(f"import_path: {reg.import_path}.tools() raised {e!r}") from None
+        validate_tool_schemas(tools, field=f"import_path: {reg.import_path}.tools()")
+    else:
+        url = urlparse(reg.base_url or "")
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"base_url: must be an http(s) URL with a host, got {reg.base_url!r}")
+        if url.query or url.fragment:
+            raise ValueError("base_url: must not carry a query or fragment")
+        validate_tool_schemas(reg.tools)
+    return reg
+
+
+def _import_class(import_path: str) -> type[Environment]:
+    if not _IMPORT_PATH.match(import_path):
+        raise ValueError(f"import_path: must look like 'package.module:ClassName', got {import_path!r}")
+    module_name, class_name = import_path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ValueError(f"import_path: cannot import module {module_name!r}: {e!r}") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"import_path: module {module_name!r} has no attribute {class_name!r}")
+    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+        raise ValueError(f"import_path: {import_path} is not a subclass of rollout_workers Environment")
+    if inspect.isabstract(cls):
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        raise ValueError(f"import_path: {import_path} is abstract (missing {', '.join(missing)})")
+    return cls
+
+
+def _pydantic_message(e: ValueError) -> str:
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        msg = first.get("msg", str(e)).removeprefix("Value error, ")
+        return f"{loc}: {msg}" if loc else msg
+    return str(e)
+
+
+@functools.lru_cache(maxsize=256)
+def _http_class(reg_json: str) -> type[HttpEnvironment]:
+    reg = EnvironmentRegistration.model_validate_json(reg_json)
+    return type(f"Http_{reg.name}", (HttpEnvironment,), {"config": reg, "name": reg.name})
+
+
+def environment_class(env: EnvironmentRegistration | str) -> type[Environment]:
+    """The Environment class behind a built-in name or a registration."""
+    if isinstance(env, str):
+        if env not in BUILTIN_ENVIRONMENTS:
+            raise ValueError(f"environment: unknown built-in {env!r} (built-ins: {sorted(BUILTIN_ENVIRONMENTS)})")
+        return BUILTIN_ENVIRONMENTS[env]
+    if env.kind == "python":
+        return _import_class(env.import_path or "")
+    return _http_class(env.model_dump_json())
+
+
+def make_env_factory(
+    env: EnvironmentRegistration | str, options: dict[str, Any] | None = None
+) -> Callable[[], Environment]:
+    """A zero-argument constructor making one fresh Environment per episode."""
+    cls = environment_class(env)
+    merged = {**(env.options if isinstance(env, EnvironmentRegistration) else {}), **(options or {})}
+    return functools.partial(cls, **merged)
+
+
+def generate_tasks(
+    env: EnvironmentRegistration | str, n: int, seed: int, options: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    merged = {**(env.options if isinstance(env, EnvironmentRegistration) else {}), **(options or {})}
+    return environment_class(env).generate_tasks(n, seed, **merged)

@@ -1,0 +1,184 @@
+"""A pool of rollout workers (Ray actors) that spreads groups of rollouts over them.
+
+Groups (n samples of one task) are cut into chunks; each idle worker takes the next chunk and runs
+all its episodes concurrently. A worker that dies is replaced by a fresh one (which first loads the
+latest pushed weights) and its in-flight chunk goes back to the queue, so no group is lost.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from rollout_workers.agent import EpisodeSpec, make_group_specs
+from rollout_workers.engine import EngineConfig
+from rollout_workers.environments.registry import EnvironmentRegistration
+from rollout_workers.sampling import SamplingConfig
+from rollout_workers.trajectory import Trajectory
+from rollout_workers.worker import EngineFactory, RolloutWorker
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+_DEAD = (RayActorError, ActorUnavailableError)
+
+
+class RolloutPool:
+    def __init__(
+        self,
+        engine: EngineConfig | EngineFactory,
+        env: EnvironmentRegistration | str,
+        num_workers: int = 1,
+        *,
+        env_options: dict[str, Any] | None = None,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float = 0.0,
+        resources: dict[str, float] | None = None,
+        groups_per_call: int | None = None,
+        max_retries: int = 3,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError("num_workers: must be >= 1")
+        if groups_per_call is not None and groups_per_call < 1:
+            raise ValueError("groups_per_call: must be >= 1")
+        if not ray.is_initialized():
+            ray.init()
+        self._spawn_args = (engine, env, env_options)
+        self._options = dict(
+            num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker, resources=resources or {}, max_concurrency=4
+        )
+        self.groups_per_call = groups_per_call
+        self.max_retries = max_retries
+        self.restarts = 0
+        self._weights: tuple[ray.ObjectRef, int] | None = None
+        self._workers = [self._spawn() for _ in range(num_workers)]
+        ray.get([w.ping.remote() for w in self._workers])  # engines built: surface startup errors here
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-rollout-pool")
+
+    @property
+    def workers(self) -> list[Any]:
+        return list(self._workers)
+
+    def _spawn(self) -> Any:
+        actor = RolloutWorker.options(**self._options).remote(*self._spawn_args)
+        if self._weights is not None:
+            actor.load_weights.remote(*self._weights)  # actor calls run in order: before any batch
+        return actor
+
+    def _replace(self, slot: int, dead: Any) -> None:
+        if self._workers[slot] is dead:
+            log.warning("rollout worker %d died; starting a replacement", slot)
+            try:
+                ray.kill(dead, no_restart=True)
+            except Exception:  # already gone
+                pass
+            self._workers[slot] = self._spawn()
+            self.restarts += 1
+
+    # ------------------------------------------------------------------ rollouts
+    def generate(
+        self,
+        tasks: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingConfig,
+        train_step: int | None = None,
+        job_id: str | None = None,
+    ) -> list[list[Trajectory]]:
+        """One group of n trajectories per task, in task order."""
+        if n < 1:
+            raise ValueError("n: must be >= 1")
+        groups = make_group_specs(tasks, n)
+        if not groups:
+            return []
+        size = self.groups_per_call or math.ceil(len(groups) / len(self._workers))
+        chunks: deque[tuple[int, list[list[EpisodeSpec]], int]] = deque(
+            (start, groups[start : start + size], 0) for start in range(0, len(groups), size)
+        )
+        results: list[list[Trajectory] | None] = [None] * len(groups)
+        in_flight: dict[ray.ObjectRef, tuple[int, Any, tuple[int, list[list[EpisodeSpec]], int]]] = {}
+        while chunks or in_flight:
+            busy_slots = {slot for slot, _, _ in in_flight.values()}
+            for slot in range(len(self._workers)):
+                if chunks and slot not in busy_slots:
+                    chunk = chunks.popleft()
+                    worker = self._workers[slot]
+                    ref = worker.generate.remote(chunk[1], sampling, train_step, job_id)
+                    in_flight[ref] = (slot, worker, chunk)
+            done, _ = ray.wait(list(in_flight), num_returns=1)
+            for ref in done:
+                slot, worker, chunk = in_flight.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except _DEAD as e:
+                    start, chunk_groups, attempts = chunk
+                    if attempts >= self.max_retries:
+                        raise RuntimeError(f"rollout chunk failed on {attempts + 1} workers: {e}") from e
+                    self._replace(slot, worker)
+                    chunks.appendleft((start, chunk_groups, attempts + 1))
+                    continue
+                start = chunk[0]
+                for i, group in enumerate(out):
+                    results[start + i] = group
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def submit(
+        self,
+        tasks: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingConfig,
+        train_step: int | None = None,
+        job_id: str | None = None,
+    ) -> concurrent.futures.Future[list[list[Trajectory]]]:
+        """`generate` in the background (async mode); `.result()` waits for it."""
+        return self._executor.submit(self.generate, tasks, n, sampling, train_step, job_id)
+
+    # ------------------------------------------------------------------ weights and stats
+    def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
+        """Load new weights into every worker's running engine; returns seconds taken."""
+        t0 = time.monotonic()
+        ref = ray.put(dict(state_dict))
+        self._weights = (ref, version)
+        pending = {w.load_weights.remote(ref, version): (slot, w) for slot, w in enumerate(self._workers)}
+        for r, (slot, w) in pending.items():
+            try:
+                ray.get(r)
+            except _DEAD:
+                self._replace(slot, w)  # the replacement loads these weights on start
+        return time.monotonic() - t0
+
+    def stats(self) -> dict[str, float]:
+        per_worker = []
+        for slot, w in enumerate(self._workers):
+            try:
+                per_worker.append(ray.get(w.stats.remote(), timeout=60))
+            except _DEAD:
+                self._replace(slot, w)
+        out: dict[str, float] = {"workers": float(len(self._workers)), "worker_restarts": float(self.restarts)}
+        if not per_worker:
+            return out
+        for key in per_worker[0]:
+            values = [s.get(key, 0.0) for s in per_worker]
+            if key.startswith("tool_latency") or key in ("engine_busy_fraction", "mean_batch_turns", "weight_version"):
+                out[key] = max(values) if key.startswith("tool_latency") else sum(values) / len(values)
+            else:
+                out[key] = sum(values)
+        return out
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for w in self._workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        self._workers = []

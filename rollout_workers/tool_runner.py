@@ -1,0 +1,114 @@
+"""Run environment calls off the agent loop's event loop, with a timeout that always returns.
+
+Coroutines (the `async def` Environment methods) run on a dedicated tools event loop in its own
+thread; plain functions run in a thread pool. The agent loop's own event loop therefore never runs
+environment code: an environment that blocks inside `async def` stalls only the tools loop, its calls
+time out, and the blocked loop is retired and replaced. Calling into a live loop costs tens of
+microseconds, so fast tools stay fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class _LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name="taper-tools-loop", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class ToolRunner:
+    def __init__(self, max_threads: int = 64) -> None:
+        self._loop_thread = _LoopThread()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="taper-tools")
+        self._lock = threading.Lock()
+        self.retired_loops = 0
+
+    async def run(self, fn: Callable[[], Awaitable[T] | T], timeout_s: float) -> T:
+        return (await self.run_timed(fn, timeout_s))[0]
+
+    async def run_timed(self, fn: Callable[[], Awaitable[T] | T], timeout_s: float) -> tuple[T, float]:
+        """`fn()` is a coroutine (run on the tools loop) or a plain call (run in the pool). Returns its
+        value and how long it ran where it ran (queueing on the agent loop excluded); TimeoutError
+        after `timeout_s`."""
+        if inspect.iscoroutinefunction(fn) or _returns_coroutine(fn):
+            lt = self._loop_thread
+            cfut = asyncio.run_coroutine_threadsafe(_await_timed(fn), lt.loop)
+        else:
+            lt = None
+            cfut = self._pool.submit(_call_timed, fn)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(cfut), timeout_s)
+        except TimeoutError:
+            cfut.cancel()
+            if lt is not None and not await _responsive(lt.loop):
+                self._retire(lt)
+            raise TimeoutError(f"no answer within {timeout_s:g}s") from None
+
+    def _retire(self, lt: _LoopThread) -> None:
+        with self._lock:
+            if self._loop_thread is lt:
+                self._loop_thread = _LoopThread()
+                self.retired_loops += 1
+        lt.stop()  # runs once the blocking call returns, if ever; the thread is a daemon
+
+    def close(self) -> None:
+        self._loop_thread.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _await_timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    value = await fn()
+    return value, time.perf_counter() - t0
+
+
+def _call_timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - t0
+
+
+def _returns_coroutine(fn: Callable[[], Any]) -> bool:
+    # lambdas wrapping an async method: `lambda: env.call(...)`
+    target = getattr(fn, "__wrapped_call__", None)
+    return target is not None and inspect.iscoroutinefunction(target)
+
+
+async def _responsive(loop: asyncio.AbstractEventLoop, within_s: float = 0.05) -> bool:
+    if loop.is_closed():
+        return False
+    ping = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop))
+    try:
+        await asyncio.wait_for(ping, within_s)
+        return True
+    except TimeoutError:
+        return False
+
+
+def bound(method: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """`method(*args)` as a zero-argument callable the runner knows to be async or sync."""
+
+    def call() -> Any:
+        return method(*args)
+
+    call.__wrapped_call__ = method  # type: ignore[attr-defined]
+    return call

@@ -1,0 +1,102 @@
+"""The rollout worker: one engine, many concurrent agent loops, weight pushes, stats.
+
+`RolloutWorkerImpl` is the plain class (usable in-process); `RolloutWorker` is the Ray actor. The actor
+is threaded (max_concurrency > 1) so `stats()` and `load_weights()` answer while a batch runs; the
+engine's lock puts a weight push between two turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from rollout_workers.agent import AgentLoop, EpisodeSpec
+from rollout_workers.engine import Engine, EngineConfig, VLLMEngine
+from rollout_workers.environments.registry import EnvironmentRegistration, make_env_factory
+from rollout_workers.sampling import SamplingConfig
+from rollout_workers.stats import RolloutStats
+from rollout_workers.tool_runner import ToolRunner
+from rollout_workers.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    import torch
+
+EngineFactory = Callable[[], Engine]
+
+
+def build_engine(engine: EngineConfig | EngineFactory) -> Engine:
+    if isinstance(engine, EngineConfig):
+        return VLLMEngine(engine)
+    return engine()
+
+
+class RolloutWorkerImpl:
+    def __init__(
+        self,
+        engine: EngineConfig | EngineFactory,
+        env: EnvironmentRegistration | str,
+        env_options: dict[str, Any] | None = None,
+    ) -> None:
+        # In-process vLLM engine core: one process per worker is enough on CPU and keeps startup short.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.env_name = env if isinstance(env, str) else env.name
+        self.env_factory = make_env_factory(env, env_options)
+        self.engine = build_engine(engine)
+        self.max_model_len = engine.max_model_len if isinstance(engine, EngineConfig) else None
+        self.stats_ = RolloutStats()
+        self.tool_runner = ToolRunner()
+
+    def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "weight_version": self.engine.weight_version}
+
+    def generate(
+        self,
+        groups: list[list[EpisodeSpec]],
+        sampling: SamplingConfig,
+        train_step: int | None = None,
+        job_id: str | None = None,
+    ) -> list[list[Trajectory]]:
+        """Run every episode of every group concurrently; groups come back in order."""
+        if self.max_model_len is not None and sampling.max_total_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_total_tokens: {sampling.max_total_tokens} exceeds the engine's max_model_len {self.max_model_len}"
+            )
+        loop = AgentLoop(
+            self.engine,
+            self.env_factory,
+            sampling,
+            env_name=self.env_name,
+            job_id=job_id,
+            train_step=train_step,
+            stats=self.stats_,
+            tool_runner=self.tool_runner,
+        )
+        flat = [spec for g in groups for spec in g]
+        trajs = asyncio.run(loop.run(flat))
+        out, i = [], 0
+        for g in groups:
+            out.append(trajs[i : i + len(g)])
+            i += len(g)
+        return out
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
+        t0 = time.monotonic()
+        self.engine.load_weights(state_dict, version)
+        return time.monotonic() - t0
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def stats(self) -> dict[str, float]:
+        out = self.stats_.snapshot()
+        out["weight_version"] = float(self.engine.weight_version)
+        out["tool_loops_retired"] = float(self.tool_runner.retired_loops)
+        return out
+
+
+RolloutWorker = ray.remote(RolloutWorkerImpl)
