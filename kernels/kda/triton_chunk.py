@@ -75,7 +75,7 @@ def kda_fwd(
     fwd_state_kernel[(triton.cdiv(V, BV), N * HV)](
         k, gcum, w, u, vn, h, h0, ht, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
-        num_warps=cfg.num_warps_state,
+        num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
     fwd_out_kernel[(triton.cdiv(V, BV), NC, HV)](
@@ -111,7 +111,7 @@ def kda_bwd(
     bwd_state_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, gcum, saved["w"], saved["Aqk"], do, dht, dh, dh0, dvn, cu, chunk_offsets, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        num_warps=cfg.num_warps_state,
+        num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_bwd_state,
     )
     f32 = dict(dtype=torch.float32, device=dev)
     dv = torch.empty(T, HV, V, dtype=v.dtype, device=dev)

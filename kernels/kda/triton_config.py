@@ -17,6 +17,8 @@ class KDAKernelConfig:
     num_warps_state: int = 4
     num_warps_out: int = 4
     num_warps_bwd: int = 8
+    num_stages_state: int = 3  # software pipelining of the sequential state loops (shared memory bound)
+    num_stages_bwd_state: int = 2  # 3 stages need ~271 KB of shared memory on Triton 3.6 / H200
     decode_block_v: int = 32
     decode_num_warps: int = 4
 
