@@ -69,7 +69,8 @@ class KimiDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(d, K, bias=False)
         self.f_b_proj = nn.Linear(K, HV * K, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(HV * K))
-        self.A_log = nn.Parameter(torch.zeros(HV))
+        # Always present (one name for both gate forms), but frozen when the bounded gate ignores it.
+        self.A_log = nn.Parameter(torch.zeros(HV), requires_grad=not self.bounded_gate)
         self.b_proj = nn.Linear(d, HV, bias=False)
         self.g_a_proj = nn.Linear(d, V, bias=False)
         self.g_b_proj = nn.Linear(V, HV * V, bias=False)
