@@ -32,7 +32,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Svc = Annotated[TaperService, Depends(get_service)]
 Who = Annotated[Principal, Depends(principal)]
 JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
-Cursor = Annotated[str | None, Query(pattern=r"^\d{1,20}-\d{1,20}$", description="Return items after this id.")]
+Cursor = Annotated[str | None, Query(pattern=r"^\d{1,19}-\d{1,19}$", description="Return items after this id.")]
 Offset = Annotated[int, Query(ge=0, le=1_000_000)]
 
 
@@ -87,7 +87,7 @@ async def job_events(
     who: Who,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    last_event_id: Annotated[str | None, Header(pattern=r"^\d{1,20}-\d{1,20}$")] = None,
+    last_event_id: Annotated[str | None, Header(pattern=r"^\d{1,19}-\d{1,19}$")] = None,
 ) -> Any:
     items = await asyncio.to_thread(svc.events, who, job_id, after or last_event_id, limit)
     if "text/event-stream" not in request.headers.get("accept", ""):
@@ -117,7 +117,7 @@ async def _event_stream(request: Request, svc: TaperService, job_id: str, after:
 @router.get("/{job_id}/metrics", response_model=MetricsPage, summary="Per-step training metrics")
 def job_metrics(
     job_id: JobId, svc: Svc, who: Who, after: Cursor = None,
-    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
 ) -> MetricsPage:
     rows = svc.metrics(who, job_id, after, limit)
     return MetricsPage(items=[MetricsRow(**r) for r in rows], next=rows[-1]["id"] if len(rows) == limit else None)
