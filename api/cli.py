@@ -16,7 +16,7 @@ import typer
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from rl_service.settings import TaperSettings, get_settings
 
@@ -103,9 +103,9 @@ def submit(
 
 
 def _job_table(jobs: list[dict[str, Any]]) -> Table:
-    table = Table("id", "name", "state", "progress", "step", "updated")
+    table = Table(Column("id", no_wrap=True), "name", "state", "progress", "step", "updated")
     for j in jobs:
-        bar_len = 20
+        bar_len = 10
         filled = int(round(j["progress"] * bar_len))
         bar = "[green]" + "█" * filled + "[/green]" + "░" * (bar_len - filled)
         table.add_row(j["id"], j["name"], j["state"], f"{bar} {j['progress'] * 100:5.1f}%",

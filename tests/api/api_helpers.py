@@ -27,3 +27,34 @@ def redis_dump(url: str) -> dict[bytes, bytes]:
     """Every key with its serialized value: equal dumps mean nothing was written."""
     r = redis.Redis.from_url(url)
     return {k: r.dump(k) for k in sorted(r.scan_iter(count=1000))}
+
+
+class ThreadedServer:
+    """Serves an ASGI app with uvicorn on a free loopback port from a background thread."""
+
+    def __init__(self, app) -> None:
+        import threading
+
+        import uvicorn
+
+        from rl_service.embedded import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ThreadedServer:
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
