@@ -28,7 +28,7 @@ import hashlib
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 ScheduleKind = Literal["constant", "linear", "cosine", "exponential", "step", "piecewise"]
 
@@ -48,52 +48,62 @@ class RewardSchedule(BaseModel):
         100, ge=1, description="Steps over which w moves from w_start to w_end (after warmup)."
     )
     warmup: int = Field(0, ge=0, description="Steps w holds at w_start before moving.")
-    half_life: float | None = Field(None, description="exponential only: steps for (w - w_end) to halve.")
+    # Kind-specific fields are validated even when left out (validate_default), so that a missing one is
+    # reported under its own name.
+    half_life: float | None = Field(
+        None, validate_default=True, description="exponential only: steps for (w - w_end) to halve."
+    )
     milestones: list[int] | None = Field(
-        None, description="step only: strictly increasing steps where w drops."
+        None, validate_default=True, description="step only: strictly increasing steps where w drops."
     )
-    points: list[tuple[int, float]] | None = Field(None, description="piecewise only: [(step, w), ...].")
+    points: list[tuple[int, float]] | None = Field(
+        None, validate_default=True, description="piecewise only: [(step, w), ...] with increasing steps."
+    )
     density_start: float = Field(
-        1.0, allow_inf_nan=False, description="Fraction of process nodes kept at the start."
+        1.0, ge=0.0, le=1.0, allow_inf_nan=False, description="Fraction of process nodes kept at the start."
     )
-    density_end: float | None = Field(None, allow_inf_nan=False, description="Fraction kept at the end.")
+    density_end: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False, description="Fraction kept at the end (None: constant)."
+    )
     seed: int = Field(0, description="Seed of the deterministic node sampling.")
 
-    @model_validator(mode="after")
-    def _check_kind_fields(self) -> RewardSchedule:
-        for field, owner in _KIND_ONLY_FIELDS.items():
-            if getattr(self, field) is not None and self.kind != owner:
-                raise ValueError(f"{field} is only used by kind '{owner}' (kind is '{self.kind}')")
-        if self.kind == "exponential":
-            if self.half_life is None:
-                raise ValueError("half_life is required for kind 'exponential'")
-            if not (math.isfinite(self.half_life) and self.half_life > 0):
-                raise ValueError(f"half_life must be a positive number of steps (got {self.half_life})")
-        if self.kind == "step":
-            ms = self.milestones
-            if not ms:
-                raise ValueError("milestones must list at least one step for kind 'step'")
-            if ms[0] < 0:
-                raise ValueError(f"milestones must be >= 0 (got {ms[0]})")
-            if any(b <= a for a, b in zip(ms, ms[1:], strict=False)):
-                raise ValueError(f"milestones must be strictly increasing (got {ms})")
-        if self.kind == "piecewise":
-            pts = self.points
-            if not pts:
-                raise ValueError("points must list at least one (step, w) pair for kind 'piecewise'")
-            steps = [s for s, _ in pts]
+    @field_validator("half_life", "milestones", "points")
+    @classmethod
+    def _check_kind_field(cls, value: Any, info: ValidationInfo) -> Any:
+        field = info.field_name
+        assert field is not None
+        owner = _KIND_ONLY_FIELDS[field]
+        kind = info.data.get("kind")
+        if kind is None:  # kind itself failed validation; that error is reported already
+            return value
+        if kind != owner:
+            if value is not None:
+                raise ValueError(f"{field} is only used by kind '{owner}' (kind is '{kind}')")
+            return value
+        if value is None:
+            raise ValueError(f"{field} is required for kind '{owner}'")
+        if field == "half_life":
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"half_life must be a positive number of steps (got {value})")
+        elif field == "milestones":
+            if not value:
+                raise ValueError("milestones must list at least one step")
+            if value[0] < 0:
+                raise ValueError(f"milestones must be >= 0 (got {value[0]})")
+            if any(b <= a for a, b in zip(value, value[1:], strict=False)):
+                raise ValueError(f"milestones must be strictly increasing (got {value})")
+        else:
+            if not value:
+                raise ValueError("points must list at least one (step, w) pair")
+            steps = [s for s, _ in value]
             if steps[0] < 0:
                 raise ValueError(f"points steps must be >= 0 (got {steps[0]})")
             if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
                 raise ValueError(f"points steps must be strictly increasing (got {steps})")
-            for s, w in pts:
+            for s, w in value:
                 if not (math.isfinite(w) and w >= 0):
                     raise ValueError(f"points weight at step {s} must be a finite number >= 0 (got {w})")
-        for name in ("density_start", "density_end"):
-            d = getattr(self, name)
-            if d is not None and not (0.0 <= d <= 1.0):
-                raise ValueError(f"{name} must be a fraction in [0, 1] (got {d})")
-        return self
+        return value
 
     # ---- values ----
     def progress(self, step: int) -> float:

@@ -103,6 +103,9 @@ def test_monotone_kinds_are_monotone(
 def test_validation_names_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValidationError) as err:
         RewardSchedule(**kwargs)
+    # the error is located at the field (what the API reports as the offending field) and says why
+    locs = [e["loc"] for e in err.value.errors()]
+    assert (field,) in locs or any(loc[:1] == (field,) for loc in locs), locs
     assert field in str(err.value)
 
 
