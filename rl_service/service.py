@@ -6,6 +6,7 @@ state-machine checks and the store's atomic writes all happen here or below.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -382,8 +383,9 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     scheduler = None
     if run_scheduler:
         ensure_ray(settings.ray_address, num_cpus=settings.local_cpus)
-        # TODO(lead): a `job_runner` setting (import path of the JobRunner); read here when present.
-        chosen = runner or getattr(settings, "job_runner", None) or DEFAULT_RUNNER
+        # TODO(lead): make `job_runner` a TaperSettings field (TAPER_JOB_RUNNER); read from the env until then.
+        chosen = (runner or getattr(settings, "job_runner", None) or os.environ.get("TAPER_JOB_RUNNER")
+                  or DEFAULT_RUNNER)
         scheduler = Scheduler(store, runner=chosen)
         scheduler.start()
     return ServiceRuntime(service=service, scheduler=scheduler, redis_server=redis_server)

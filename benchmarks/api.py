@@ -1,0 +1,244 @@
+"""API latency and throughput under load, from a second process on loopback.
+
+    python benchmarks/api.py                       # embedded: private Redis + `taper serve` subprocess
+    python benchmarks/api.py --url URL --key KEY   # an already running API
+
+Phases (open loop: requests are started on a fixed schedule, whether or not earlier ones returned, and
+latency counts from the scheduled start, so a stalled server cannot hide its queueing):
+
+1. status reads (GET /v1/jobs/{id}) at --rate for --seconds, with a job running (--job-spec; the embedded
+   default is the examples' calculator job on the tiny model);
+2. submissions (POST /v1/jobs) at --submit-rate for --submit-seconds (the jobs are cancelled afterwards);
+3. closed loop: --concurrency clients reading status as fast as they can, for the peak rate.
+
+Prints a table and writes JSON (--out). Target on a 2-core machine: status reads p99 < 50 ms at 200 req/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    idx = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[idx]
+
+
+def summarize(name: str, latencies_s: list[float], errors: int, elapsed_s: float, target_rate: float | None) -> dict:
+    ms = [x * 1000 for x in latencies_s]
+    return {
+        "phase": name,
+        "requests": len(ms) + errors,
+        "errors": errors,
+        "target_rps": target_rate,
+        "achieved_rps": round((len(ms) + errors) / elapsed_s, 1) if elapsed_s > 0 else 0.0,
+        "p50_ms": round(percentile(ms, 50), 2),
+        "p90_ms": round(percentile(ms, 90), 2),
+        "p99_ms": round(percentile(ms, 99), 2),
+        "max_ms": round(max(ms), 2) if ms else float("nan"),
+        "mean_ms": round(statistics.fmean(ms), 2) if ms else float("nan"),
+    }
+
+
+async def open_loop(client: httpx.AsyncClient, make_request, rate: float, seconds: float, ok=(200, 201)):
+    """Start request i at t0 + i/rate; latency = completion - scheduled start."""
+    n = int(rate * seconds)
+    latencies: list[float] = []
+    errors = 0
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.05
+
+    async def one(i: int) -> None:
+        nonlocal errors
+        scheduled = t0 + i / rate
+        delay = scheduled - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        try:
+            r = await make_request(client, i)
+            if r.status_code in ok:
+                latencies.append(loop.time() - scheduled)
+            else:
+                errors += 1
+        except httpx.HTTPError:
+            errors += 1
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return latencies, errors, loop.time() - t0
+
+
+async def closed_loop(client: httpx.AsyncClient, make_request, concurrency: int, seconds: float):
+    latencies: list[float] = []
+    errors = 0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    start = loop.time()
+
+    async def worker(w: int) -> None:
+        nonlocal errors
+        i = 0
+        while loop.time() < end:
+            t = loop.time()
+            try:
+                r = await make_request(client, w * 1_000_000 + i)
+                if r.status_code == 200:
+                    latencies.append(loop.time() - t)
+                else:
+                    errors += 1
+            except httpx.HTTPError:
+                errors += 1
+            i += 1
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return latencies, errors, loop.time() - start
+
+
+class EmbeddedServer:
+    """A private Redis and `taper serve` (local Ray, scheduler) in a subprocess."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.proc: subprocess.Popen | None = None
+        self.redis = None
+        self.url = ""
+
+    def __enter__(self) -> EmbeddedServer:
+        from rl_service.embedded import free_port, start_private_redis
+
+        self.redis = start_private_redis(self.data_dir / "redis", persist=False)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, TAPER_REDIS_URL=self.redis.url, TAPER_DATA_DIR=str(self.data_dir),
+                   TAPER_SUBMIT_RATE_PER_MINUTE="100000", PYTHONPATH=str(ROOT))
+        self.log = open(self.data_dir / "api.log", "w")  # noqa: SIM115 - closed in __exit__
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"API server exited; see {self.data_dir / 'api.log'}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("API server did not come up")
+
+    def key(self) -> str:
+        from rl_service.store import Store
+
+        return Store(self.redis.url).create_api_key("bench", name="bench")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+async def run_benchmark(url: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=30) as client:
+        spec = yaml.safe_load(Path(args.job_spec).read_text()) if args.job_spec else {"name": "bench"}
+        r = await client.post("/v1/jobs", json=spec)
+        r.raise_for_status()
+        job_id = r.json()["id"]
+        state = "queued"
+        deadline = time.monotonic() + args.wait_running
+        while time.monotonic() < deadline:
+            state = (await client.get(f"/v1/jobs/{job_id}")).json()["state"]
+            if state == "running" or state in ("succeeded", "failed", "cancelled"):
+                break
+            await asyncio.sleep(0.5)
+        print(f"background job {job_id}: {state}")
+
+        async def read_status(c: httpx.AsyncClient, i: int) -> httpx.Response:
+            return await c.get(f"/v1/jobs/{job_id}")
+
+        submitted: list[str] = []
+        small = {"name": "bench-submit", "total_steps": 1}
+
+        async def submit(c: httpx.AsyncClient, i: int) -> httpx.Response:
+            resp = await c.post("/v1/jobs", json=small)
+            if resp.status_code == 201:
+                submitted.append(resp.json()["id"])
+            return resp
+
+        for _ in range(20):  # warm-up: connections, caches
+            await read_status(client, 0)
+        results = []
+        lat, err, el = await open_loop(client, read_status, args.rate, args.seconds)
+        results.append(summarize("status reads (open loop)", lat, err, el, args.rate))
+        lat, err, el = await open_loop(client, submit, args.submit_rate, args.submit_seconds)
+        results.append(summarize("submissions (open loop)", lat, err, el, args.submit_rate))
+        lat, err, el = await closed_loop(client, read_status, args.concurrency, args.closed_seconds)
+        results.append(summarize(f"status reads (closed loop, {args.concurrency} clients)", lat, err, el, None))
+        final_state = (await client.get(f"/v1/jobs/{job_id}")).json()["state"]
+        for jid in submitted + [job_id]:
+            await client.post(f"/v1/jobs/{jid}/cancel")
+    return {"job_state_during": state, "job_state_after": final_state, "results": results}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url")
+    p.add_argument("--key")
+    p.add_argument("--job-spec", default=str(ROOT / "examples" / "calculator.yaml"))
+    p.add_argument("--wait-running", type=float, default=240.0, help="Seconds to wait for the job to run.")
+    p.add_argument("--rate", type=float, default=200.0)
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--submit-rate", type=float, default=20.0)
+    p.add_argument("--submit-seconds", type=float, default=5.0)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--closed-seconds", type=float, default=5.0)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "api.json"))
+    args = p.parse_args()
+
+    if args.url:
+        if not args.key:
+            p.error("--key is required with --url")
+        report = asyncio.run(run_benchmark(args.url, args.key, args))
+    else:
+        with tempfile.TemporaryDirectory(prefix="taper-bench-") as tmp, EmbeddedServer(Path(tmp)) as server:
+            report = asyncio.run(run_benchmark(server.url, server.key(), args))
+    report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    print(f"{'phase':48} {'req':>6} {'err':>4} {'rps':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for r in report["results"]:
+        print(f"{r['phase']:48} {r['requests']:6d} {r['errors']:4d} {r['achieved_rps']:7.1f} "
+              f"{r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['max_ms']:8.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
