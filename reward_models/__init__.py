@@ -5,7 +5,8 @@ Public API (import from the submodules; this package imports nothing heavy on it
 - ``reward_models.scoring``
   ``score_trajectories(trajs, env, components=None) -> None``: in place, per-step
   ``Step.process_rewards`` and ``Trajectory.outcome_reward`` (None for infrastructure failures);
-  ``build_components(specs=None) -> list[ProcessComponent]`` to build once and reuse.
+  ``build_components(specs=None) -> list[ProcessComponent]`` to build once and reuse. A verifier or
+  component that raises marks that trajectory ``env_error`` (excluded); out-of-range values raise ValueError.
 - ``reward_models.components``: ``ProcessComponent`` / ``StepComponent`` bases, ``register_component(kind)``,
   ``build_component(spec)``, built-ins ``format``, ``tool_valid``, ``tool_ok``, ``consistency``, ``env``;
   ``DEFAULT_COMPONENTS``. Environments opt into consistency with ``checkable_values(traj, step_index)``
@@ -20,8 +21,9 @@ Public API (import from the submodules; this package imports nothing heavy on it
 - ``reward_models.credit``: ``CreditConfig`` (``from_algorithm(spec.algorithm)``),
   ``compute_advantages(trajs, process_weight, config=None, keep_node=None) -> AdvantageBatch``
   (token advantages aligned with ``Trajectory.completion_ids()``, excluded ids, stats).
-- ``reward_models.monitor``: ``HackingMonitor(window=..., baseline_steps=..., min_rise=..., min_drop=...)``,
-  ``update(step, weighted_process, success) -> warning event dict | None``.
+- ``reward_models.monitor``: ``HackingMonitor(HackingMonitorConfig | window=..., baseline_steps=..., min_rise=...,
+  min_drop=...)``, ``update(step, weighted_process, success) -> warning event dict | None``,
+  ``state_dict()`` / ``from_state_dict()`` for resuming.
 
 One training step in the job loop::
 
