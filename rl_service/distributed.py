@@ -62,9 +62,16 @@ def combine_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
 
 
 def _decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: the children of the largest ModuleList."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    """The decoder layers, sharded one by one: HF's `_no_split_modules` classes, else the children of a
+    ModuleList named `layers`. (Never finer: MoE layers may read their experts' weights directly.)"""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in classes]
+    if blocks:
+        return blocks
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and name.endswith("layers"):
+            return list(m)
+    return []
 
 
 class RankLearner:
@@ -72,7 +79,7 @@ class RankLearner:
 
     def __init__(self, rank: int, world_size: int, init_method: str, model_dir: str, config: LearnerConfig,
                  strategy: Strategy = "auto", device: str = "cpu", ref_model_dir: str | None = None,
-                 pad_token_id: int = 0) -> None:
+                 pad_token_id: int = 0, shard_layers: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         import model as _taper  # noqa: F401  (registers the taper architecture with AutoModel)
@@ -94,7 +101,10 @@ class RankLearner:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh(self.device.type, (world_size,))
-            for block in _decoder_blocks(inner):
+            # Per-layer units need each layer's output tensors to hook the backward gather on; the Taper
+            # layers hand their output on through a mutable Block-AttnRes state, so by default the whole
+            # model is one unit (parameters, gradients and optimizer state still sharded between steps).
+            for block in _decoder_blocks(inner) if shard_layers else []:
                 fully_shard(block, mesh=mesh)
             fully_shard(inner, mesh=mesh)
             wrapped: nn.Module = inner
