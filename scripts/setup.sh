@@ -26,14 +26,19 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "==> installing redis-server"
+# System packages: redis-server (the embedded default starts a private one); with --test also Debian's
+# chromium, which the dashboard's browser tests drive.
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+if [ "${1:-}" = "--test" ]; then command -v chromium >/dev/null 2>&1 || need+=(chromium); fi
+if [ ${#need[@]} -gt 0 ]; then
+  echo "==> installing ${need[*]}"
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
   else
-    echo "redis-server is missing and apt-get is not available: install Redis (e.g. 'brew install redis'," >&2
-    echo "or 'conda install -c conda-forge redis'), or point TAPER_REDIS_URL at an existing server." >&2
+    echo "missing ${need[*]} and apt-get is not available: install Redis (e.g. 'brew install redis' or" >&2
+    echo "'conda install -c conda-forge redis', or point TAPER_REDIS_URL at a server) and Chromium." >&2
     exit 1
   fi
 fi

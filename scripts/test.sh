@@ -2,7 +2,7 @@
 # Set up (if needed) and run the whole test suite against real services: redis-server, Ray, vLLM on CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
 
 # A private redis-server on a free 127.0.0.1 port, no persistence, stopped on exit.
 port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
