@@ -1,0 +1,276 @@
+"""Model-level benchmarks of TaperForCausalLM.
+
+1. Training throughput: tokens/s of forward+backward (bf16 on CUDA, fp32 on CPU), KDA through our Triton
+   kernels vs the pure-torch chunked path; on CUDA also model FLOP utilisation against the measured bf16
+   matmul rate (active-parameter FLOPs 6*N_active*tokens plus KDA and attention FLOPs).
+2. Decode memory vs context length: cache bytes per sequence after a prefill of T tokens and the decode
+   latency per token, against a same-size standard-attention model (transformers' Llama). KDA layers'
+   state is constant in T; only the MLA layers' keys/values grow.
+Prints tables and writes JSON.
+
+    python benchmarks/model.py                   # CPU: the tiny preset
+    python benchmarks/model.py --device cuda     # GPU: the small preset
+    python benchmarks/model.py --quick           # fewer/shorter runs (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import model.layers.kda as kda_layer  # noqa: E402
+from kernels.kda.chunk_torch import chunk_kda_torch  # noqa: E402
+from kernels.kda.common import preprocess  # noqa: E402
+from model import TaperCache, TaperConfig, TaperForCausalLM  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ---- KDA backends ----------------------------------------------------------------------------------
+def _torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, lower_bound=None, A_log=None,
+                     dt_bias=None, cu_seqlens=None, chunk_size=64, use_beta_sigmoid_in_kernel=False):
+    """kernels.kda.chunk_kda's pure-torch path, forced on any device (the CPU path, for comparison)."""
+    qe, ke, ve, ge, be = preprocess(
+        q, k, v, g, beta, dtype=torch.float32, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
+    )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, final = chunk_kda_torch(qe, ke, ve, ge, be, scale, initial_state, cu_seqlens, chunk_size)
+    return o.to(q.dtype), (final.float() if output_final_state else None)
+
+
+@contextlib.contextmanager
+def kda_backend(name: str) -> Iterator[None]:
+    """'kernels' = kernels.kda.chunk_kda as shipped (Triton on CUDA, torch on CPU); 'torch' = torch path."""
+    original = kda_layer.chunk_kda
+    if name == "torch":
+        kda_layer.chunk_kda = _torch_chunk_kda
+    try:
+        yield
+    finally:
+        kda_layer.chunk_kda = original
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_tflops(device: str, dtype: torch.dtype, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = timed(lambda: a @ b, device, warmup=3, iters=10)
+    return 2 * n**3 / seconds / 1e12
+
+
+def step_flops(config: TaperConfig, batch: int, seq_len: int) -> float:
+    """Model FLOPs of one forward+backward: 6 * active non-embedding params (+ lm_head) per token, plus the
+    token mixers' sequence work (MLA causal attention; KDA chunked state work, chunk size 64)."""
+    counts = config.parameter_counts()
+    tokens = batch * seq_len
+    dense = 6 * (counts["active"] - counts["embeddings"] + config.vocab_size * config.hidden_size) * tokens
+    mla = len(config.full_attn_layers) * 3 * 2 * batch * seq_len**2 * config.num_attention_heads * (
+        config.qk_head_dim + config.v_head_dim) / 2
+    H, K, V, C = config.kda_num_v_heads, config.kda_head_dim, config.kda_v_head_dim, 64
+    kda_per_token = 2 * H * (4 * K * V + C * (K + V))  # state read/write/update + intra-chunk scores
+    kda = len(config.kda_layers) * 3 * kda_per_token * tokens
+    return dense + mla + kda
+
+
+# ---- 1. training throughput ------------------------------------------------------------------------
+def train_throughput(preset: str, device: str, dtype: torch.dtype, batch: int, seq_len: int, backend: str,
+                     iters: int) -> dict:
+    torch.manual_seed(0)
+    config = TaperConfig.preset(preset)
+    lm = TaperForCausalLM(config).to(device=device, dtype=dtype).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
+
+    def step() -> None:
+        lm.zero_grad(set_to_none=True)
+        out = lm(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        for moe in lm.model.moe_layers():
+            moe.clear_recorded_scores()
+
+    with kda_backend(backend):
+        seconds = timed(step, device, warmup=2, iters=iters)
+    result = {"preset": preset, "device": device, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+              "seq_len": seq_len, "kda_backend": backend, "step_s": seconds,
+              "tokens_per_s": batch * seq_len / seconds, "model_tflop_per_step": step_flops(config, batch, seq_len) / 1e12}
+    return result
+
+
+# ---- 2. decode memory vs context -------------------------------------------------------------------
+def same_size_llama(config: TaperConfig):
+    """A transformers Llama with the same width, depth, attention heads and vocab, its MLP width chosen so the
+    total parameter count matches ours."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d, L = config.hidden_size, config.num_hidden_layers
+    target = config.parameter_counts()["total"]
+    fixed = 2 * config.vocab_size * d + L * (4 * d * d + 2 * d) + d
+    intermediate = max(64, int((target - fixed) / (3 * d * L)))
+    llama_config = LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=d, num_hidden_layers=L, intermediate_size=intermediate,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
+        head_dim=d // config.num_attention_heads, max_position_embeddings=1 << 20, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(llama_config)
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, TaperCache):
+        return cache.state_bytes()
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+@torch.no_grad()
+def decode_profile(model, device: str, context: int, new_tokens: int, make_cache: Callable[[], object]) -> dict:
+    ids = torch.randint(3, model.config.vocab_size, (1, context), device=device)
+    cache = make_cache()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    cache = out.past_key_values
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(new_tokens):
+        start = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+        token = out.logits[:, -1:].argmax(-1)
+    result = {"context": context, "cache_bytes": cache_bytes(cache), "prefill_s": prefill_s,
+              "decode_ms_per_token": 1e3 * sorted(times)[len(times) // 2]}
+    if device == "cuda":
+        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return result
+
+
+def decode_memory(preset: str, device: str, dtype: torch.dtype, contexts: list[int], new_tokens: int) -> dict:
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    config = TaperConfig.preset(preset)
+    ours = TaperForCausalLM(config).to(device=device, dtype=dtype).eval()
+    llama = same_size_llama(config).to(device=device, dtype=dtype).eval()
+    rows = []
+    for context in contexts:
+        rows.append({
+            "taper": decode_profile(ours, device, context, new_tokens, lambda: TaperCache(config)),
+            "llama": decode_profile(llama, device, context, new_tokens, lambda: DynamicCache(config=llama.config)),
+        })
+    return {"preset": preset, "device": device, "dtype": str(dtype).removeprefix("torch."),
+            "taper_params": sum(p.numel() for p in ours.parameters()),
+            "llama_params": sum(p.numel() for p in llama.parameters()), "rows": rows}
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--preset", default=None, help="default: tiny on cpu, small on cuda")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    cuda = device == "cuda"
+    preset = args.preset or ("small" if cuda else "tiny")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    report: dict = {"machine": platform.node(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if cuda else None, "cpu_threads": torch.get_num_threads()}
+
+    if cuda:
+        shapes = [(1, 2048)] if args.quick else [(1, 8192), (4, 8192)]
+        backends = ["kernels", "torch"]
+    else:
+        shapes = [(1, 256)] if args.quick else [(1, 512), (4, 512)]
+        backends = ["kernels"]  # on CPU chunk_kda is the torch path
+    iters = 3 if args.quick else 5
+    train = []
+    for batch, seq_len in shapes:
+        for backend in backends:
+            try:
+                train.append(train_throughput(preset, device, dtype, batch, seq_len, backend, iters))
+                if cuda:
+                    torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001 - keep measuring the other settings
+                train.append({"preset": preset, "batch": batch, "seq_len": seq_len, "kda_backend": backend,
+                              "error": repr(exc)[:300]})
+    if cuda:
+        report["bf16_matmul_tflops"] = matmul_tflops(device, torch.bfloat16)
+        for row in train:
+            if "step_s" in row:
+                row["mfu"] = row["model_tflop_per_step"] / row["step_s"] / report["bf16_matmul_tflops"]
+    report["train"] = train
+    print(f"\n== training step (forward+backward), {preset}, {device} ==")
+    print(f"{'batch':>5} {'T':>6} {'kda':>8} {'step ms':>9} {'tokens/s':>10} {'MFU':>6}")
+    for row in train:
+        if "error" in row:
+            print(f"{row['batch']:>5} {row['seq_len']:>6} {row['kda_backend']:>8}  error: {row['error']}")
+            continue
+        mfu = f"{row['mfu']:.1%}" if "mfu" in row else "-"
+        print(f"{row['batch']:>5} {row['seq_len']:>6} {row['kda_backend']:>8} {1e3 * row['step_s']:>9.1f} "
+              f"{row['tokens_per_s']:>10.0f} {mfu:>6}")
+    if cuda:
+        print(f"bf16 matmul: {report['bf16_matmul_tflops']:.0f} TFLOP/s")
+
+    contexts = ([256, 1024] if args.quick else [256, 1024, 4096]) if not cuda else (
+        [1024, 4096] if args.quick else [1024, 4096, 16384, 32768])
+    memory = decode_memory(preset, device, dtype, contexts, new_tokens=4 if args.quick else 16)
+    report["decode"] = memory
+    print(f"\n== decode cache vs context, batch 1, {preset} ({memory['taper_params'] / 1e6:.1f}M) vs Llama "
+          f"({memory['llama_params'] / 1e6:.1f}M), {device} ==")
+    print(f"{'context':>8} {'taper KiB':>10} {'llama KiB':>10} {'ratio':>6} {'taper ms/tok':>13} {'llama ms/tok':>13}")
+    for row in memory["rows"]:
+        t, ll = row["taper"], row["llama"]
+        print(f"{t['context']:>8} {t['cache_bytes'] / 1024:>10.1f} {ll['cache_bytes'] / 1024:>10.1f} "
+              f"{t['cache_bytes'] / ll['cache_bytes']:>6.2f} {t['decode_ms_per_token']:>13.2f} "
+              f"{ll['decode_ms_per_token']:>13.2f}")
+
+    out = args.out or RESULTS_DIR / f"model_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
