@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 class StandInRunner:
-    step_seconds = 0.2
+    step_seconds = 0.1
 
     def __init__(self, job_id, spec, hooks, work_dir: Path) -> None:
         self.job_id, self.spec, self.hooks, self.work_dir = job_id, spec, hooks, Path(work_dir)

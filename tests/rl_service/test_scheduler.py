@@ -65,22 +65,19 @@ def test_job_runs_to_success_and_frees_its_resources(store: Store, scheduler: Sc
     wait_for(lambda: ray.available_resources().get("CPU", 0) == 2.0, what="CPUs back")
 
 
-def test_queue_priority_and_waiting_for_resources(store: Store, scheduler: Scheduler, tmp_path) -> None:
+def test_queue_priority_resources_unschedulable_and_failure(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    huge = store.submit_job("t", _spec(priority=9, resources={"learner_cpus": 64}), str(tmp_path))[0]
     first = store.submit_job("t", _spec(total_steps=4), str(tmp_path))[0]  # 2 CPUs: the whole cluster
-    wait_for(lambda: _state(store, first.id) == JobState.RUNNING, what="first running")
+    wait_for(lambda: _state(store, first.id) == JobState.RUNNING, what="first running past the huge job")
     low = store.submit_job("t", _spec(priority=-5, total_steps=1), str(tmp_path))[0]
-    high = store.submit_job("t", _spec(priority=5, total_steps=1), str(tmp_path))[0]
+    high = store.submit_job("t", _spec(name="explode", priority=5, total_steps=1), str(tmp_path))[0]
     time.sleep(0.3)
     assert _state(store, low.id) == JobState.QUEUED and _state(store, high.id) == JobState.QUEUED
     wait_for(lambda: _state(store, low.id) == JobState.SUCCEEDED, what="low done")
     assert store.get_job(high.id).started_at < store.get_job(low.id).started_at
     assert store.get_job(first.id).finished_at <= store.get_job(high.id).started_at
-
-
-def test_a_job_that_can_never_fit_does_not_block_the_queue(store: Store, scheduler: Scheduler, tmp_path) -> None:
-    huge = store.submit_job("t", _spec(priority=9, resources={"learner_cpus": 64}), str(tmp_path))[0]
-    small = store.submit_job("t", _spec(total_steps=1), str(tmp_path))[0]
-    wait_for(lambda: _state(store, small.id) == JobState.SUCCEEDED, what="small done")
+    failed = store.get_job(high.id)
+    assert failed.state == JobState.FAILED and "boom" in failed.error
     assert _state(store, huge.id) == JobState.QUEUED
     assert any(e["kind"] == "unschedulable" for e in store.events(huge.id))
 
@@ -99,7 +96,20 @@ def test_killed_driver_resumes_from_its_last_checkpoint(store: Store, scheduler:
     assert [m["step"] for m in store.metrics(job.id)][-1] == 6
 
 
-def test_runner_exception_fails_the_job_with_its_error(store: Store, scheduler: Scheduler, tmp_path) -> None:
-    job = store.submit_job("t", _spec(name="explode"), str(tmp_path))[0]
-    wait_for(lambda: _state(store, job.id) == JobState.FAILED, what="failure")
-    assert "boom" in store.get_job(job.id).error
+def test_pause_frees_resources_resume_continues_and_cancel_stops(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    job = store.submit_job("t", _spec(total_steps=40, seed=150), str(tmp_path))[0]
+    wait_for(lambda: store.get_job(job.id).step >= 1, what="a step")
+    store.update_job(job.id, allowed=[JobState.RUNNING], fields={"control": "pause"})
+    wait_for(lambda: _state(store, job.id) == JobState.PAUSED, what="paused")
+    wait_for(lambda: ray.available_resources().get("CPU", 0) == 2.0, what="CPUs back while paused")
+    paused_at = store.get_job(job.id).step
+    store.transition(job.id, JobState.QUEUED, fields={"control": "run"})
+    wait_for(lambda: store.get_job(job.id).step >= paused_at + 2, what="progress after resume")
+    resumed = [m["metrics"]["resumed_from"] for m in store.metrics(job.id)]
+    assert resumed[-1] == paused_at > 0
+    assert [m["step"] for m in store.metrics(job.id)] == list(range(1, store.get_job(job.id).step + 1))
+    # a cancel request is carried out by the running driver
+    store.update_job(job.id, allowed=[JobState.RUNNING], fields={"control": "cancel"})
+    wait_for(lambda: _state(store, job.id) == JobState.CANCELLED, what="cancelled")
+    assert store.get_job(job.id).step < 40
+    wait_for(lambda: not store.r.smembers(store.k_placed()), what="cleanup")
