@@ -21,7 +21,7 @@ from rollout_workers.environments.base import Environment, ToolError
 from rollout_workers.parsing import has_tool_call_markup, parse_tool_calls
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.stats import RolloutStats
-from rollout_workers.tool_runner import ToolRunner, bound
+from rollout_workers.tool_runner import ToolLane, ToolRunner, bound
 from rollout_workers.trajectory import Step, ToolCall, Trajectory, TrajectoryStatus
 
 MAX_TOOL_RESULT_CHARS = 4000
@@ -43,6 +43,7 @@ class _Episode:
     context: list[int] = field(default_factory=list)
     done: bool = False
     busy: bool = False  # its last turn is being handled (tool calls running)
+    lane: ToolLane | None = None
 
 
 class AgentLoop:
@@ -89,10 +90,15 @@ class AgentLoop:
                     if not ready:
                         _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                         ready = [e for e in episodes if not e.done and not e.busy]
-                    if pending and len(ready) < len(pending):
-                        # tools that answer within the window join this batch: fewer, fuller engine calls
-                        _, pending = await asyncio.wait(pending, timeout=self.batch_wait_s)
+                    # While most episodes are still in their tools and those keep finishing, wait:
+                    # fewer, fuller engine calls. A pause of batch_wait_s (a slow tool) ends the wait.
+                    while pending and len(ready) < len(pending):
+                        done, pending = await asyncio.wait(
+                            pending, timeout=self.batch_wait_s, return_when=asyncio.FIRST_COMPLETED
+                        )
                         ready = [e for e in episodes if not e.done and not e.busy]
+                        if not done:
+                            break
                     if not ready:
                         continue
                 outputs = await self._generate(ready)
@@ -141,10 +147,11 @@ class AgentLoop:
             metadata={"sample_index": spec.sample_index},
         )
         ep = _Episode(spec=spec, traj=traj)
+        ep.lane = self.tool_runner.lane()
         try:
             ep.env = self.env_factory()
             env = ep.env
-            messages = await self.tool_runner.run(bound(env.reset, task), self.sampling.tool_timeout_s)
+            messages = await ep.lane.run(bound(env.reset, task), self.sampling.tool_timeout_s)
             tools = env.tools()
             ep.tools = {t["name"]: t for t in tools}
             traj.prompt_text, traj.prompt_ids = self.chat.render_prompt(messages, tools)
@@ -223,12 +230,12 @@ class AgentLoop:
 
     async def _call_tool(self, ep: _Episode, call: ToolCall) -> tuple[TrajectoryStatus, str] | None:
         """Run one validated call; a (status, reason) when the episode must end."""
-        env, name, args = ep.env, call.name or "", dict(call.arguments or {})
-        assert env is not None
+        env, lane, name, args = ep.env, ep.lane, call.name or "", dict(call.arguments or {})
+        assert env is not None and lane is not None
         outcome: tuple[TrajectoryStatus, str] | None = None
         t0 = time.monotonic()
         try:
-            result, call.latency_s = await self.tool_runner.run_timed(bound(env.call, name, args), self.sampling.tool_timeout_s)
+            result, call.latency_s = await lane.run_timed(bound(env.call, name, args), self.sampling.tool_timeout_s)
         except TimeoutError as e:
             call.error, call.error_kind = f"tool {name} timed out: {e}", "timeout"
             outcome = (TrajectoryStatus.TOOL_TIMEOUT, call.error)
@@ -259,13 +266,15 @@ class AgentLoop:
             self.stats.record_turn(inserted)
 
     async def _close(self, ep: _Episode) -> None:
-        if ep.env is None:
+        if ep.lane is None:
             return
-        env = ep.env
         try:
-            await self.tool_runner.run(bound(env.close), self.sampling.tool_timeout_s)
+            if ep.env is not None:
+                await ep.lane.run(bound(ep.env.close), self.sampling.tool_timeout_s)
         except Exception:  # closing is best effort; the trajectory is already recorded
             pass
+        finally:
+            ep.lane.close()
 
 
 def make_group_specs(tasks: list[dict[str, Any]], n: int) -> list[list[EpisodeSpec]]:

@@ -1,9 +1,9 @@
 """Run environment calls off the agent loop's event loop, with a timeout that always returns.
 
-Coroutines (the `async def` Environment methods) run on a dedicated tools event loop in its own
-thread; plain functions run in a thread pool. The agent loop's own event loop therefore never runs
-environment code: an environment that blocks inside `async def` stalls only the tools loop, its calls
-time out, and the blocked loop is retired and replaced. Calling into a live loop costs tens of
+Coroutines (the `async def` Environment methods) run on a per-episode tools event loop in its own
+thread (a "lane"); plain functions run in a shared thread pool. The agent loop's own event loop never
+runs environment code: an environment that blocks inside `async def` stalls only its own episode,
+whose call times out, and the blocked loop is abandoned. Calling into a live loop costs tens of
 microseconds, so fast tools stay fast.
 """
 
@@ -29,6 +29,13 @@ class _LoopThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+        # stopped: cancel what is left (e.g. a hung call that timed out) and close cleanly
+        leftover = asyncio.all_tasks(self.loop)
+        for task in leftover:
+            task.cancel()
+        if leftover:
+            self.loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+        self.loop.close()
 
     def stop(self) -> None:
         if not self.loop.is_closed():
@@ -36,43 +43,55 @@ class _LoopThread:
 
 
 class ToolRunner:
+    """Shared by the episodes of a worker: a thread pool for plain calls, and `lane()` for each
+    episode's own tools event loop (an environment instance belongs to one episode, so a blocked
+    environment can only stall its own episode)."""
+
     def __init__(self, max_threads: int = 64) -> None:
-        self._loop_thread = _LoopThread()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="taper-tools")
-        self._lock = threading.Lock()
         self.retired_loops = 0
+
+    def lane(self) -> ToolLane:
+        return ToolLane(self)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ToolLane:
+    def __init__(self, runner: ToolRunner) -> None:
+        self._runner = runner
+        self._loop_thread: _LoopThread | None = None
 
     async def run(self, fn: Callable[[], Awaitable[T] | T], timeout_s: float) -> T:
         return (await self.run_timed(fn, timeout_s))[0]
 
     async def run_timed(self, fn: Callable[[], Awaitable[T] | T], timeout_s: float) -> tuple[T, float]:
-        """`fn()` is a coroutine (run on the tools loop) or a plain call (run in the pool). Returns its
-        value and how long it ran where it ran (queueing on the agent loop excluded); TimeoutError
-        after `timeout_s`."""
+        """`fn()` is a coroutine (run on this lane's loop) or a plain call (run in the pool). Returns
+        its value and how long it ran where it ran (queueing on the agent loop excluded);
+        TimeoutError after `timeout_s`."""
+        lt = None
         if inspect.iscoroutinefunction(fn) or _returns_coroutine(fn):
+            if self._loop_thread is None:
+                self._loop_thread = _LoopThread()
             lt = self._loop_thread
             cfut = asyncio.run_coroutine_threadsafe(_await_timed(fn), lt.loop)
         else:
-            lt = None
-            cfut = self._pool.submit(_call_timed, fn)
+            cfut = self._runner._pool.submit(_call_timed, fn)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(cfut), timeout_s)
         except TimeoutError:
             cfut.cancel()
             if lt is not None and not await _responsive(lt.loop):
-                self._retire(lt)
+                self._loop_thread = None  # blocked: abandon it (a daemon thread), start afresh if needed
+                self._runner.retired_loops += 1
+                lt.stop()
             raise TimeoutError(f"no answer within {timeout_s:g}s") from None
 
-    def _retire(self, lt: _LoopThread) -> None:
-        with self._lock:
-            if self._loop_thread is lt:
-                self._loop_thread = _LoopThread()
-                self.retired_loops += 1
-        lt.stop()  # runs once the blocking call returns, if ever; the thread is a daemon
-
     def close(self) -> None:
-        self._loop_thread.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._loop_thread is not None:
+            self._loop_thread.stop()
+            self._loop_thread = None
 
 
 async def _await_timed(fn: Callable[[], Any]) -> tuple[Any, float]:

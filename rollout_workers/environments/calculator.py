@@ -124,6 +124,8 @@ class CalculatorEnv(Environment):
         for i in range(n):
             a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
             op = rng.choice(ops)
+            if op == "-" and b > a:  # non-negative answers: one less thing for a tiny model to learn
+                a, b = b, a
             expression = f"{a} {op} {b}"
             tasks.append(
                 {

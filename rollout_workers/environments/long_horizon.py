@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rollout_workers.trajectory import Trajectory
 
 _NEXT = re.compile(r"Next: box (\d+)")
+_LETTER = re.compile(r"holds the letter ([a-z])")
 _FILLER = "the dusty shelves hold old maps jars of ink and a quiet clock that ticks".split()
 
 
@@ -75,8 +76,18 @@ class LongHorizonEnv(Environment):
         return float(answer is not None and answer.replace(" ", "").lower() == trajectory.task["answer"])
 
     def process(self, trajectory: Trajectory, step_index: int) -> dict[str, float]:
-        """Step consistency: each opened box is the one the previous result pointed to."""
+        """Step consistency: each opened box is the one the previous result pointed to; the final answer
+        is the letters the tools returned."""
         step = trajectory.steps[step_index]
+        if step.is_final:
+            seen = "".join(
+                m.group(1)
+                for s in trajectory.steps[:step_index]
+                for c in s.tool_calls
+                if (m := _LETTER.search(c.result or ""))
+            )
+            answer = extract_answer(step.action_text)
+            return {"answer_matches_letters_seen": float(answer is not None and answer.replace(" ", "").lower() == seen)}
         if not step.tool_calls:
             return {}
         expected: int | None = trajectory.task["chain"][0]

@@ -1,0 +1,97 @@
+"""Fixtures for rollout_workers tests: one real vLLM engine on the tiny Llama (shared by the session),
+the chat format, a real HTTP tool server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # scripted_engine helper
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_llama_dir: Path, vllm_env: dict[str, str]) -> Any:
+    from rollout_workers.engine import EngineConfig, VLLMEngine
+
+    return VLLMEngine(EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=1024, kv_cache_gib=0.25, seed=0))
+
+
+class ToolServerState:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.flaky_failures_left = 0
+        self.requests: list[dict[str, Any]] = []
+
+
+def _make_handler(state: ToolServerState) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _send(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with state.lock:
+                state.requests.append({"path": self.path, **body})
+                state.in_flight += 1
+                state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            try:
+                self._handle(body)
+            finally:
+                with state.lock:
+                    state.in_flight -= 1
+
+        def _handle(self, body: dict[str, Any]) -> None:
+            if self.path == "/call":
+                tool, args = body["tool"], body["arguments"]
+                if tool == "add":
+                    return self._send(200, {"result": str(args["a"] + args["b"])})
+                if tool == "slow":
+                    time.sleep(float(args.get("seconds", 0.05)))
+                    return self._send(200, {"result": "done"})
+                if tool == "flaky":
+                    with state.lock:
+                        fail = state.flaky_failures_left > 0
+                        state.flaky_failures_left -= 1
+                    return self._send(503, {}) if fail else self._send(200, {"result": "ok"})
+                return self._send(200, {"error": f"no tool {tool}"})
+            if self.path == "/outcome":
+                return self._send(200, {"reward": 1.0 if body.get("final_answer") == "7" else 0.0})
+            return self._send(404, {})
+
+    return Handler
+
+
+@pytest.fixture(scope="module")
+def tool_server() -> Iterator[tuple[str, ToolServerState]]:
+    state = ToolServerState()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(state))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", state
+    server.shutdown()
+    server.server_close()

@@ -1,0 +1,61 @@
+"""Small environments for loop tests: tools that answer, hang, block, crash or reject."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from rollout_workers.environments.base import Environment, ToolError
+
+_INT_PAIR = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+_NONE = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class ToyEnv(Environment):
+    name = "toy"
+
+    def tools(self) -> list[dict[str, Any]]:
+        return [
+            {"name": "add", "description": "a + b", "parameters": _INT_PAIR},
+            {"name": "hang", "description": "never answers (async)", "parameters": _NONE},
+            {"name": "block", "description": "blocks its thread for 3 s", "parameters": _NONE},
+            {"name": "crash", "description": "raises", "parameters": _NONE},
+            {"name": "reject", "description": "ToolError", "parameters": _NONE},
+        ]
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        if task.get("crash_on_reset"):
+            raise RuntimeError("reset exploded")
+        return [{"role": "user", "content": task["question"]}]
+
+    async def call(self, tool: str, args: dict[str, Any]) -> str:
+        if tool == "add":
+            return str(args["a"] + args["b"])
+        if tool == "hang":
+            await asyncio.sleep(3600)
+        if tool == "block":
+            time.sleep(3)  # a badly written environment: blocks inside async def
+            return "unblocked"
+        if tool == "crash":
+            raise RuntimeError("environment bug")
+        if tool == "reject":
+            raise ToolError("not today")
+        raise ToolError(f"unknown tool {tool}")
+
+    def outcome(self, trajectory: Any) -> float:
+        return 1.0
+
+
+class BadSchemaEnv(ToyEnv):
+    def tools(self) -> list[dict[str, Any]]:
+        return [{"name": "x", "description": "", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}]
+
+
+class NotAnEnv:
+    pass

@@ -1,0 +1,194 @@
+"""Agent-loop control flow, driven by a scripted engine (pure logic: a random model cannot write tool
+calls). Token exactness on the real engine is in test_agent_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from scripted_engine import ScriptedEngine
+
+from rollout_workers.agent import AgentLoop, EpisodeSpec, make_group_specs, run_groups
+from rollout_workers.chat import tool_call_text
+from rollout_workers.environments import (
+    EnvironmentRegistration,
+    generate_tasks,
+    make_env_factory,
+    validate_registration,
+)
+from rollout_workers.environments.calculator import CalculatorEnv
+from rollout_workers.sampling import SamplingConfig
+from rollout_workers.trajectory import TrajectoryStatus
+
+from helper_envs import ToyEnv  # isort: skip
+
+
+def plan_script(ctx: str, turn: int) -> str:
+    """The user message is a JSON list: what the 'policy' writes on each turn."""
+    user = ctx.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+    plan = json.loads(user)
+    return plan[turn] if turn < len(plan) else "The answer is 7."
+
+
+def call(name: str, **args: Any) -> str:
+    return tool_call_text(name, args)
+
+
+def run_plans(plans: list[list[str]], sampling: SamplingConfig | None = None, tokenizer: Any = None,
+              env_factory: Any = ToyEnv) -> tuple[list[Any], ScriptedEngine, AgentLoop]:
+    engine = ScriptedEngine(tokenizer, plan_script)
+    loop = AgentLoop(engine, env_factory, sampling or SamplingConfig(tool_timeout_s=1.0, max_total_tokens=2048), env_name="toy")
+    specs = [EpisodeSpec(task={"id": f"t{i}", "question": json.dumps(p)}, group_id=f"g{i}") for i, p in enumerate(plans)]
+    try:
+        groups = run_groups(loop, [[s] for s in specs])
+    finally:
+        loop.close()
+    return [g[0] for g in groups], engine, loop
+
+
+def test_calculator_episode_and_one_engine_call_per_round(tokenizer: Any) -> None:
+    import re
+
+    def script(ctx: str, turn: int) -> str:
+        if turn == 0:
+            expr = re.findall(r"What is (.*)\?", ctx)[-1]
+            return call("calculator", expression=expr)
+        return "The answer is " + re.findall(r"<tool_response>(.*?)</tool_response>", ctx)[-1] + "."
+
+    engine = ScriptedEngine(tokenizer, script)
+    loop = AgentLoop(engine, make_env_factory("calculator"), SamplingConfig(), env_name="calculator", train_step=3)
+    groups = run_groups(loop, make_group_specs(generate_tasks("calculator", 6, seed=0), 4))
+    # all active episodes batched into one generate per round (a straggler may slip into a third call)
+    assert engine.calls[0] == 24 and sum(engine.calls) == 48 and len(engine.calls) <= 3
+    env = CalculatorEnv()
+    for group in groups:
+        assert len({t.group_id for t in group}) == 1 and len(group) == 4
+        for t in group:
+            assert t.status == TrajectoryStatus.OK and t.train_step == 3
+            assert [s.is_final for s in t.steps] == [False, True]
+            assert t.steps[0].tool_calls[0].result == str(t.task["answer"])
+            assert env.outcome(t) == 1.0
+    stats = loop.stats.snapshot()
+    assert stats["trajectories"] == 24 and stats["turns"] == 48 and stats["tool_calls"] == 24
+    assert stats["tool_latency_p50_ms"] < 50
+
+
+def test_errors_are_steps_the_model_sees(tokenizer: Any) -> None:
+    plans = [
+        ['<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', call("add", a=3, b=4), "The answer is 7."],
+        [call("mul", a=1, b=2), "The answer is 7."],
+        [call("add", a="x", b=2), "The answer is 7."],
+        [call("reject"), "The answer is 7."],
+    ]
+    trajs, _, loop = run_plans(plans, tokenizer=tokenizer)
+    kinds = [t.steps[0].tool_calls[0].error_kind for t in trajs]
+    assert kinds == ["format", "unknown_tool", "bad_arguments", "tool_error"]
+    for t in trajs:
+        assert t.status == TrajectoryStatus.OK
+        first = t.steps[0]
+        assert first.observation_text.count("<tool_response>Error: ") == 1
+        assert first.tool_calls[0].error in first.observation_text
+    assert trajs[0].steps[1].tool_calls[0].result == "7"
+    assert loop.stats.snapshot()["tool_errors_format"] == 1
+
+
+def test_hanging_tool_is_timed_out_and_others_continue(tokenizer: Any) -> None:
+    plans = [[call("hang")], [call("add", a=1, b=2), call("add", a=3, b=4)], [call("block")], [call("add", a=5, b=6)]]
+    t0 = time.monotonic()
+    trajs, _, loop = run_plans(plans, SamplingConfig(tool_timeout_s=0.5, max_total_tokens=2048), tokenizer=tokenizer)
+    elapsed = time.monotonic() - t0
+    hang, ok, block, ok2 = trajs
+    for t, tool in ((hang, "hang"), (block, "block")):
+        assert t.status == TrajectoryStatus.TOOL_TIMEOUT
+        c = t.steps[-1].tool_calls[0]
+        assert c.error_kind == "timeout" and tool in (c.error or "")
+        assert 0.45 <= c.latency_s < 2.0
+        assert t.steps[-1].observation_ids == []  # nothing inserted after an infrastructure failure
+    assert ok.status == ok2.status == TrajectoryStatus.OK
+    assert [c.result for s in ok.steps for c in s.tool_calls] == ["3", "7"]
+    assert elapsed < 2.5  # the blocked tools loop was replaced instead of stalling everyone
+    assert loop.tool_runner.retired_loops >= 1
+    assert loop.stats.snapshot()["status_tool_timeout"] == 2
+
+
+def test_crashing_environment_marks_env_error_only_for_its_episode(tokenizer: Any) -> None:
+    plans = [[call("crash")], [call("add", a=1, b=1)]]
+    trajs, _, _ = run_plans(plans, tokenizer=tokenizer)
+    assert trajs[0].status == TrajectoryStatus.ENV_ERROR and "environment bug" in (trajs[0].error or "")
+    assert trajs[0].status.is_infra_failure
+    assert trajs[1].status == TrajectoryStatus.OK
+
+    engine = ScriptedEngine(tokenizer, plan_script)
+    loop = AgentLoop(engine, ToyEnv, SamplingConfig(max_total_tokens=2048), env_name="toy")
+    specs = [EpisodeSpec(task={"id": "a", "question": "[]", "crash_on_reset": True}, group_id="g"),
+             EpisodeSpec(task={"id": "b", "question": "[]"}, group_id="g")]
+    a, b = run_groups(loop, [specs])[0]
+    assert a.status == TrajectoryStatus.ENV_ERROR and "reset exploded" in (a.error or "") and a.steps == []
+    assert b.status == TrajectoryStatus.OK
+
+
+def test_limits_truncate(tokenizer: Any) -> None:
+    many = [call("add", a=1, b=1)] * 10
+    (t,), _, _ = run_plans([many], SamplingConfig(max_turns=3, max_total_tokens=2048), tokenizer=tokenizer)
+    assert t.status == TrajectoryStatus.TRUNCATED and len(t.steps) == 3 and t.metadata["stop_reason"] == "max_turns"
+    assert t.steps[-1].observation_ids == []
+
+    (t,), _, _ = run_plans([many], SamplingConfig(max_turns=20, max_total_tokens=1100, max_tokens_per_turn=64), tokenizer=tokenizer)
+    assert t.status == TrajectoryStatus.TRUNCATED and t.metadata["stop_reason"] == "max_total_tokens"
+    assert 2 <= len(t.steps) < 10 and t.num_tokens <= 1100
+
+    # a turn cut off by max_tokens_per_turn is a format error the model sees; the episode goes on
+    (t,), _, _ = run_plans([["x " * 50, "The answer is 7."]], SamplingConfig(max_tokens_per_turn=10, max_total_tokens=2048), tokenizer=tokenizer)
+    assert t.status == TrajectoryStatus.OK
+    assert t.steps[0].finish_reason == "length" and t.steps[0].tool_calls[0].error_kind == "format"
+    assert t.steps[0].observation_text.startswith("<|im_end|>\n<|im_start|>tool\n")  # the loop closed the turn
+
+
+def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any]) -> None:
+    url, state = tool_server
+    int_pair = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    seconds = {"type": "object", "properties": {"seconds": {"type": "number"}}}
+    reg = validate_registration(
+        EnvironmentRegistration(
+            kind="http",
+            name="remote-toy",
+            base_url=url,
+            tools=[
+                {"name": "add", "description": "a+b", "parameters": int_pair},
+                {"name": "slow", "description": "sleeps", "parameters": seconds},
+                {"name": "flaky", "description": "503 first", "parameters": {"type": "object"}},
+                {"name": "missing", "description": "server lacks it", "parameters": {"type": "object"}},
+            ],
+            timeout_s=0.5,
+            retries=3,
+            backoff_s=0.01,
+            concurrency=2,
+        )
+    )
+    state.flaky_failures_left = 2
+    plans = [[call("add", a=3, b=4), "The answer is 7."], [call("flaky")], [call("missing")]]
+    plans += [[call("slow", seconds=0.1)]] * 6
+    sampling = SamplingConfig(tool_timeout_s=3.0, max_total_tokens=2048)
+    factory = make_env_factory(reg)
+    trajs, _, _ = run_plans(plans, sampling, tokenizer=tokenizer, env_factory=factory)
+    add, flaky, missing, *slow = trajs
+    assert add.status == TrajectoryStatus.OK and add.steps[0].tool_calls[0].result == "7"
+    assert factory().outcome(add) == 1.0  # the server's /outcome verifier
+    assert flaky.steps[0].tool_calls[0].result == "ok"  # retried past two 503s
+    assert missing.steps[0].tool_calls[0].error_kind == "tool_error"
+    assert "no tool missing" in (missing.steps[0].tool_calls[0].error or "")
+    assert all(t.status == TrajectoryStatus.OK for t in slow)
+    assert state.max_in_flight == 2  # six concurrent slow calls, capped by the registration's limit
+    assert any(r["path"] == "/reset" for r in state.requests)  # 404 -> default first message
+
+    (too_slow,), _, _ = run_plans([[call("slow", seconds=5)]], sampling, tokenizer=tokenizer, env_factory=factory)
+    assert too_slow.status == TrajectoryStatus.TOOL_TIMEOUT  # the registration's 0.5 s per-request timeout
+    assert too_slow.steps[0].tool_calls[0].latency_s < 2.0
+
+
+@pytest.mark.parametrize("bad", [{"max_tokens_per_turn": 600, "max_total_tokens": 512}, {"temperature": -1}])
+def test_sampling_config_validation(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        SamplingConfig(**bad)
