@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.routers import environments, jobs, system
+from api.ui import router as ui_router
 from rl_service.service import RateLimited, ServiceError, TaperService, error_field
 from rl_service.settings import TaperSettings, get_settings
 
@@ -41,7 +42,9 @@ class BodySizeLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_big = error_response(413, "too_large", f"request body over {self.max_bytes} bytes", "body")
+        def too_big() -> JSONResponse:
+            return error_response(413, "too_large", f"request body over {self.max_bytes} bytes", "body")
+
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
@@ -49,7 +52,7 @@ class BodySizeLimit:
                 except ValueError:
                     declared = self.max_bytes + 1
                 if declared > self.max_bytes:
-                    return await too_big(scope, receive, send)
+                    return await too_big()(scope, receive, send)
         received = 0
         exceeded = False
         started = False
@@ -77,7 +80,7 @@ class BodySizeLimit:
         except _BodyTooLarge:
             pass
         if exceeded and not started:
-            await too_big(scope, receive, send)
+            await too_big()(scope, receive, send)
 
 
 class _BodyTooLarge(Exception):
@@ -218,4 +221,5 @@ def create_app(
     _install_errors(app)
     for r in (jobs.router, environments.router, system.router):
         app.include_router(r, responses={401: {"description": "Missing or invalid API key"}})
+    app.include_router(ui_router)
     return app

@@ -11,14 +11,15 @@ from rl_service.service import Principal, TaperService, Unauthorized
 bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer tpr_...`")
 
 
-def get_service(request: Request) -> TaperService:
+async def get_service(request: Request) -> TaperService:
     return request.app.state.service
 
 
-def principal(
+# async dependencies run on the event loop: a sync one would cost a thread hop on every request
+async def principal(
     request: Request,
     creds: HTTPAuthorizationCredentials | None = Depends(bearer),
 ) -> Principal:
     if creds is None or creds.scheme.lower() != "bearer":
         raise Unauthorized("missing bearer API key (Authorization: Bearer <key>)", field="Authorization")
-    return get_service(request).authenticate(creds.credentials)
+    return await request.app.state.service.aauthenticate(creds.credentials)

@@ -118,24 +118,29 @@ class TaperService:
         self._auth_lock = threading.Lock()
 
     # ---- auth ----
-    def authenticate(self, key: str | None) -> Principal:
-        """The principal of a bearer key (cached briefly: a revoked key stops working within auth_cache_s)."""
+    def _cached_principal(self, key: str | None) -> Principal | None:
         if not key:
             raise Unauthorized("missing bearer API key (Authorization: Bearer <key>)", field="Authorization")
-        now = time.monotonic()
         with self._auth_lock:
             hit = self._auth_cache.get(key)
-            if hit and hit[0] > now:
-                return hit[1]
-        info = self.store.lookup_api_key(key)
+        return hit[1] if hit and hit[0] > time.monotonic() else None
+
+    def _remember(self, key: str, info: dict[str, Any] | None) -> Principal:
         if info is None:
             raise Unauthorized("invalid API key", field="Authorization")
         principal = Principal(tenant=info["tenant"], admin=info["admin"], key_name=info["name"])
         with self._auth_lock:
             if len(self._auth_cache) > 10_000:
                 self._auth_cache.clear()
-            self._auth_cache[key] = (now + self.auth_cache_s, principal)
+            self._auth_cache[key] = (time.monotonic() + self.auth_cache_s, principal)
         return principal
+
+    def authenticate(self, key: str | None) -> Principal:
+        """The principal of a bearer key (cached briefly: a revoked key stops working within auth_cache_s)."""
+        return self._cached_principal(key) or self._remember(key, self.store.lookup_api_key(key))
+
+    async def aauthenticate(self, key: str | None) -> Principal:
+        return self._cached_principal(key) or self._remember(key, await self.store.alookup_api_key(key))
 
     def create_api_key(self, tenant: str, name: str = "", admin: bool = False) -> str:
         validate_tenant(tenant)
@@ -165,6 +170,12 @@ class TaperService:
 
     def get_job(self, p: Principal, job_id: str) -> JobRecord:
         return self._job(p, job_id)
+
+    async def aget_job(self, p: Principal, job_id: str) -> JobRecord:
+        try:
+            return await self.store.aget_job(job_id, tenant=p.tenant)
+        except JobNotFound:
+            raise NotFound(f"job {job_id!r} not found", field="job_id") from None
 
     def cancel(self, p: Principal, job_id: str) -> JobRecord:
         for _ in range(5):  # retry when the job changed state under us

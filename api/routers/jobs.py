@@ -65,8 +65,8 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobOut)
-def get_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
-    return JobOut.of(svc.get_job(who, job_id))
+async def get_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
+    return JobOut.of(await svc.aget_job(who, job_id))
 
 
 @router.post("/{job_id}/{action}", response_model=JobOut, summary="Cancel, pause or resume a job")
