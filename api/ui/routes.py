@@ -1,0 +1,139 @@
+"""Routes of the dashboard: the pages (static HTML shells), their JavaScript/CSS, plotly.js from the installed
+`plotly` package, and one read-only helper endpoint (the schedule preview). Every piece of job data the pages
+show comes from the /v1 API, called by the browser with the user's key."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Query
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse, RedirectResponse, Response
+from pydantic import ValidationError
+
+from api.auth import get_service, principal
+from api.ui.preview import schedule_preview
+from rl_service.service import InvalidInput, NotFound, Principal, ServiceError, TaperService, invalid_from
+
+HERE = Path(__file__).resolve().parent
+PAGES = HERE / "pages"
+STATIC = HERE / "static"
+
+# Page name -> file. The job page serves every /ui/jobs/{id}: its script reads the id from the location.
+PAGE_FILES = {"jobs": "jobs.html", "job": "job.html", "submit": "submit.html",
+              "environments": "environments.html", "login": "login.html"}
+STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+
+# Scripts only from this origin (no inline script, no eval); plotly injects <style> elements, hence
+# 'unsafe-inline' for styles only. Job data (model output, tool results) is always inserted as text.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data: blob:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+
+Svc = Annotated[TaperService, Depends(get_service)]
+Who = Annotated[Principal, Depends(principal)]
+JobId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class VendorMissing(ServiceError):
+    status, code = 503, "unavailable"
+
+
+def _page(name: str) -> Response:
+    return FileResponse(PAGES / PAGE_FILES[name], media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
+
+
+@router.get("", response_class=RedirectResponse)
+def ui_root() -> RedirectResponse:
+    return RedirectResponse("/ui/jobs", status_code=307)
+
+
+@router.get("/jobs")
+def jobs_page() -> Response:
+    return _page("jobs")
+
+
+@router.get("/jobs/{job_id}")
+def job_page(job_id: JobId) -> Response:
+    return _page("job")
+
+
+@router.get("/submit")
+def submit_page() -> Response:
+    return _page("submit")
+
+
+@router.get("/environments")
+def environments_page() -> Response:
+    return _page("environments")
+
+
+@router.get("/login")
+def login_page() -> Response:
+    return _page("login")
+
+
+@router.get("/static/{name}")
+def static_file(name: Annotated[str, PathParam(pattern=r"^[a-z0-9_-]+\.(js|css)$")]) -> Response:
+    path = STATIC / name
+    if not path.is_file():
+        raise NotFound(f"no static file {name!r}", field="name")
+    return FileResponse(path, media_type=STATIC_TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
+
+
+@lru_cache(maxsize=1)
+def plotly_js_path() -> Path | None:
+    """plotly.min.js as shipped inside the installed `plotly` package (None if plotly is not installed)."""
+    try:
+        import plotly
+    except ImportError:
+        return None
+    path = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
+    return path if path.is_file() else None
+
+
+@router.get("/vendor/plotly.min.js")
+def plotly_js() -> Response:
+    path = plotly_js_path()
+    if path is None:
+        raise VendorMissing("the dashboard's charts need the `plotly` Python package (pip install plotly)",
+                            field="plotly")
+    # Versioned by the installed package: safe to cache for a day; the ETag covers upgrades.
+    return FileResponse(path, media_type="text/javascript; charset=utf-8",
+                        headers={"Cache-Control": "public, max-age=86400"})
+
+
+@router.post("/api/jobs/{job_id}/schedule-preview")
+async def preview_schedule(
+    job_id: JobId,
+    svc: Svc,
+    who: Who,
+    patch: Annotated[dict[str, Any], Body(description="RewardSchedule fields to change; {} for the current curve.")],
+    last_step: Annotated[int | None, Query(ge=0, le=10_000_000)] = None,
+) -> dict[str, Any]:
+    """The job's schedule curve (every version in force) and, for a non-empty patch, the curve it would follow
+    if the patch were PATCHed now. Nothing is stored; a bad patch gets the same 422 the PATCH would."""
+
+    def compute() -> dict[str, Any]:
+        job = svc.get_job(who, job_id)
+        history = svc.schedule(who, job_id)
+        end = last_step if last_step is not None else max(job.total_steps, job.step + 1)
+        try:
+            out = schedule_preview(history, at_step=job.step, last_step=end, patch=patch)
+        except ValidationError as exc:
+            raise invalid_from(exc) from None
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(str(exc), field="body") from None
+        out["job_step"] = job.step
+        return out
+
+    return await asyncio.to_thread(compute)
