@@ -61,15 +61,16 @@ def kda_fwd(
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, num_warps=cfg.num_warps_intra,
     )
     Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
-    w = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
-    u = torch.empty(T, HV, V, dtype=v.dtype, device=dev)
+    work_dtype = cfg.work_dtype or v.dtype
+    w = torch.empty(T, HV, K, dtype=work_dtype, device=dev)
+    u = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
     solve_wu_kernel[(NC, HV)](
         k, v, beta, gcum, Akk, Ai, w, u, cu, chunk_indices,
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), num_warps=cfg.num_warps_intra,
     )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
     h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
-    vn = torch.empty(T, HV, V, dtype=v.dtype, device=dev)
+    vn = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     fwd_state_kernel[(triton.cdiv(V, BV), N * HV)](
@@ -106,7 +107,7 @@ def kda_bwd(
     gcum, h = saved["gcum"], saved["h"]
     do = do.contiguous()
     dh = torch.empty_like(h)
-    dvn = torch.empty(T, HV, V, dtype=v.dtype, device=dev)
+    dvn = torch.empty(T, HV, V, dtype=cfg.work_dtype or v.dtype, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if initial_state is not None else None
     bwd_state_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, gcum, saved["w"], saved["Aqk"], do, dht, dh, dh0, dvn, cu, chunk_offsets, scale,
@@ -130,7 +131,7 @@ def kda_bwd(
         q, k, gcum, f, dt_bias, A_log, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dq, dk, dgate,
         cu, chunk_indices, scale, lower_bound if bounded else 0.0,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, SAFE=bounded, USE_GATE=use_gate, BOUNDED=bounded,
-        HAS_BIAS=dt_bias is not None, num_warps=cfg.num_warps_bwd,
+        HAS_BIAS=dt_bias is not None, FP32_DOTS=cfg.bwd_fp32_dots, num_warps=cfg.num_warps_bwd,
     )
     return dq, dk, dv, dgate, dbeta, dh0
 

@@ -59,7 +59,7 @@ def bwd_state_kernel(
         b_dvn = tl.dot(tl.trans(b_A.to(dt)), b_do.to(dt)) + tl.dot(kg, b_dh.to(dt))
         tl.store(dvn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
         qg = (b_q.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * scale).to(dt)
-        b_dh = b_dh * tl.exp(g_last)[:, None] + tl.dot(tl.trans(qg), b_do.to(dt)) - tl.dot(tl.trans(b_w), b_dvn.to(dt))
+        b_dh = b_dh * tl.exp(g_last)[:, None] + tl.dot(tl.trans(qg), b_do.to(dt)) - tl.dot(tl.trans(b_w.to(dt)), b_dvn.to(dt))
     if STORE_DH0:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + s_off, b_dh, mask=m_kv)
 
@@ -116,7 +116,7 @@ def bwd_inter_kernel(
         d_Lv += tl.dot(b_dBv.to(dt), tl.trans(b_u))
     tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     qk_off = (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_w = tl.load(w + tk_off, mask=m_tk, other=0.0)
+    b_w = tl.load(w + tk_off, mask=m_tk, other=0.0).to(dt)
     d_Bk = tl.dot(b_Mt, d_W.to(dt))
     d_L = -(d_Lv + tl.dot(d_Bk.to(dt), tl.trans(b_w)))
     d_L = tl.where(o_t[:, None] > o_t[None, :], d_L, 0.0)
@@ -155,12 +155,22 @@ def _pairwise_grads(dX, a, b, g_i, R: tl.constexpr):
 
 
 @triton.jit
+def _mm(a, b, FP32: tl.constexpr):
+    """Dot of the score-gradient blocks. FP32 (3xTF32, ~fp32 accuracy): dg = a*da - b*db cancels, and
+    bf16 operands here left dg ~3x less accurate than dq/dk (bf16-rounding emulation on CPU)."""
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def bwd_intra_kernel(
     q, k, gcum, f, dt_bias, a_log, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dq, dk, dgate,
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, SAFE: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP32_DOTS: tl.constexpr,
 ):
     """dq, dk (per value head) and, in `dgate`, df for the bounded in-kernel gate, else dg (the host
     applies the unbounded gate's derivative, which also feeds A_log)."""
@@ -172,6 +182,8 @@ def bwd_intra_kernel(
     m_k = o_k < K
     NB: tl.constexpr = BT // BC
     dt = k.dtype.element_ty
+    if FP32_DOTS:
+        dt = tl.float32
     d_gam = tl.load(dgam + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
     carry = d_gam
     for i_rev in tl.static_range(NB):
@@ -205,8 +217,8 @@ def bwd_intra_kernel(
                     k_right = (b_kj.to(tl.float32) * tl.where(m_j, tl.exp(ref[None, :] - b_gj), 0.0)).to(dt)
                     dP_ij = tl.load(dAqk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
                     dA_ij = tl.load(dAkk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
-                    da_P += tl.dot(dP_ij, k_right)
-                    da_A += tl.dot(dA_ij, k_right)
+                    da_P += _mm(dP_ij, k_right, FP32_DOTS)
+                    da_A += _mm(dA_ij, k_right, FP32_DOTS)
             e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
             da_P *= e_left
             da_A *= e_left
@@ -226,8 +238,8 @@ def bwd_intra_kernel(
                     m_a_m = ok_m[:, None] & (o_i < BC)[None, :]
                     dP_mi = tl.load(dAqk + a_col, mask=m_a_m, other=0.0).to(dt)
                     dA_mi = tl.load(dAkk + a_col, mask=m_a_m, other=0.0).to(dt)
-                    db_P += tl.dot(tl.trans(dP_mi), (b_qm.to(tl.float32) * e_m * scale).to(dt))
-                    db_A += tl.dot(tl.trans(dA_mi), (b_km.to(tl.float32) * e_m).to(dt))
+                    db_P += _mm(tl.trans(dP_mi), (b_qm.to(tl.float32) * e_m * scale).to(dt), FP32_DOTS)
+                    db_A += _mm(tl.trans(dA_mi), (b_km.to(tl.float32) * e_m).to(dt), FP32_DOTS)
             e_right2 = tl.where(m_i, tl.exp(ref2[None, :] - b_g_i), 0.0)
             db_P *= e_right2
             db_A *= e_right2
@@ -236,11 +248,11 @@ def bwd_intra_kernel(
             dA_ii = tl.load(dAkk + a_row + i * BC, mask=m_a_i, other=0.0)
             if SAFE:
                 k_r = (b_k_i * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(dt)
-                da_P += tl.dot(dP_ii.to(dt), k_r) * e_left
-                da_A += tl.dot(dA_ii.to(dt), k_r) * e_left
+                da_P += _mm(dP_ii.to(dt), k_r, FP32_DOTS) * e_left
+                da_A += _mm(dA_ii.to(dt), k_r, FP32_DOTS) * e_left
                 e_l2 = tl.where(m_i, tl.exp(b_g_i - ref2[None, :]), 0.0)
-                db_P += tl.dot(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt)) * e_right2
-                db_A += tl.dot(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt)) * e_right2
+                db_P += _mm(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt), FP32_DOTS) * e_right2
+                db_A += _mm(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt), FP32_DOTS) * e_right2
             else:
                 R = (o_i[:, None] >= o_i[None, :]) & ok_i[:, None] & ok_i[None, :]
                 t_da, t_db = _pairwise_grads(dP_ii, b_q_i, b_k_i, b_g_i, R)

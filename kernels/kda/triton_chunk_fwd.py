@@ -246,14 +246,14 @@ def fwd_state_kernel(
         m_tv = ok[:, None] & (o_v < V)[None, :]
         b_w = tl.load(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_u = tl.load(u + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype))
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(k.dtype.element_ty), b_h.to(k.dtype.element_ty))
         tl.store(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
         last = tl.minimum(it * BT + BT, T) - 1
         g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
         b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-        kg = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(b_w.dtype)
-        b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kg), b_vn.to(b_w.dtype))
+        kg = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(k.dtype.element_ty)
+        b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kg), b_vn.to(k.dtype.element_ty))
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
 
@@ -282,5 +282,5 @@ def fwd_out_kernel(
     acc = tl.dot(qg, b_h)
     b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_s[None, :], mask=ok[:, None], other=0.0)
     b_vn = tl.load(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
-    acc += tl.dot(b_A.to(b_vn.dtype), b_vn)
+    acc += tl.dot(b_A.to(q.dtype.element_ty), b_vn.to(q.dtype.element_ty))
     tl.store(o + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)

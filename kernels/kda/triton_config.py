@@ -12,11 +12,13 @@ class KDAKernelConfig:
     chunk_size: int = 64  # BT: tokens per chunk
     sub_chunk: int = 16  # BC: intra-chunk block; the lower bound keeps e^(5*BC) in range
     block_v: int = 64  # BV: value columns per program in the state recurrences and outputs
-    state_dtype: torch.dtype | None = None  # per-chunk states saved for backward; None: the input dtype
+    state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
+    work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
     num_warps_intra: int = 4
     num_warps_state: int = 4
     num_warps_out: int = 4
     num_warps_bwd: int = 8
+    bwd_fp32_dots: bool = True  # 3xTF32 dots for the score-matrix gradients (dg accuracy; see _mm)
     num_stages_state: int = 3  # software pipelining of the sequential state loops (shared memory bound)
     num_stages_bwd_state: int = 2  # 3 stages need ~271 KB of shared memory on Triton 3.6 / H200
     decode_block_v: int = 32
