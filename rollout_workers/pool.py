@@ -20,10 +20,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from rollout_workers.agent import EpisodeSpec, make_group_specs
 from rollout_workers.engine import EngineConfig
-from rollout_workers.environments.registry import EnvironmentRegistration
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.trajectory import Trajectory
-from rollout_workers.worker import EngineFactory, RolloutWorker
+from rollout_workers.worker import EngineFactory, EnvSource, RolloutWorker
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +35,7 @@ class RolloutPool:
     def __init__(
         self,
         engine: EngineConfig | EngineFactory,
-        env: EnvironmentRegistration | str,
+        env: EnvSource,
         num_workers: int = 1,
         *,
         env_options: dict[str, Any] | None = None,
@@ -168,10 +167,14 @@ class RolloutPool:
             return out
         for key in per_worker[0]:
             values = [s.get(key, 0.0) for s in per_worker]
-            if key.startswith("tool_latency") or key in ("engine_busy_fraction", "mean_batch_turns", "weight_version"):
-                out[key] = max(values) if key.startswith("tool_latency") else sum(values) / len(values)
+            if key.startswith("tool_latency"):
+                out[key] = max(values)  # the slowest worker's percentile: an upper bound for the pool
+            elif key == "weight_version":
+                out[key] = min(values)
+            elif key in ("engine_busy_fraction", "mean_batch_turns"):
+                out[key] = sum(values) / len(values)
             else:
-                out[key] = sum(values)
+                out[key] = sum(values)  # counts, and rates of workers running side by side
         return out
 
     def shutdown(self) -> None:

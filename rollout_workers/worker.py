@@ -17,6 +17,7 @@ import ray
 
 from rollout_workers.agent import AgentLoop, EpisodeSpec
 from rollout_workers.engine import Engine, EngineConfig, VLLMEngine
+from rollout_workers.environments.base import Environment
 from rollout_workers.environments.registry import EnvironmentRegistration, make_env_factory
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.stats import RolloutStats
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 EngineFactory = Callable[[], Engine]
+EnvSource = EnvironmentRegistration | str | Callable[[], Environment]
 
 
 def build_engine(engine: EngineConfig | EngineFactory) -> Engine:
@@ -39,13 +41,18 @@ class RolloutWorkerImpl:
     def __init__(
         self,
         engine: EngineConfig | EngineFactory,
-        env: EnvironmentRegistration | str,
+        env: EnvSource,
         env_options: dict[str, Any] | None = None,
     ) -> None:
+        """`env`: a built-in name, a registration, or (in-process code only) a zero-argument factory."""
         # In-process vLLM engine core: one process per worker is enough on CPU and keeps startup short.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.env_name = env if isinstance(env, str) else env.name
-        self.env_factory = make_env_factory(env, env_options)
+        if isinstance(env, str | EnvironmentRegistration):
+            self.env_name = env if isinstance(env, str) else env.name
+            self.env_factory = make_env_factory(env, env_options)
+        else:
+            self.env_name = str(getattr(env, "name", "") or type(env).__name__)
+            self.env_factory = env
         self.engine = build_engine(engine)
         self.max_model_len = engine.max_model_len if isinstance(engine, EngineConfig) else None
         self.stats_ = RolloutStats()

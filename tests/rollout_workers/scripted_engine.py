@@ -39,3 +39,28 @@ class ScriptedEngine:
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         self.weight_version = version
+
+
+class SlowScriptedEngine(ScriptedEngine):
+    """Sleeps in every generate call, so a test can act while a batch is in flight."""
+
+    def __init__(self, tokenizer: Any, script: Script, delay_s: float) -> None:
+        super().__init__(tokenizer, script)
+        self.delay_s = delay_s
+
+    def generate(self, requests: list[TurnRequest], sampling: SamplingConfig, stop_token_ids: list[int]) -> list[TurnOutput]:
+        import time
+
+        time.sleep(self.delay_s)
+        return super().generate(requests, sampling, stop_token_ids)
+
+
+def answer_script(context: str, turn: int) -> str:
+    return "The answer is 7."
+
+
+def make_slow_engine(tokenizer_dir: str, delay_s: float) -> SlowScriptedEngine:
+    """A picklable engine factory for Ray workers."""
+    from transformers import AutoTokenizer
+
+    return SlowScriptedEngine(AutoTokenizer.from_pretrained(tokenizer_dir), answer_script, delay_s)

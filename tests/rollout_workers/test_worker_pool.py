@@ -1,0 +1,96 @@
+"""Ray rollout workers and the pool, on a real local Ray: a real vLLM worker keeps going past a crashing
+environment and takes weight pushes; a worker killed mid-batch loses no group."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import helper_envs
+import pytest
+import scripted_engine
+
+from rollout_workers.engine import EngineConfig
+from rollout_workers.pool import RolloutPool
+from rollout_workers.sampling import SamplingConfig
+from rollout_workers.trajectory import TrajectoryStatus
+
+
+@pytest.fixture(scope="module")
+def by_value(ray_local: Any) -> Any:
+    # test-only modules are not installed on the workers: ship them inside the pickles
+    ray_local.cloudpickle.register_pickle_by_value(helper_envs)
+    ray_local.cloudpickle.register_pickle_by_value(scripted_engine)
+    return ray_local
+
+
+@pytest.fixture(scope="module")
+def vllm_pool(by_value: Any, tiny_llama_dir: Path) -> Any:
+    pool = RolloutPool(
+        EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=1024, kv_cache_gib=0.25),
+        helper_envs.ToyEnv,
+        num_workers=1,
+        num_cpus_per_worker=1,
+    )
+    yield pool
+    pool.shutdown()
+
+
+SAMPLING = SamplingConfig(max_tokens_per_turn=6, max_turns=2, max_total_tokens=1024, seed=0)
+
+
+def test_vllm_worker_contains_env_crashes_and_keeps_going(vllm_pool: RolloutPool) -> None:
+    tasks = [
+        {"id": "a", "question": "[]"},
+        {"id": "boom", "question": "[]", "crash_on_reset": True},
+        {"id": "c", "question": "[]"},
+    ]
+    groups = vllm_pool.generate(tasks, n=2, sampling=SAMPLING, train_step=4, job_id="job-1")
+    assert [[t.task_id for t in g] for g in groups] == [["a", "a"], ["boom", "boom"], ["c", "c"]]
+    assert all(t.status == TrajectoryStatus.ENV_ERROR for t in groups[1])
+    for g in (groups[0], groups[2]):
+        assert len({t.group_id for t in g}) == 1
+        for t in g:
+            assert t.status in (TrajectoryStatus.OK, TrajectoryStatus.TRUNCATED)
+            assert t.steps and t.steps[0].action_ids and t.job_id == "job-1" and t.train_step == 4
+    # the same worker serves the next batch
+    again = vllm_pool.generate(tasks[:1], n=3, sampling=SAMPLING)
+    assert len(again[0]) == 3 and all(t.steps for t in again[0])
+    stats = vllm_pool.stats()
+    assert stats["trajectories"] == 9 and stats["status_env_error"] == 2 and stats["failures"] == 2
+    assert stats["sampled_tokens"] > 0 and stats["tokens_per_s"] > 0 and stats["turns_per_s"] > 0
+    assert stats["worker_restarts"] == 0
+
+
+def test_weight_push_reaches_the_worker_engine(vllm_pool: RolloutPool, tiny_llama_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    seconds = vllm_pool.push_weights(load_file(str(tiny_llama_dir / "model.safetensors")), version=3)
+    assert seconds > 0
+    (group,) = vllm_pool.generate([{"id": "a", "question": "[]"}], n=2, sampling=SAMPLING)
+    assert all(t.weight_versions() == [3] * len(t.steps) for t in group)
+    assert vllm_pool.stats()["weight_version"] == 3
+
+
+def test_killing_a_worker_mid_batch_loses_no_group(by_value: Any, tokenizer_dir: Path) -> None:
+    import functools
+
+    factory = functools.partial(scripted_engine.make_slow_engine, str(tokenizer_dir), 1.5)
+    pool = RolloutPool(factory, helper_envs.ToyEnv, num_workers=2, num_cpus_per_worker=0.5, groups_per_call=2)
+    try:
+        pool.push_weights({}, version=5)
+        tasks = [{"id": f"t{i}", "question": "[]"} for i in range(8)]
+        future = pool.submit(tasks, n=2, sampling=SamplingConfig(max_total_tokens=2048))
+        time.sleep(0.8)  # both workers are inside their first 1.5 s generate call
+        victim = pool.workers[0]
+        by_value.kill(victim, no_restart=True)
+        groups = future.result(timeout=120)
+        assert [[t.task_id for t in g] for g in groups] == [[f"t{i}"] * 2 for i in range(8)]
+        assert all(t.status == TrajectoryStatus.OK for g in groups for t in g)
+        assert len({g[0].group_id for g in groups}) == 8
+        assert pool.restarts == 1 and pool.workers[0] is not victim
+        # the replacement loaded the latest weights before its first batch
+        assert all(t.weight_versions() == [5] for g in groups for t in g)
+    finally:
+        pool.shutdown()
