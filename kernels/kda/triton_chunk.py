@@ -14,6 +14,7 @@ from kernels.kda.triton_chunk_fwd import (
     solve_wu_kernel,
 )
 from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
+from kernels.kda.triton_l2norm import l2norm_triton
 
 
 def chunk_layout(cu_seqlens: torch.Tensor, BT: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -73,9 +74,10 @@ def kda_fwd(
     vn = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    fwd_state_kernel[(triton.cdiv(V, BV), N * HV)](
+    BVS = min(cfg.state_block_v, triton.next_power_of_2(V))
+    fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         k, gcum, w, u, vn, h, h0, ht, cu, chunk_offsets,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
         num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
@@ -109,9 +111,10 @@ def kda_bwd(
     dh = torch.empty_like(h)
     dvn = torch.empty(T, HV, V, dtype=cfg.work_dtype or v.dtype, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if initial_state is not None else None
-    bwd_state_kernel[(triton.cdiv(V, BV), N * HV)](
+    BVS = min(cfg.state_block_v, triton.next_power_of_2(V))
+    bwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         q, k, gcum, saved["w"], saved["Aqk"], do, dht, dh, dh0, dvn, cu, chunk_offsets, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_bwd_state,
     )
     f32 = dict(dtype=torch.float32, device=dev)
@@ -187,15 +190,12 @@ def chunk_kda_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Arguments validated by `chunk_kda`. Works on any device Triton runs on (CUDA, or the CPU
     interpreter under TRITON_INTERPRET=1)."""
-    from kernels.kda.common import l2norm
-
     cfg = config or (DEFAULT_CONFIG if chunk_size == DEFAULT_CONFIG.chunk_size else
                      KDAKernelConfig(chunk_size=chunk_size))
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     if use_qk_l2norm_in_kernel:
-        q = l2norm(q.float()).to(q.dtype)
-        k = l2norm(k.float()).to(k.dtype)
+        q, k = l2norm_triton(q), l2norm_triton(k)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
     cu = flat_cu_seqlens(B, T, cu_seqlens, q.device)

@@ -180,40 +180,27 @@ def solve_wu_kernel(
             elif j > i:
                 tl.store(Ai + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=m_a)
         tl.debug_barrier()
+    # w = Ai (beta K e^Gam), u = Ai (beta V): whole-chunk dots on the lower-triangular Ai
+    o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
-    for i in tl.static_range(NB):
-        rows_i = i_t * BT + i * BC + o_i
-        ok_i = rows_i < T
-        a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
-        m_a = ok_i[:, None] & (o_i < BC)[None, :]
-        acc_w = tl.zeros([BC, BK], dtype=tl.float32)
-        for j in tl.static_range(NB):
-            if j <= i:
-                rows_j = i_t * BT + j * BC + o_i
-                ok_j = rows_j < T
-                m_j = ok_j[:, None] & (o_k < K)[None, :]
-                M_ij = tl.load(Ai + a_off + j * BC, mask=m_a, other=0.0).to(k.dtype.element_ty)
-                b_bj = tl.load(beta + (bos + rows_j) * HV + i_hv, mask=ok_j, other=0.0).to(tl.float32)
-                b_kj = tl.load(k + (bos + rows_j)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_j, other=0.0)
-                b_gj = tl.load(gcum + (bos + rows_j)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_j, other=0.0)
-                kb = (b_kj.to(tl.float32) * tl.where(m_j, tl.exp(b_gj), 0.0) * b_bj[:, None]).to(k.dtype.element_ty)
-                acc_w += tl.dot(M_ij, kb)
-        m_wi = ok_i[:, None] & (o_k < K)[None, :]
-        tl.store(w + (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :], acc_w.to(w.dtype.element_ty), mask=m_wi)
-        for v0 in range(0, V, BV):
-            acc_u = tl.zeros([BC, BV], dtype=tl.float32)
-            for j in tl.static_range(NB):
-                if j <= i:
-                    rows_j = i_t * BT + j * BC + o_i
-                    ok_j = rows_j < T
-                    m_vj = ok_j[:, None] & (v0 + o_v < V)[None, :]
-                    M_ij = tl.load(Ai + a_off + j * BC, mask=m_a, other=0.0).to(v.dtype.element_ty)
-                    b_bj = tl.load(beta + (bos + rows_j) * HV + i_hv, mask=ok_j, other=0.0).to(tl.float32)
-                    b_vj = tl.load(v + (bos + rows_j)[:, None] * (HV * V) + i_hv * V + v0 + o_v[None, :], mask=m_vj, other=0.0)
-                    acc_u += tl.dot(M_ij, (b_vj.to(tl.float32) * b_bj[:, None]).to(v.dtype.element_ty))
-            m_ui = ok_i[:, None] & (v0 + o_v < V)[None, :]
-            tl.store(u + (bos + rows_i)[:, None] * (HV * V) + i_hv * V + v0 + o_v[None, :], acc_u.to(u.dtype.element_ty), mask=m_ui)
+    rows = i_t * BT + o_t
+    ok = rows < T
+    dt = k.dtype.element_ty
+    b_M = tl.load(Ai + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0).to(dt)
+    b_b = tl.load(beta + (bos + rows) * HV + i_hv, mask=ok, other=0.0).to(tl.float32)
+    m_tk = ok[:, None] & (o_k < K)[None, :]
+    b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+    kb = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * b_b[:, None]).to(dt)
+    tl.store(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], tl.dot(b_M, kb).to(w.dtype.element_ty),
+             mask=m_tk)
+    for v0 in range(0, V, BV):
+        m_tv = ok[:, None] & (v0 + o_v < V)[None, :]
+        tv_off = (bos + rows)[:, None] * (HV * V) + i_hv * V + v0 + o_v[None, :]
+        b_v = tl.load(v + tv_off, mask=m_tv, other=0.0)
+        vb = (b_v.to(tl.float32) * b_b[:, None]).to(dt)
+        tl.store(u + tv_off, tl.dot(b_M, vb).to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit

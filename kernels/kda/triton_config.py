@@ -11,7 +11,8 @@ import torch
 class KDAKernelConfig:
     chunk_size: int = 64  # BT: tokens per chunk
     sub_chunk: int = 16  # BC: intra-chunk block; the lower bound keeps e^(5*BC) in range
-    block_v: int = 64  # BV: value columns per program in the state recurrences and outputs
+    block_v: int = 64  # BV: value columns per program in the output and backward-inter kernels
+    state_block_v: int = 32  # value columns per program of the sequential state kernels (H*V/BV programs)
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
     work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
     num_warps_intra: int = 4
