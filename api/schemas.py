@@ -44,7 +44,7 @@ class JobOut(BaseModel):
 
     @classmethod
     def of(cls, job: JobRecord) -> JobOut:
-        data = job.model_dump(exclude={"tenant", "work_dir", "environment"})
+        data = job.model_dump(exclude={"tenant", "work_dir"})
         return cls(**data, progress=min(job.step / max(job.total_steps, 1), 1.0))
 
 

@@ -156,9 +156,16 @@ class TaperService:
     def submit(self, p: Principal, spec: JobSpec, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         if idempotency_key is not None and not (1 <= len(idempotency_key) <= 255 and idempotency_key.isprintable()):
             raise InvalidInput("Idempotency-Key must be 1-255 printable characters", field="Idempotency-Key")
-        environment = self._resolve_environment(p, spec.environment.name)
+        if spec.environment.registration is not None:
+            raise InvalidInput("set by the service from the tenant's registered environments; name one instead",
+                               field="environment.registration")
+        registration = self._resolve_environment(p, spec.environment.name)
+        if registration is not None:
+            # the job carries its registration, so its driver never reads the (tenant's, mutable) registry
+            spec = spec.model_copy(update={
+                "environment": spec.environment.model_copy(update={"registration": registration})})
         try:
-            return self.store.submit_job(p.tenant, spec, str(self.jobs_dir), idempotency_key, environment,
+            return self.store.submit_job(p.tenant, spec, str(self.jobs_dir), idempotency_key,
                                          rate_per_minute=self.submit_rate_per_minute)
         except IdempotencyConflict as exc:
             raise Conflict(str(exc), field="Idempotency-Key") from None

@@ -93,7 +93,6 @@ class JobRecord(BaseModel):
     schedule_version: int = 1
     last_checkpoint: str | None = None
     last_metrics: dict[str, Any] | None = None
-    environment: dict[str, Any] | None = None  # the registration in force at submission (None: built-in)
 
 
 def clean_json(value: Any) -> Any:
@@ -282,7 +281,6 @@ class Store:
         spec: JobSpec,
         work_root: str,
         idempotency_key: str | None = None,
-        environment: dict[str, Any] | None = None,
         rate_per_minute: int | None = None,
     ) -> tuple[JobRecord, bool]:
         """Create a queued job; returns (job, created). A repeated Idempotency-Key returns the first job
@@ -307,7 +305,6 @@ class Store:
             "attempts": "0",
             "work_dir": f"{work_root.rstrip('/')}/{job_id}",
             "schedule_version": "1",
-            "environment": dumps(environment) if environment is not None else "",
         }
         if idempotency_key:
             fields["idempotency_key"] = idempotency_key
@@ -372,7 +369,6 @@ class Store:
             schedule_version=int(raw.get("schedule_version", 1)),
             last_checkpoint=raw.get("last_checkpoint") or None,
             last_metrics=json.loads(raw["last_metrics"]) if raw.get("last_metrics") else None,
-            environment=json.loads(raw["environment"]) if raw.get("environment") else None,
         )
 
     def get_job(self, job_id: str, tenant: str | None = None) -> JobRecord:

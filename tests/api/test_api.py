@@ -214,7 +214,11 @@ def test_environments(api: Api) -> None:
         assert r.json()["error"]["field"] == field, r.json()
     assert redis_dump(api.store.url) == before
     # a job can use the tenant's registration, and another tenant cannot
-    assert submit(api, {**SPEC, "environment": {"name": "my-calc"}}).status_code == 201
+    r = submit(api, {**SPEC, "environment": {"name": "my-calc"}})
+    assert r.status_code == 201 and r.json()["spec"]["environment"]["registration"]["import_path"].endswith("CalculatorEnv")
+    # a job may not smuggle in a registration of its own
+    r = submit(api, {**SPEC, "environment": {"name": "calculator", "registration": {"kind": "python"}}})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "environment.registration"
     assert submit(api, {**SPEC, "environment": {"name": "my-calc"}}, key=api.key_b).status_code == 422
     assert api.client.delete("/v1/environments/my-calc", headers=api.h()).status_code == 204
     assert api.client.delete("/v1/environments/my-calc", headers=api.h()).status_code == 404
