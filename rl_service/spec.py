@@ -25,6 +25,11 @@ class ModelSpec(_Strict):
 class EnvironmentSpec(_Strict):
     name: str = Field("calculator", min_length=1, max_length=64, description="A built-in or registered environment.")
     options: dict[str, Any] = Field(default_factory=dict, description="Passed to the environment's constructor / task generator.")
+    registration: dict[str, Any] | None = Field(
+        None,
+        description="The EnvironmentRegistration of a registered (non built-in) environment, resolved by the "
+        "control plane at submit time so the job runs without reading the registry.",
+    )
 
 
 class TasksSpec(_Strict):

@@ -26,10 +26,10 @@ def disable_dropout(model: nn.Module) -> None:
 def completion_logits(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     """Logits `[B, C, V]` (fp32) that predict each completion token: position `P + j - 1` predicts token j.
 
-    Right padding plus causal attention leaves the real positions untouched, so no attention mask is passed
-    (the recurrent KDA layers would otherwise need one).
+    Right padding plus causal attention leaves the real positions untouched; the mask still goes in so that
+    padding stays out of the MoE balancing statistics.
     """
-    logits = model(input_ids=mb.input_ids, use_cache=False).logits
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
     b, c = mb.completion_ids.shape
     pos = (mb.prompt_lens.unsqueeze(1) - 1 + torch.arange(c, device=logits.device)).clamp(max=logits.shape[1] - 1)
     rows = torch.arange(b, device=logits.device).unsqueeze(1)

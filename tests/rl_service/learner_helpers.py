@@ -37,3 +37,57 @@ def make_samples(n: int, vocab: int = 48, seed: int = 0, max_prompt: int = 6, ma
             engine_logprobs=[-3.0 + rng.gauss(0, 0.1) for _ in range(c)],
         ))
     return out
+
+
+# ---- job tests ---------------------------------------------------------------------------------------
+from rollout_workers.environments.calculator import CalculatorEnv  # noqa: E402
+
+
+class GradedCalculator(CalculatorEnv):
+    """The calculator with a dense, deterministic outcome so a random tiny model gets non-zero advantages:
+    the fraction of sampled tokens with an even id. Only the job's scoring uses it (the rollout workers run
+    the built-in calculator, which samples the same episodes)."""
+
+    def outcome(self, trajectory) -> float:
+        ids = [t for s in trajectory.steps for t in s.action_ids]
+        return sum(1 for t in ids if t % 2 == 0) / len(ids) if ids else 0.0
+
+
+class ReusedPool:
+    """A real RolloutPool shared by several JobRunner runs of one test module (engine start-up dominates a
+    short job). `factory` loads the run's starting weights into the running engines, as a fresh pool would."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.factory_calls = 0
+
+    def factory(self, spec, weights_dir):
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        weights_dir = Path(weights_dir)
+        state = {}
+        for f in sorted(weights_dir.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        meta = weights_dir / "state.json"
+        version = int(json.loads(meta.read_text())["step"]) if meta.exists() else 0
+        self.pool.push_weights(state, version)
+        self.factory_calls += 1
+        return self
+
+    def generate(self, *a, **k):
+        return self.pool.generate(*a, **k)
+
+    def submit(self, *a, **k):
+        return self.pool.submit(*a, **k)
+
+    def push_weights(self, state_dict, version):
+        return self.pool.push_weights(state_dict, version)
+
+    def stats(self):
+        return self.pool.stats()
+
+    def shutdown(self) -> None:  # the module fixture shuts the real pool down
+        pass
