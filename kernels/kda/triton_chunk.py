@@ -65,8 +65,10 @@ def kda_fwd(
     work_dtype = cfg.work_dtype or v.dtype
     w = torch.empty(T, HV, K, dtype=work_dtype, device=dev)
     u = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
+    qg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
+    kg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
     solve_wu_kernel[(NC, HV)](
-        k, v, beta, gcum, Akk, Ai, w, u, cu, chunk_indices,
+        q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu, chunk_indices, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), num_warps=cfg.num_warps_intra,
     )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
@@ -76,16 +78,16 @@ def kda_fwd(
     h0 = initial_state.contiguous() if initial_state is not None else None
     BVS = min(cfg.state_block_v, triton.next_power_of_2(V))
     fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
-        k, gcum, w, u, vn, h, h0, ht, cu, chunk_offsets,
+        kg, gcum, w, u, vn, h, h0, ht, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
         num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
     fwd_out_kernel[(triton.cdiv(V, BV), NC, HV)](
-        q, gcum, Aqk, vn, h, o, cu, chunk_indices, scale,
+        qg, Aqk, vn, h, o, cu, chunk_indices,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=cfg.num_warps_out,
     )
-    return dict(o=o, ht=ht, gcum=gcum, Aqk=Aqk, Akk=Akk, Ai=Ai, w=w, u=u, h=h, vn=vn,
+    return dict(o=o, ht=ht, gcum=gcum, Aqk=Aqk, Akk=Akk, Ai=Ai, w=w, u=u, h=h, vn=vn, qg=qg, kg=kg,
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 
 
@@ -113,7 +115,7 @@ def kda_bwd(
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if initial_state is not None else None
     BVS = min(cfg.state_block_v, triton.next_power_of_2(V))
     bwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
-        q, k, gcum, saved["w"], saved["Aqk"], do, dht, dh, dh0, dvn, cu, chunk_offsets, scale,
+        saved["qg"], saved["kg"], gcum, saved["w"], saved["Aqk"], do, dht, dh, dh0, dvn, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_bwd_state,
     )
@@ -178,7 +180,7 @@ class ChunkKDAFunction(torch.autograd.Function):
                 dh0, None, None, None, None, None, None)
 
 
-_SAVED = ("gcum", "Aqk", "Akk", "Ai", "w", "u", "h", "vn", "chunk_indices", "chunk_offsets")
+_SAVED = ("gcum", "Aqk", "Akk", "Ai", "w", "u", "h", "vn", "qg", "kg", "chunk_indices", "chunk_offsets")
 
 
 def chunk_kda_triton(

@@ -20,13 +20,12 @@ from kernels.kda.triton_chunk_fwd import _chunk_coords
 
 @triton.jit
 def bwd_state_kernel(
-    q, k, gcum, w, Aqk, do, dht, dh, dh0, dvn, cu_seqlens, chunk_offsets, scale,
+    qg, kg, gcum, w, Aqk, do, dht, dh, dh0, dvn, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -50,16 +49,14 @@ def bwd_state_kernel(
         b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)
         last = tl.minimum(it * BT + BT, T) - 1
         g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
-        b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_q = tl.load(q + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_w = tl.load(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-        dt = b_k.dtype
-        kg = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(dt)
-        b_dvn = tl.dot(tl.trans(b_A.to(dt)), b_do.to(dt)) + tl.dot(kg, b_dh.to(dt))
+        tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        b_kg = tl.load(kg + tk_off, mask=m_tk, other=0.0)
+        b_qg = tl.load(qg + tk_off, mask=m_tk, other=0.0)
+        b_w = tl.load(w + tk_off, mask=m_tk, other=0.0)
+        dt = b_kg.dtype
+        b_dvn = tl.dot(tl.trans(b_A.to(dt)), b_do.to(dt)) + tl.dot(b_kg, b_dh.to(dt))
         tl.store(dvn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
-        qg = (b_q.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * scale).to(dt)
-        b_dh = b_dh * tl.exp(g_last)[:, None] + tl.dot(tl.trans(qg), b_do.to(dt)) - tl.dot(tl.trans(b_w.to(dt)), b_dvn.to(dt))
+        b_dh = b_dh * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(dt)) - tl.dot(tl.trans(b_w.to(dt)), b_dvn.to(dt))
     if STORE_DH0:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + s_off, b_dh, mask=m_kv)
 

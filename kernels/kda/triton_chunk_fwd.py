@@ -138,11 +138,13 @@ def intra_scores_kernel(
 
 @triton.jit
 def solve_wu_kernel(
-    k, v, beta, gcum, Akk, Ai, w, u, cu_seqlens, chunk_indices,
+    q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """Ai = (I + diag(beta) Akk)^-1 by block forward substitution, then w and u."""
+    """Ai = (I + diag(beta) Akk)^-1 by block forward substitution, then w and u, and the gated
+    qg = scale q e^Gam and kg = k e^(Gam_last - Gam) that the sequential state kernels consume (so
+    their loop carries no exponentials and no fp32 gate loads)."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
     _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
@@ -193,7 +195,14 @@ def solve_wu_kernel(
     b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
     b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
     kb = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * b_b[:, None]).to(dt)
-    tl.store(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], tl.dot(b_M, kb).to(w.dtype.element_ty),
+    tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    tl.store(w + tk_off, tl.dot(b_M, kb).to(w.dtype.element_ty), mask=m_tk)
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+    tl.store(kg + tk_off, (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(kg.dtype.element_ty),
+             mask=m_tk)
+    b_q = tl.load(q + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    tl.store(qg + tk_off, (b_q.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * scale).to(qg.dtype.element_ty),
              mask=m_tk)
     for v0 in range(0, V, BV):
         m_tv = ok[:, None] & (v0 + o_v < V)[None, :]
@@ -205,14 +214,13 @@ def solve_wu_kernel(
 
 @triton.jit
 def fwd_state_kernel(
-    k, gcum, w, u, vn, h, h0, ht, cu_seqlens, chunk_offsets,
+    kg, gcum, w, u, vn, h, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
 ):
     """Sequential over a sequence's chunks; one program per (V tile, sequence, value head)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -233,26 +241,23 @@ def fwd_state_kernel(
         m_tv = ok[:, None] & (o_v < V)[None, :]
         b_w = tl.load(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_u = tl.load(u + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(k.dtype.element_ty), b_h.to(k.dtype.element_ty))
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(kg.dtype.element_ty), b_h.to(kg.dtype.element_ty))
         tl.store(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
         last = tl.minimum(it * BT + BT, T) - 1
         g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
-        b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-        kg = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(k.dtype.element_ty)
-        b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kg), b_vn.to(k.dtype.element_ty))
+        b_kg = tl.load(kg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype))
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
 
 
 @triton.jit
 def fwd_out_kernel(
-    q, gcum, Aqk, vn, h, o, cu_seqlens, chunk_indices, scale,
+    qg, Aqk, vn, h, o, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_h = i_hv // (HV // H)
     _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
     rows = i_t * BT + tl.arange(0, BT)
     ok = rows < T
@@ -261,13 +266,12 @@ def fwd_out_kernel(
     o_s = tl.arange(0, BT)
     m_tk = ok[:, None] & (o_k < K)[None, :]
     m_tv = ok[:, None] & (o_v < V)[None, :]
-    b_q = tl.load(q + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-    qg = (b_q.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * scale).to(q.dtype.element_ty)
+    dt = qg.dtype.element_ty
+    b_qg = tl.load(qg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
     b_h = tl.load(h + (i_c * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(q.dtype.element_ty)
-    acc = tl.dot(qg, b_h)
+                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(dt)
+    acc = tl.dot(b_qg, b_h)
     b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_s[None, :], mask=ok[:, None], other=0.0)
     b_vn = tl.load(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
-    acc += tl.dot(b_A.to(q.dtype.element_ty), b_vn.to(q.dtype.element_ty))
+    acc += tl.dot(b_A.to(dt), b_vn.to(dt))
     tl.store(o + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)
