@@ -104,6 +104,84 @@ def step_flops(config: TaperConfig, batch: int, seq_len: int) -> float:
     return dense + mla + kda
 
 
+# ---- 0. CUDA correctness checks -------------------------------------------------------------------
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def cuda_checks(preset: str, device: str = "cuda") -> dict:
+    """On CUDA: one KDA layer through the Triton kernels vs the torch path, exactly as the model calls it
+    (output and every gradient, bf16 and fp32); the grouped-GEMM experts vs the per-expert loop (bf16); the
+    whole model (fp32) Triton vs torch and cached decode vs the full forward. Random-init models route
+    near-ties, so whole-model comparisons are only meaningful in fp32."""
+    from model.layers.moe import LatentExperts
+
+    torch.manual_seed(0)
+    config = TaperConfig.preset(preset)
+    results: dict = {}
+
+    def run(module: torch.nn.Module, x: torch.Tensor, backend: str, grouped: bool) -> dict[str, torch.Tensor]:
+        module.zero_grad(set_to_none=True)
+        x = x.detach().requires_grad_(True)
+        LatentExperts.use_grouped_mm = grouped
+        with kda_backend(backend):
+            out = module(x)
+            out = out[0] if isinstance(out, tuple) else out
+            (out.float() * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum().backward()
+        grads = {"out": out.detach(), "d_input": x.grad}
+        grads.update({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+        return grads
+
+    def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
+        errors = {name: _rel(got[name], ref[name]) for name in ref}
+        worst = max(errors, key=errors.get)
+        return {"out_rel": errors["out"], "worst": worst, "worst_rel": errors[worst], "tensors": len(errors)}
+
+    from model.layers.kda import KimiDeltaAttention
+    from model.layers.moe import StableLatentMoE
+
+    def guarded(name: str, check: Callable[[], object]) -> None:
+        try:
+            results[name] = check()
+        except Exception as exc:  # noqa: BLE001 - record it and run the other checks
+            results[name] = {"error": repr(exc)[:400]}
+
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = KimiDeltaAttention(config).to(device)
+        layer.reset_gate_parameters()
+        layer = layer.to(dtype)
+        x = torch.randn(2, 1024, config.hidden_size, device=device, dtype=dtype)
+        guarded(f"kda_layer_{str(dtype)[6:]}_triton_vs_torch",
+                lambda layer=layer, x=x: compare(run(layer, x, "kernels", False), run(layer, x, "torch", False)))
+    moe = StableLatentMoE(config).to(device)
+    with torch.no_grad():
+        for p in moe.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.05)
+    moe = moe.to(torch.bfloat16)
+    x = torch.randn(2048, config.hidden_size, device=device, dtype=torch.bfloat16)
+    guarded("moe_bf16_grouped_vs_loop", lambda: compare(run(moe, x, "torch", True), run(moe, x, "torch", False)))
+    LatentExperts.use_grouped_mm = hasattr(torch, "_grouped_mm")
+
+    lm = TaperForCausalLM(config).to(device).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 256), device=device)
+
+    @torch.no_grad()
+    def whole_model() -> dict:
+        full = lm(ids, use_cache=False).logits
+        with kda_backend("torch"):
+            triton_vs_torch = _rel(full, lm(ids, use_cache=False).logits)
+        cache = TaperCache(config)
+        prefill = lm(ids[:, :192], past_key_values=cache, use_cache=True).logits
+        steps = [lm(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(192, 256)]
+        return {"logits_triton_vs_torch_rel": triton_vs_torch,
+                "decode_vs_full_rel": _rel(torch.cat([prefill, *steps], 1), full)}
+
+    guarded("model_fp32", whole_model)
+    return results
+
+
 # ---- 1. training throughput ------------------------------------------------------------------------
 def train_throughput(preset: str, device: str, dtype: torch.dtype, batch: int, seq_len: int, backend: str,
                      iters: int) -> dict:
@@ -207,6 +285,7 @@ def main() -> None:
     parser.add_argument("--preset", default=None, help="default: tiny on cpu, small on cuda")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--checks-only", action="store_true", help="CUDA: run the correctness checks only")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
     if args.threads:
@@ -219,6 +298,10 @@ def main() -> None:
                     "gpu": torch.cuda.get_device_name() if cuda else None, "cpu_threads": torch.get_num_threads()}
 
     if cuda:
+        report["checks"] = cuda_checks(preset)
+        print(json.dumps(report["checks"], indent=2))
+        if args.checks_only:
+            return
         shapes = [(1, 2048)] if args.quick else [(1, 8192), (4, 8192)]
         backends = ["kernels", "torch"]
     else:
