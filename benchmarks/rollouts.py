@@ -178,9 +178,9 @@ def run_pool(model_dir: str, workers: int, concurrency: int, sampling: SamplingC
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 96])
     ap.add_argument("--tool-latency-ms", type=float, default=5.0)
-    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-steps", type=int, default=200)
     ap.add_argument("--pool-workers", type=int, default=2, help="0 skips the pool measurement")
     ap.add_argument("--model-dir", default=None, help="an existing model to use instead of the SFT'd tiny Llama")
     ap.add_argument("--out", type=Path, default=RESULTS)

@@ -159,19 +159,14 @@ class VLLMEngine:
 def load_weights_into_llm(llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
     """The one place that knows how to update a running vLLM engine's weights in memory.
 
-    Our model's plugin may provide `push_weights(llm, state_dict)`; otherwise the served model's own
-    `load_weights` (HF parameter names; vLLM fuses qkv/gate-up itself) runs inside each worker. The
-    prefix cache is dropped afterwards: its KV blocks were computed with the old weights.
+    Our model (model.vllm_plugin) goes through its `push_weights`; any other vLLM model through vLLM's
+    in-place `reload_weights` (HF parameter names). The prefix cache is dropped afterwards: its KV
+    blocks were computed with the old weights.
     """
-    push = None
-    try:
-        from model import vllm_plugin
+    if _serves_plugin_model(llm):
+        from model.vllm_plugin.weight_sync import push_weights
 
-        push = getattr(vllm_plugin, "push_weights", None)
-    except ImportError:
-        pass
-    if push is not None and _serves_plugin_model(llm):
-        push(llm, state_dict)
+        push_weights(llm, state_dict)  # resets the prefix cache itself; once more below is harmless
     else:
         # vLLM's in-place reload: loads checkpoint-format (HF-named) tensors layer by layer and re-runs
         # each layer's post-load processing (on CPU the linear layers keep repacked copies, so a

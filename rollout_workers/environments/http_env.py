@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from rollout_workers.trajectory import Trajectory
 
 _SEMAPHORES: dict[tuple[str, str], threading.BoundedSemaphore] = {}
+_CLIENTS: dict[tuple[str, str], httpx.Client] = {}
 _SEMAPHORES_LOCK = threading.Lock()
 
 
@@ -43,6 +44,15 @@ def _semaphore(reg: EnvironmentRegistration) -> threading.BoundedSemaphore:
         return _SEMAPHORES[key]
 
 
+def _client(reg: EnvironmentRegistration) -> httpx.Client:
+    """One pooled client per registration and process (keeps connections alive; thread-safe)."""
+    key = (reg.name, str(reg.base_url))
+    with _SEMAPHORES_LOCK:
+        if key not in _CLIENTS:
+            _CLIENTS[key] = httpx.Client(limits=httpx.Limits(max_connections=reg.concurrency))
+        return _CLIENTS[key]
+
+
 def post_json(reg: EnvironmentRegistration, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """POST with timeout, retries with backoff and the registration's concurrency limit."""
     url = str(reg.base_url).rstrip("/") + path
@@ -52,7 +62,7 @@ def post_json(reg: EnvironmentRegistration, path: str, body: dict[str, Any]) -> 
             time.sleep(reg.backoff_s * 2 ** (attempt - 1))
         with _semaphore(reg):
             try:
-                response = httpx.post(url, json=body, timeout=reg.timeout_s)
+                response = _client(reg).post(url, json=body, timeout=reg.timeout_s)
             except httpx.TimeoutException as e:
                 raise TimeoutError(f"{url}: no answer within {reg.timeout_s}s") from e
             except httpx.TransportError as e:
