@@ -99,11 +99,21 @@ class JobDriver:
         self.job_id = job_id
         self.store = Store(redis_url, prefix=prefix)
         self.runner = runner
+        self.running = False
+        self.finished = False
 
-    def ping(self) -> str:
-        return self.job_id
+    def ping(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "running": self.running, "finished": self.finished}
 
     def run(self) -> str:
+        self.running = True
+        try:
+            return self._run()
+        finally:
+            self.running = False
+            self.finished = True
+
+    def _run(self) -> str:
         store, job_id = self.store, self.job_id
         job = store.get_job(job_id)
         if job.control == CONTROL_CANCEL:
@@ -144,6 +154,7 @@ class Scheduler:
         lock_ttl_ms: int = 5000,
         pg_timeout_s: float = 120.0,
         driver_grace_s: float = 5.0,
+        liveness_every_s: float = 15.0,
     ) -> None:
         self.store = store
         self.runner = runner
@@ -153,6 +164,8 @@ class Scheduler:
         self.lock_ttl_ms = lock_ttl_ms
         self.pg_timeout_s = pg_timeout_s
         self.driver_grace_s = driver_grace_s
+        self.liveness_every_s = liveness_every_s
+        self._last_liveness: dict[str, float] = {}
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -236,7 +249,8 @@ class Scheduler:
                     log.exception("reconciling job %s failed", job_id)
 
     def _reconcile_one(self, job: JobRecord) -> None:
-        if self._driver(job.id) is not None:
+        driver = self._driver(job.id)
+        if driver is not None and not self._driver_stuck(job, driver):
             return
         started = self._driver_started.get(job.id)
         if started is not None and time.monotonic() - started < self.driver_grace_s:
@@ -264,6 +278,25 @@ class Scheduler:
             return
         self._pending_pg_since.pop(job.id, None)
         self._start_driver(job, pg)
+
+    def _driver_stuck(self, job: JobRecord, driver: Any) -> bool:
+        """A live driver whose run() has ended while its job still looks active (it could not record the
+        outcome, e.g. Redis was unreachable at that moment) is killed, so the job is resumed like a lost one.
+        Checked every ``liveness_every_s`` per job."""
+        now = time.monotonic()
+        if now - self._last_liveness.get(job.id, 0.0) < self.liveness_every_s:
+            return False
+        self._last_liveness[job.id] = now
+        try:
+            status = ray.get(driver.ping.remote(), timeout=10)
+        except Exception:
+            return False  # busy or just starting: not evidence of a problem
+        if status["finished"] and not status["running"]:
+            log.warning("driver of %s finished but the job is still %s; restarting it", job.id, job.state.value)
+            ray.kill(driver, no_restart=True)
+            self._driver_started.pop(job.id, None)
+            return True
+        return False
 
     def _finish_without_driver(self, job: JobRecord) -> bool:
         """Honour a cancel/pause request or the attempt limit for a job whose driver is gone."""

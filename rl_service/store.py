@@ -41,6 +41,8 @@ from typing import Any
 import redis
 import redis.asyncio
 from pydantic import BaseModel
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory, ScheduleVersion
 from rl_service.job_states import (
@@ -212,7 +214,11 @@ class Store:
     def __init__(self, url: str, prefix: str = "taper") -> None:
         self.url = url
         self.prefix = prefix
-        self.r = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+        # Transient connection errors (a Redis restart, a dropped socket) are retried with backoff, so a
+        # job driver rides out a short Redis outage instead of failing its job.
+        retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8)
+        self.r = redis.Redis.from_url(url, decode_responses=True, health_check_interval=30, retry=retry,
+                                      retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         self._submit = self.r.register_script(_SUBMIT)
         self._update = self.r.register_script(_UPDATE)
         self._renew = self.r.register_script(_RENEW_LOCK)
@@ -340,8 +346,8 @@ class Store:
                     "Idempotency-Key was already used with a different job spec"
                 )
             return self.get_job(prev_id), False
-        if status != "created":  # a uuid collision: vanishingly rare, but never overwrite a job
-            raise RuntimeError(f"job id collision: {value}")
+        # "duplicate": the job exists already, which (ids being random) means this very call created it and
+        # the reply was lost to a connection error before the client's retry ran the script again.
         return self.get_job(job_id), True
 
     def _record(self, raw: dict[str, str]) -> JobRecord:

@@ -21,7 +21,7 @@ def store(redis_url: str) -> Store:
 
 @pytest.fixture
 def scheduler(store: Store, standin_runner_cls, tmp_path) -> Iterator[Scheduler]:
-    sched = Scheduler(store, runner=standin_runner_cls, tick_s=0.1, driver_grace_s=1.0)
+    sched = Scheduler(store, runner=standin_runner_cls, tick_s=0.1, driver_grace_s=1.0, liveness_every_s=0.5)
     sched.start()
     yield sched
     sched.stop()
@@ -113,3 +113,11 @@ def test_pause_frees_resources_resume_continues_and_cancel_stops(store: Store, s
     wait_for(lambda: _state(store, job.id) == JobState.CANCELLED, what="cancelled")
     assert store.get_job(job.id).step < 40
     wait_for(lambda: not store.r.smembers(store.k_placed()), what="cleanup")
+
+
+def test_a_driver_that_could_not_record_the_outcome_is_restarted(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    job = store.submit_job("t", _spec(name="lose-outcome", total_steps=2), str(tmp_path))[0]
+    wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success by a second driver")
+    got = store.get_job(job.id)
+    assert got.attempts == 2 and got.step == 2
+    assert "driver_lost" in [e["kind"] for e in store.events(job.id)]
