@@ -6,6 +6,10 @@ its KDA / MLA layers, and live weight sync into a running engine.
 
 from __future__ import annotations
 
+from model.vllm_plugin.weight_sync import push_weights, weight_sync_engine_kwargs
+
+__all__ = ["ARCHITECTURE", "MODEL_TYPE", "push_weights", "register", "weight_sync_engine_kwargs"]
+
 ARCHITECTURE = "TaperForCausalLM"
 MODEL_TYPE = "taper"
 

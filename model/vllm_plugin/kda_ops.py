@@ -16,8 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kda import fused_recurrent_kda
+from kernels.kda import chunk_kda, fused_recurrent_kda
 from model.layers.kda import KimiDeltaAttention
+
+# The CPU chunked path materialises a [C, C, K] decay block per chunk, so its cost per token grows with
+# the chunk size C: 16 prefills ~3x faster than 64 there. The CUDA kernels keep their default (64).
+CPU_PREFILL_CHUNK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ def recurrent_state_shape(layer: KimiDeltaAttention) -> tuple[int, int, int]:
     return (layer.num_v_heads, layer.head_dim, layer.v_head_dim)
 
 
+def _kernel_kwargs(layer: KimiDeltaAttention) -> dict:
+    """The layer's kernel arguments, as `KimiDeltaAttention.core` passes them."""
+    return dict(scale=layer.head_dim**-0.5, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                **layer.gate_kwargs())
+
+
 def _decode(
     layer: KimiDeltaAttention, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
     conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
@@ -73,9 +83,8 @@ def _decode(
     conv_state.index_copy_(0, idx, new_conv.to(conv_state.dtype))
     # Batch rows are the sequences (T = 1); the pool's slots are read and written in place.
     o, _ = fused_recurrent_kda(
-        q, k, v, f[:, None], beta[:, None], scale=layer.head_dim**-0.5, initial_state=recurrent_state,
-        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, ssm_state_indices=slots,
-        inplace_final_state=True, **layer.gate_kwargs(),
+        q, k, v, f[:, None], beta[:, None], initial_state=recurrent_state, ssm_state_indices=slots,
+        inplace_final_state=True, **_kernel_kwargs(layer),
     )
     return o[:, 0]
 
@@ -102,9 +111,11 @@ def _prefill(
         vs.append(v[0])
         new_convs.append(new_conv[0])
     conv_state.index_copy_(0, idx, torch.stack(new_convs).to(conv_state.dtype))
-    o, final = layer.core(
+    extra = {} if qkv.is_cuda else {"chunk_size": CPU_PREFILL_CHUNK_SIZE}
+    o, final = chunk_kda(
         torch.cat(qs)[None], torch.cat(ks)[None], torch.cat(vs)[None], f[None], beta[None],
-        recurrent_state=rec_init, output_final_state=True, cu_seqlens=query_start_loc,
+        initial_state=rec_init, output_final_state=True, cu_seqlens=query_start_loc, **_kernel_kwargs(layer),
+        **extra,
     )
     recurrent_state.index_copy_(0, idx, final.to(recurrent_state.dtype))
     return o[0]

@@ -99,6 +99,7 @@ class VllmGatedMLA(GatedMLA):
 
     def __init__(self, config: TaperConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__(config, layer_idx)
+        self.cache_dtype = vllm_config.model_config.dtype  # the model dtype: vLLM's attention runs in it
         self.attn = Attention(
             num_heads=self.num_heads,
             head_size=self.qk_head_dim,
@@ -113,6 +114,6 @@ class VllmGatedMLA(GatedMLA):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """x [T, d] -> [T, d]."""
         q = self.project_q(x).flatten(-2)
-        k, v = self.project_kv(x)
-        attn = self.attn(q, k.flatten(-2), v.flatten(-2))
+        k, v = (t.flatten(-2) for t in self.project_kv(x))
+        attn = self.attn(*(t.to(self.cache_dtype) for t in (q, k, v))).to(x.dtype)
         return self.output(attn.view(x.shape[0], self.num_heads, self.v_head_dim), x)

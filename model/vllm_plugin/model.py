@@ -4,17 +4,23 @@ Tokens arrive flattened ([num_tokens, d], all requests of a step back to back). 
 token mixers works per token and is the HF module itself (Block AttnRes, RMSNorm, SiTU-GLU MLP, Stable
 LatentMoE with its frozen balancing bias), so a `save_pretrained` directory loads with no conversion
 and a learner's state dict pushes in by name.
+
+On CPU the layers hold and compute in fp32 whatever the served dtype (torch's bf16 matmuls are several
+times slower than fp32 on CPUs without native bf16; the KDA kernels compute in fp32 anyway); the caches
+and every tensor handed to vLLM stay in the model dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from model.config import TaperConfig
@@ -28,6 +34,16 @@ from model.vllm_plugin.layers import (
     kda_state_dtypes,
     kda_state_shapes,
 )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class TaperDecoderLayer(nn.Module):
@@ -77,15 +93,18 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if not isinstance(config, TaperConfig):
             raise TypeError(f"hf_config must be a TaperConfig, got {type(config).__name__}")
         self.config = config
-        self.model = TaperModel(config, vllm_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model_dtype = vllm_config.model_config.dtype
+        self.compute_dtype = torch.float32 if current_platform.is_cpu() else self.model_dtype
+        with _default_dtype(self.compute_dtype):
+            self.model = TaperModel(config, vllm_config, prefix=f"{prefix}.model" if prefix else "model")
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.eval()  # MoE records balancing statistics only in training mode: frozen bias at inference
 
     # ---- vLLM model interface ----------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.model.embed_tokens(input_ids).to(self.model_dtype)
 
     def forward(
         self,
@@ -96,11 +115,11 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
         **kwargs: object,
     ) -> torch.Tensor:
         if inputs_embeds is None:
-            inputs_embeds = self.embed_input_ids(input_ids)
-        return self.model(inputs_embeds)
+            inputs_embeds = self.model.embed_tokens(input_ids)
+        return self.model(inputs_embeds.to(self.compute_dtype)).to(self.model_dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        return self.lm_head(hidden_states.to(self.compute_dtype))
 
     @classmethod
     def get_mamba_state_shape_from_config(
