@@ -45,6 +45,15 @@ class Router(nn.Module):
         self.register_buffer("bias_correction", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
         self.top_k, self.routed_scaling_factor = top_k, routed_scaling_factor
 
+    def _apply(self, fn, recurse: bool = True):
+        # Module.to(bf16) / .half() would round the balancing bias; it stays fp32 (moves device only).
+        saved = self.bias_correction
+        super()._apply(fn, recurse)
+        moved = self.bias_correction
+        if moved.dtype != torch.float32:
+            self.bias_correction = saved.to(device=moved.device, dtype=torch.float32)
+        return self
+
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """s = sigmoid(W_r x) in fp32: [N, n]."""
         return torch.sigmoid(x.float() @ self.weight.float().t())

@@ -171,3 +171,13 @@ def test_foreign_cache_and_bad_mask_are_rejected():
         model(ids, past_key_values=DynamicCache(), use_cache=True)
     with pytest.raises(ValueError, match="attention_mask"):
         model(ids, attention_mask=torch.ones(1, 3), use_cache=False)
+
+
+def test_balancing_bias_stays_fp32_when_the_model_is_cast():
+    model = _tiny()
+    expected = [moe.router.bias_correction.clone() for moe in model.model.moe_layers()]
+    model = model.to(torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    for moe, bias in zip(model.model.moe_layers(), expected, strict=True):
+        assert moe.router.bias_correction.dtype == torch.float32
+        assert torch.equal(moe.router.bias_correction, bias)
