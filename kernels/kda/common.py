@@ -27,6 +27,11 @@ class Shapes:
     N: int  # number of sequences
 
 
+def check_cu_seqlens_values(cs: list[int], T: int) -> None:
+    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:], strict=False)):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cs}")
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -66,10 +71,9 @@ def check_inputs(
             raise ValueError(f"with cu_seqlens the batch size B must be 1, got q of shape {tuple(q.shape)}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError("cu_seqlens must be a 1-D tensor [N+1] of cumulative lengths")
-        cs = cu_seqlens.tolist()
-        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:], strict=False)):
-            raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cs}")
-        N = len(cs) - 1
+        if cu_seqlens.device.type == "cpu":  # on a GPU the values are checked where they are read anyway
+            check_cu_seqlens_values(cu_seqlens.tolist(), T)
+        N = cu_seqlens.numel() - 1
     else:
         N = B
     if initial_state is not None:

@@ -53,7 +53,7 @@ def fused_recurrent_kda(
     if ssm_state_indices is not None:
         if ssm_state_indices.dim() != 1 or ssm_state_indices.numel() != shp.N:
             raise ValueError(f"ssm_state_indices must be [N={shp.N}], got {tuple(ssm_state_indices.shape)}")
-        if int(ssm_state_indices.max()) >= initial_state.shape[0]:
+        if ssm_state_indices.device.type == "cpu" and int(ssm_state_indices.max()) >= initial_state.shape[0]:
             raise ValueError(f"ssm_state_indices has a slot >= the pool size {initial_state.shape[0]}")
     scale = shp.K**-0.5 if scale is None else float(scale)
     if q.is_cuda:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kernels.kda.common import check_cu_seqlens_values
 from kernels.kda.triton_chunk_bwd import bwd_inter_kernel, bwd_intra_kernel, bwd_state_kernel
 from kernels.kda.triton_chunk_fwd import (
     fwd_out_kernel,
@@ -17,27 +18,44 @@ from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
 from kernels.kda.triton_l2norm import l2norm_triton
 
 
-def chunk_layout(cu_seqlens: torch.Tensor, BT: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """chunk_indices [NC, 2] int32 of (sequence, chunk in sequence), chunk_offsets [N] int32, NC."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    counts = [-(-n // BT) for n in lens]
-    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(counts, dtype=torch.long))
-    starts = torch.tensor([0] + counts[:-1]).cumsum(0)
-    within = torch.arange(int(sum(counts))) - starts[seq] if sum(counts) else torch.zeros(0, dtype=torch.long)
-    indices = torch.stack([seq, within], 1).to(torch.int32).to(cu_seqlens.device)
-    return indices, starts.to(torch.int32).to(cu_seqlens.device), int(sum(counts))
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-built index tensors to the GPU without waiting for the stream (pinned, non-blocking)."""
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def flat_cu_seqlens(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     if cu_seqlens is not None:
         return cu_seqlens.to(device=device, dtype=torch.int32)
-    return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    return to_device(torch.arange(0, (B + 1) * T, T, dtype=torch.int32), device)
+
+
+def seq_layout(
+    B: int, T: int, cu_seqlens: torch.Tensor | None, BT: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cu [N+1] int32, chunk_indices [NC, 2] int32 of (sequence, chunk in sequence), chunk_offsets [N]
+    int32 (first chunk of each sequence), all on `device`. Varlen costs one host read of cu_seqlens."""
+    if cu_seqlens is None:
+        lens = [T] * B
+    else:
+        cs = cu_seqlens.tolist()
+        check_cu_seqlens_values(cs, T)
+        lens = [b - a for a, b in zip(cs, cs[1:], strict=False)]
+    counts = [-(-n // BT) for n in lens]
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(counts, dtype=torch.long))
+    starts = torch.tensor([0] + counts[:-1], dtype=torch.long).cumsum(0)
+    within = torch.arange(seq.numel()) - starts[seq]
+    indices = torch.stack([seq, within], 1).to(torch.int32)
+    return (flat_cu_seqlens(B, T, cu_seqlens, device), to_device(indices, device),
+            to_device(starts.to(torch.int32), device))
 
 
 def kda_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, use_gate: bool, lower_bound: float | None,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, cu: torch.Tensor, cfg: KDAKernelConfig,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, cu: torch.Tensor, chunk_indices: torch.Tensor,
+    chunk_offsets: torch.Tensor, cfg: KDAKernelConfig,
 ) -> dict[str, torch.Tensor | None]:
     """Flattened inputs: q, k [T, H, K]; v [T, HV, V]; f [T, HV, K]; beta [T, HV] probabilities."""
     T, H, K = q.shape
@@ -46,7 +64,7 @@ def kda_fwd(
     BT, BC = cfg.chunk_size, cfg.sub_chunk
     BK = triton.next_power_of_2(K)
     BV = min(cfg.block_v, triton.next_power_of_2(V))
-    chunk_indices, chunk_offsets, NC = chunk_layout(cu, BT)
+    NC = chunk_indices.shape[0]
     dev = q.device
     gcum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
     safe = lower_bound is not None
@@ -146,10 +164,10 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, f, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_gate,
-                lower_bound, cu, cfg):
+                lower_bound, cu, chunk_indices, chunk_offsets, cfg):
         q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
         saved = kda_fwd(q, k, v, f, beta, scale, initial_state, output_final_state, use_gate, lower_bound,
-                        A_log, dt_bias, cu, cfg)
+                        A_log, dt_bias, cu, chunk_indices, chunk_offsets, cfg)
         ctx.save_for_backward(q, k, v, f, beta, A_log, dt_bias, initial_state, cu,
                               *(saved[n] for n in _SAVED))
         ctx.cfg, ctx.scale, ctx.use_gate, ctx.lower_bound = cfg, scale, use_gate, lower_bound
@@ -177,7 +195,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         if ctx.use_gate and dt_bias is not None:
             ddt_bias = df.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, df.to(f.dtype), dbeta.to(beta.dtype), dA_log, ddt_bias,
-                dh0, None, None, None, None, None, None)
+                dh0, None, None, None, None, None, None, None, None)
 
 
 _SAVED = ("gcum", "Aqk", "Akk", "Ai", "w", "u", "h", "vn", "qg", "kg", "chunk_indices", "chunk_offsets")
@@ -200,11 +218,11 @@ def chunk_kda_triton(
         q, k = l2norm_triton(q), l2norm_triton(k)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
-    cu = flat_cu_seqlens(B, T, cu_seqlens, q.device)
+    cu, chunk_indices, chunk_offsets = seq_layout(B, T, cu_seqlens, cfg.chunk_size, q.device)
     h0 = initial_state.float() if initial_state is not None else None
     o, ht = ChunkKDAFunction.apply(
         q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V), g.reshape(B * T, HV, K),
         beta.reshape(B * T, HV), A_log, dt_bias, h0, scale, output_final_state, use_gate_in_kernel,
-        lower_bound, cu, cfg,
+        lower_bound, cu, chunk_indices, chunk_offsets, cfg,
     )
     return o.view(B, T, HV, V), ht

@@ -85,7 +85,8 @@ def fused_recurrent_kda_triton(
     cfg = config or DEFAULT_CONFIG
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
-    cu = flat_cu_seqlens(B, T, cu_seqlens, q.device)
+    # varlen: cu_seqlens as given (any integer dtype), so decode launches without a host sync
+    cu = cu_seqlens if cu_seqlens is not None else flat_cu_seqlens(B, T, None, q.device)
     N = cu.numel() - 1
     BK = triton.next_power_of_2(K)
     BV = min(cfg.decode_block_v, triton.next_power_of_2(V))
