@@ -7,7 +7,7 @@ y = sum_chosen w_e Expert_e(z) (fp32 sum), out = W_up RMSNorm(y) + SharedExpert(
 
 Quantile balancing (no auxiliary loss): training forwards record the router scores; after the optimizer
 step `update_balancing()` sets, per expert j, b~_j = -Q_j with Q_j the (1 - k/n) quantile of s_{.j} over
-the recorded tokens, centres b~, and moves b <- mu b + (1 - mu) b~. Eval forwards record nothing, so the
+the recorded tokens, centres b~, and moves b <- mu b + (1 - mu) b~. Eval or no-grad forwards record nothing, so the
 bias is frozen at inference.
 """
 
@@ -139,13 +139,15 @@ class StableLatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., d] -> [..., d]. token_mask [...] (1 = real token) keeps padding out of the balancing
-        statistics and the load metric; in training mode the scores are recorded for `update_balancing`."""
+        statistics and the load metric; training forwards record the scores for `update_balancing`."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores = self.router.scores(flat)
         expert_ids, weights = self.router.select(scores)
         keep = None if token_mask is None else token_mask.reshape(-1).to(torch.bool)
-        self._observe(scores, expert_ids, keep)
+        # Only training forwards (train mode with autograd on) feed the balancing: inference engines and
+        # no-grad evaluation passes never do, even if the module was left in train mode.
+        self._observe(scores, expert_ids, keep, record=self.training and torch.is_grad_enabled())
         y = self.experts(self.latent_down(flat), expert_ids, weights)
         out = self.latent_up(self.latent_norm(y).to(x.dtype))
         if self.shared_expert is not None:
@@ -153,12 +155,13 @@ class StableLatentMoE(nn.Module):
         return out.reshape(shape)
 
     @torch.no_grad()
-    def _observe(self, scores: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor | None) -> None:
+    def _observe(self, scores: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor | None,
+                 record: bool) -> None:
         if keep is not None:
             scores, expert_ids = scores[keep], expert_ids[keep]
         counts = torch.bincount(expert_ids.reshape(-1), minlength=self.n_experts).float()
         self.last_load = counts / counts.sum().clamp_min(1.0)
-        if self.training and scores.shape[0] > 0:
+        if record and scores.shape[0] > 0:
             self._recorded_scores.append(scores.detach().float())
 
     @torch.no_grad()

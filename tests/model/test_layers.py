@@ -203,9 +203,11 @@ def test_quantile_balancing_lowers_max_over_mean_load_on_a_skewed_router():
     assert all(later <= earlier + 1e-6 for earlier, later in zip(ratios, ratios[1:], strict=False))
 
 
-def test_balancing_bias_is_frozen_in_eval():
+def test_balancing_bias_is_frozen_in_eval_and_without_autograd():
     moe = StableLatentMoE(TINY)
     _randomise(moe, torch.Generator().manual_seed(5))
+    with torch.no_grad():  # e.g. an inference engine that left the module in train mode
+        moe(torch.randn(64, TINY.hidden_size))
     moe.eval()
     moe(torch.randn(64, TINY.hidden_size))
     assert moe.update_balancing() is None
