@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,6 +47,19 @@ def _client() -> httpx.Client:
     if not key:
         raise typer.BadParameter("no API key: set TAPER_API_KEY (create one with `taper keys create --tenant NAME`)")
     return httpx.Client(base_url=s.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+@contextmanager
+def _api() -> Iterator[httpx.Client]:
+    """A client for the API; a server that cannot be reached is a one-line error, not a traceback."""
+    client = _client()
+    try:
+        yield client
+    except httpx.TransportError as exc:
+        console.print(f"[red]error[/red] cannot reach the Taper API at {client.base_url}: {exc}")
+        raise typer.Exit(2) from None
+    finally:
+        client.close()
 
 
 def _check(r: httpx.Response) -> Any:
@@ -97,7 +112,7 @@ def submit(
 ) -> None:
     """Submit a job; prints its id."""
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    with _client() as c:
+    with _api() as c:
         job = _check(c.post("/v1/jobs", json=_load(file), headers=headers))
     console.print(f"[green]{job['id']}[/green] {job['state']}")
 
@@ -120,7 +135,7 @@ def status(
     watch: Annotated[bool, typer.Option(help="Follow the job's progress until it finishes.")] = False,
 ) -> None:
     """Jobs with progress bars, or one job's details."""
-    with _client() as c:
+    with _api() as c:
         if job_id is None:
             params = {"limit": 100, **({"state": state} if state else {})}
             page = _check(c.get("/v1/jobs", params=params))
@@ -164,7 +179,7 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream new events until the job finishes.")] = False,
 ) -> None:
     """A job's events."""
-    with _client() as c:
+    with _api() as c:
         if not follow:
             after = None
             while True:
@@ -193,14 +208,14 @@ def logs(
 @app.command()
 def cancel(job_id: str) -> None:
     """Cancel a job."""
-    with _client() as c:
+    with _api() as c:
         console.print(_check(c.post(f"/v1/jobs/{job_id}/cancel"))["state"])
 
 
 @app.command()
 def pause(job_id: str) -> None:
     """Pause a job (it checkpoints and frees its resources)."""
-    with _client() as c:
+    with _api() as c:
         job = _check(c.post(f"/v1/jobs/{job_id}/pause"))
         console.print(f"{job['state']} (requested: {job['control']})")
 
@@ -208,7 +223,7 @@ def pause(job_id: str) -> None:
 @app.command()
 def resume(job_id: str) -> None:
     """Resume a paused job from its last checkpoint."""
-    with _client() as c:
+    with _api() as c:
         console.print(_check(c.post(f"/v1/jobs/{job_id}/resume"))["state"])
 
 
@@ -216,7 +231,7 @@ def resume(job_id: str) -> None:
 @schedule_app.command("show")
 def schedule_show(job_id: str) -> None:
     """The current schedule and its versions."""
-    with _client() as c:
+    with _api() as c:
         s = _check(c.get(f"/v1/jobs/{job_id}/reward-schedule"))
     console.print(f"version {s['version']} (from step {s['effective_from']}): {json.dumps(s['schedule'])}")
     for v in s["history"][:-1]:
@@ -245,7 +260,7 @@ def schedule_set(
         patch[key] = _parse_value(value)
     if not patch:
         raise typer.BadParameter("give FIELD=VALUE pairs or --file")
-    with _client() as c:
+    with _api() as c:
         s = _check(c.patch(f"/v1/jobs/{job_id}/reward-schedule", json=patch))
     console.print(f"version {s['version']} from step {s['effective_from']}: {json.dumps(s['schedule'])}")
 
@@ -254,7 +269,7 @@ def schedule_set(
 @env_app.command("register")
 def env_register(file: Annotated[Path, typer.Argument(help="An EnvironmentRegistration (YAML or JSON).")]) -> None:
     """Register a tool environment (python import path or http tool server)."""
-    with _client() as c:
+    with _api() as c:
         env = _check(c.post("/v1/environments", json=_load(file)))
     console.print(f"registered [green]{env['name']}[/green] ({env['registration']['kind']})")
 
@@ -262,7 +277,7 @@ def env_register(file: Annotated[Path, typer.Argument(help="An EnvironmentRegist
 @env_app.command("list")
 def env_list() -> None:
     """Built-in and registered environments."""
-    with _client() as c:
+    with _api() as c:
         envs = _check(c.get("/v1/environments"))
     table = Table("name", "kind", "detail")
     for e in envs:

@@ -391,19 +391,24 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
         redis_server = start_private_redis(data_dir / "redis", binary=settings.redis_server_bin)
         url = redis_server.url
         (data_dir / "redis-url").write_text(url)
-    store = Store(url)
-    service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute)
-    if not store.has_api_keys():
-        key_file = data_dir / "api-key"
-        key = store.create_api_key("default", name="bootstrap", admin=True)
-        key_file.write_text(key + "\n")
-        key_file.chmod(0o600)
-    scheduler = None
-    if run_scheduler:
-        ensure_ray(settings.ray_address, num_cpus=settings.local_cpus)
-        # TODO(lead): make `job_runner` a TaperSettings field (TAPER_JOB_RUNNER); read from the env until then.
-        chosen = (runner or getattr(settings, "job_runner", None) or os.environ.get("TAPER_JOB_RUNNER")
-                  or DEFAULT_RUNNER)
-        scheduler = Scheduler(store, runner=chosen)
-        scheduler.start()
+    try:
+        store = Store(url)
+        service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute)
+        if not store.has_api_keys():
+            key_file = data_dir / "api-key"
+            key = store.create_api_key("default", name="bootstrap", admin=True)
+            key_file.write_text(key + "\n")
+            key_file.chmod(0o600)
+        scheduler = None
+        if run_scheduler:
+            ensure_ray(settings.ray_address, num_cpus=settings.local_cpus)
+            # TODO(lead): make `job_runner` a TaperSettings field (TAPER_JOB_RUNNER); read from the env until then.
+            chosen = (runner or getattr(settings, "job_runner", None) or os.environ.get("TAPER_JOB_RUNNER")
+                      or DEFAULT_RUNNER)
+            scheduler = Scheduler(store, runner=chosen)
+            scheduler.start()
+    except BaseException:
+        if redis_server is not None:  # do not leave a private redis-server behind a failed start
+            redis_server.stop()
+        raise
     return ServiceRuntime(service=service, scheduler=scheduler, redis_server=redis_server)

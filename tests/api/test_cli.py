@@ -77,3 +77,14 @@ def test_env_and_keys(live: Store, tmp_path: Path) -> None:
     assert live.lookup_api_key(key)["tenant"] == "newco"
     result = CliRunner().invoke(cli, ["keys", "create", "--tenant", "Bad Name"])
     assert result.exit_code != 0
+
+
+def test_unreachable_api_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAPER_API_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("TAPER_API_KEY", "tpr_x")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["status"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2 and "cannot reach the Taper API" in result.output
