@@ -15,7 +15,7 @@ from kernels.kda.triton_chunk_fwd import (
     solve_wu_kernel,
 )
 from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
-from kernels.kda.triton_l2norm import l2norm_triton
+from kernels.kda.triton_l2norm import l2norm_bwd, l2norm_fwd
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -73,7 +73,7 @@ def kda_fwd(
         HV=HV, K=K, BT=BT, BK=BK, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=dt_bias is not None,
         num_warps=cfg.num_warps_intra,
     )
-    Aqk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
+    Aqk = torch.empty(T, HV, BT, dtype=k.dtype, device=dev)  # only ever a bf16 dot operand
     Akk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
     intra_scores_kernel[(NC, HV)](
         q, k, gcum, Aqk, Akk, cu, chunk_indices, scale,
@@ -160,22 +160,25 @@ def kda_bwd(
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """q, k already l2-normalised if asked, beta already probabilities; the gate runs in the kernels."""
+    """beta already probabilities; q/k l2norm (optional) and the gate run in the kernels."""
 
     @staticmethod
     def forward(ctx, q, k, v, f, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_gate,
-                lower_bound, cu, chunk_indices, chunk_offsets, cfg):
+                lower_bound, cu, chunk_indices, chunk_offsets, cfg, use_l2norm):
         q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
+        q_rstd = k_rstd = None
+        if use_l2norm:
+            (q, q_rstd), (k, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
         saved = kda_fwd(q, k, v, f, beta, scale, initial_state, output_final_state, use_gate, lower_bound,
                         A_log, dt_bias, cu, chunk_indices, chunk_offsets, cfg)
-        ctx.save_for_backward(q, k, v, f, beta, A_log, dt_bias, initial_state, cu,
+        ctx.save_for_backward(q, k, v, f, beta, A_log, dt_bias, initial_state, cu, q_rstd, k_rstd,
                               *(saved[n] for n in _SAVED))
         ctx.cfg, ctx.scale, ctx.use_gate, ctx.lower_bound = cfg, scale, use_gate, lower_bound
         return saved["o"], saved["ht"]
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, f, beta, A_log, dt_bias, initial_state, cu, *rest = ctx.saved_tensors
+        q, k, v, f, beta, A_log, dt_bias, initial_state, cu, q_rstd, k_rstd, *rest = ctx.saved_tensors
         saved = dict(zip(_SAVED, rest, strict=True))
         dq, dk, dv, dgate, dbeta, dh0 = kda_bwd(
             saved, q, k, v, f, beta, ctx.scale, initial_state, do, dht, ctx.use_gate, ctx.lower_bound, A_log,
@@ -194,8 +197,10 @@ class ChunkKDAFunction(torch.autograd.Function):
             dA_log = (dgate * (-e_a * torch.nn.functional.softplus(x))).sum((0, 2)).to(A_log.dtype)
         if ctx.use_gate and dt_bias is not None:
             ddt_bias = df.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+        if q_rstd is not None:  # through the l2norm, straight from the fp32 gradients
+            dq, dk = l2norm_bwd(q, q_rstd, dq, q.dtype), l2norm_bwd(k, k_rstd, dk, k.dtype)
         return (dq.to(q.dtype), dk.to(k.dtype), dv, df.to(f.dtype), dbeta.to(beta.dtype), dA_log, ddt_bias,
-                dh0, None, None, None, None, None, None, None, None)
+                dh0, None, None, None, None, None, None, None, None, None)
 
 
 _SAVED = ("gcum", "Aqk", "Akk", "Ai", "w", "u", "h", "vn", "qg", "kg", "chunk_indices", "chunk_offsets")
@@ -214,8 +219,6 @@ def chunk_kda_triton(
                      KDAKernelConfig(chunk_size=chunk_size))
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm_triton(q), l2norm_triton(k)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
     cu, chunk_indices, chunk_offsets = seq_layout(B, T, cu_seqlens, cfg.chunk_size, q.device)
@@ -223,6 +226,6 @@ def chunk_kda_triton(
     o, ht = ChunkKDAFunction.apply(
         q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V), g.reshape(B * T, HV, K),
         beta.reshape(B * T, HV), A_log, dt_bias, h0, scale, output_final_state, use_gate_in_kernel,
-        lower_bound, cu, chunk_indices, chunk_offsets, cfg,
+        lower_bound, cu, chunk_indices, chunk_offsets, cfg, use_qk_l2norm_in_kernel,
     )
     return o.view(B, T, HV, V), ht

@@ -132,7 +132,7 @@ def intra_scores_kernel(
             else:
                 s_qk = tl.zeros([BC, BC], dtype=tl.float32)
                 s_kk = tl.zeros([BC, BC], dtype=tl.float32)
-            tl.store(Aqk + a_off + j * BC, s_qk, mask=m_a)
+            tl.store(Aqk + a_off + j * BC, s_qk.to(Aqk.dtype.element_ty), mask=m_a)
             tl.store(Akk + a_off + j * BC, s_kk, mask=m_a)
 
 

@@ -23,14 +23,14 @@ def l2norm_fwd_kernel(x, y, rstd, R, eps, D: tl.constexpr, BD: tl.constexpr, BR:
 
 
 @triton.jit
-def l2norm_bwd_kernel(x, rstd, dy, dx, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    """dx = r (dy - y (y . dy)) with y = r x recomputed in fp32."""
+def l2norm_bwd_kernel(y, rstd, dy, dx, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """dx = r (dy - y (y . dy)), y the normalised rows."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (rows < R)[:, None] & (o_d < D)[None, :]
     off = rows.to(tl.int64)[:, None] * D + o_d[None, :]
     b_r = tl.load(rstd + rows, mask=rows < R, other=0.0)
-    b_y = tl.load(x + off, mask=m, other=0.0).to(tl.float32) * b_r[:, None]
+    b_y = tl.load(y + off, mask=m, other=0.0).to(tl.float32)
     b_dy = tl.load(dy + off, mask=m, other=0.0).to(tl.float32)
     b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, 1)[:, None])
     tl.store(dx + off, b_dx.to(dx.dtype.element_ty), mask=m)
@@ -44,25 +44,18 @@ def _launch_shape(x: torch.Tensor) -> tuple[int, int, int, int]:
     return R, D, BD, BR
 
 
-class L2NormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        R, D, BD, BR = _launch_shape(x)
-        y = torch.empty_like(x)
-        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
-        l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x, y, rstd, R, L2NORM_EPS, D=D, BD=BD, BR=BR)
-        ctx.save_for_backward(x, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
-        x, rstd = ctx.saved_tensors
-        R, D, BD, BR = _launch_shape(x)
-        dx = torch.empty_like(x)
-        l2norm_bwd_kernel[(triton.cdiv(R, BR),)](x, rstd, dy.contiguous(), dx, R, D=D, BD=BD, BR=BR)
-        return dx
+def l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y in x's dtype, rstd fp32 per row)."""
+    x = x.contiguous()
+    R, D, BD, BR = _launch_shape(x)
+    y = torch.empty_like(x)
+    rstd = torch.empty(R, dtype=torch.float32, device=x.device)
+    l2norm_fwd_kernel[(triton.cdiv(R, BR),)](x, y, rstd, R, L2NORM_EPS, D=D, BD=BD, BR=BR)
+    return y, rstd
 
 
-def l2norm_triton(x: torch.Tensor) -> torch.Tensor:
-    return L2NormFunction.apply(x)
+def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    R, D, BD, BR = _launch_shape(y)
+    dx = torch.empty(y.shape, dtype=out_dtype, device=y.device)
+    l2norm_bwd_kernel[(triton.cdiv(R, BR),)](y, rstd, dy.contiguous(), dx, R, D=D, BD=BD, BR=BR)
+    return dx
