@@ -236,3 +236,37 @@ def test_health_prometheus_and_openapi(api: Api) -> None:
     assert api.client.get("/docs").status_code == 200
     r = api.client.get("/v1/nowhere")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_sse_follows_a_live_job_until_it_finishes(api: Api) -> None:
+    import threading
+
+    job = submit(api).json()
+    api.store.transition(job["id"], "starting")
+
+    def drive() -> None:
+        import time
+
+        time.sleep(0.5)
+        api.store.transition(job["id"], "running")
+        for i in range(3):
+            api.store.add_event(job["id"], "tick", {"i": i})
+            time.sleep(0.1)
+        api.store.transition(job["id"], "succeeded")
+
+    worker = threading.Thread(target=drive)
+    worker.start()
+    with api.client.stream("GET", f"/v1/jobs/{job['id']}/events",
+                           headers={**api.h(), "Accept": "text/event-stream"}) as r:
+        lines = list(r.iter_lines())
+    worker.join()
+    kinds = [line.split(":", 1)[1].strip() for line in lines if line.startswith("event:")]
+    assert kinds == ["submitted", "state", "state", "tick", "tick", "tick", "state"]
+    last = json.loads([line for line in lines if line.startswith("data:")][-1][5:])
+    assert last["to"] == "succeeded"
+    ids = [line.split(":", 1)[1].strip() for line in lines if line.startswith("id:")]
+    # resuming from the second-to-last id (as a reconnecting client sends Last-Event-ID) replays only the last
+    with api.client.stream("GET", f"/v1/jobs/{job['id']}/events",
+                           headers={**api.h(), "Accept": "text/event-stream", "Last-Event-ID": ids[-2]}) as r:
+        again = [line for line in r.iter_lines() if line.startswith("event:")]
+    assert again == ["event: state"]
