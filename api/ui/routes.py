@@ -12,10 +12,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Query
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, RedirectResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from api.auth import get_service, principal
 from api.ui.preview import schedule_preview
+from api.ui.tokens import token_pieces
 from rl_service.service import InvalidInput, NotFound, Principal, ServiceError, TaperService, invalid_from
 
 HERE = Path(__file__).resolve().parent
@@ -135,5 +136,24 @@ async def preview_schedule(
             raise InvalidInput(str(exc), field="body") from None
         out["job_step"] = job.step
         return out
+
+    return await asyncio.to_thread(compute)
+
+
+class TokenIds(BaseModel):
+    ids: list[int] = Field(max_length=200_000, description="Token ids to show as text.")
+
+
+@router.post("/api/jobs/{job_id}/tokens")
+async def decode_tokens(job_id: JobId, svc: Svc, who: Who, body: TokenIds) -> dict[str, dict[str, str]]:
+    """The text of each distinct token id, decoded with the job's tokenizer (for the trajectory viewer)."""
+
+    def compute() -> dict[str, dict[str, str]]:
+        job = svc.get_job(who, job_id)
+        try:
+            pieces = token_pieces(body.ids, job.spec.model.checkpoint)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), field="ids") from None
+        return {"pieces": {str(k): v for k, v in pieces.items()}}
 
     return await asyncio.to_thread(compute)

@@ -11,6 +11,7 @@ import pytest
 from synthetic import chart_data, report_steps, start_job, trajectory, write_trajectories
 from ui_helpers import UiServer, log_in, screenshot, wait_js
 
+from api.ui.tokens import token_pieces
 from rollout_workers.trajectory import TrajectoryStatus
 
 
@@ -141,9 +142,16 @@ def test_job_page_live_curves_schedule_edit_and_trajectory(ui_server: UiServer, 
     # model output is shown as text, never run as HTML
     assert "<script>alert(1)</script>" in page.inner_text("#traj-viewer .turn[data-turn='1'] pre.action")
     assert page.locator("#traj-viewer script").count() == 0
+    # the token strip shows each token's text (the job's tokenizer, decoded by the server)
+    wait_js(page, "document.getElementById('traj-viewer').dataset.decoded")
+    pieces = token_pieces([11, 12, 13, 14])
+    texts = page.eval_on_selector_all("#traj-viewer .turn[data-turn='0'] .tok.act", "els => els.map(e => e.textContent)")
+    assert texts == [pieces[i].replace("\n", "↵").replace("\t", "→") for i in (11, 12, 13, 14)]
+    assert page.locator("#traj-viewer .turn[data-turn='0'] .tok.obs").count() == 3
     page.hover("#traj-viewer .turn[data-turn='0'] .tok.act >> nth=2")
     readout = page.inner_text("#token-readout")
     assert "mask 1" in readout and "id 13" in readout and "logprob -2.3" in readout
+    assert json.dumps(pieces[13], ensure_ascii=False) in readout
     page.hover("#traj-viewer .turn[data-turn='0'] .tok.obs >> nth=0")
     assert "mask 0" in page.inner_text("#token-readout")
     screenshot(page, "trajectory")
@@ -182,4 +190,9 @@ def test_submit_form_shows_the_api_validation_message(ui_server: UiServer, page)
     assert job.spec.reward_schedule.kind == "exponential" and job.spec.reward_schedule.half_life == 5
     assert job.spec.tasks.num_train == 50 and job.spec.rollout.num_generations == 2
     page.wait_for_selector("#job-state[data-state=queued]")
+    assert page.is_disabled("[data-action=pause]") and page.is_enabled("[data-action=cancel]")
+    page.once("dialog", lambda d: d.accept())
+    page.click("[data-action=cancel]")
+    page.wait_for_selector("#job-state[data-state=cancelled]")
+    assert ui_server.store.get_job(job_id).state == "cancelled"
     assert page.console_errors == []

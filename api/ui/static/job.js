@@ -138,6 +138,6 @@
       await refreshJob();
       await pullMetrics();
       trajectories.refreshIfEmpty();
-    }, 1500);
+    }, 1000);
   })();
 })();

@@ -81,7 +81,7 @@ const ScheduleEditor = (() => {
         annotations.push({ xref: "x", yref: "paper", x: v.effective_from, y: 0.92, showarrow: false,
                            text: `v${v.version}`, font: { size: 10, color: "#b45309" } });
       }
-      chart.dataset.version = String(current.version);
+      chart.dataset.version = String(curves.versions[curves.versions.length - 1].version);  // what is drawn
       chart.dataset.proposed = proposed ? "1" : "";
       Plotly.react(chart, traces, Charts.layout("w(t) and node density", { shapes, annotations, height: 300,
         yaxis: { rangemode: "tozero" } }), Charts.PLOT_CONFIG);
@@ -163,7 +163,8 @@ const ScheduleEditor = (() => {
         observed = { x: [], y: [] };
         for (const r of rows) {
           const w = r.metrics && r.metrics["schedule/weight"];
-          if (typeof w === "number") { observed.x.push(r.step); observed.y.push(w); }
+          // a metrics row of step s reports training step s - 1 (the runner counts steps done)
+          if (typeof w === "number") { observed.x.push(r.step - 1); observed.y.push(w); }
         }
         if (typeof step === "number") jobStep = step;
         draw();

@@ -51,22 +51,52 @@ const TrajectoryViewer = (() => {
         el("td", { class: "small" }, t.task_id))));
     }
 
+    const pieces = new Map();  // token id -> text, decoded by the server with the job's tokenizer
+
+    const visible = (text) => text.replace(/\n/g, "↵").replace(/\t/g, "→");
+
     function tokenStrip(step, stepIndex) {
       const spans = [];
       step.action_ids.forEach((id, j) => {
         const lp = step.action_logprobs[j];
         const p = typeof lp === "number" ? Math.exp(lp) : null;
-        spans.push(el("span", {
-          class: "tok act", style: p === null ? null : `--p:${p.toFixed(3)}`,
-          "data-info": `turn ${stepIndex} · action token ${j} · id ${id} · mask 1 (trained) · logprob ${Taper.fmtNum(lp, 4)}` +
-            (p === null ? "" : ` · p ${p.toFixed(3)}`),
-        }));
+        spans.push(el("span", { class: "tok act", style: p === null ? null : `--p:${p.toFixed(3)}`,
+          dataset: { id: String(id), turn: String(stepIndex), pos: String(j), mask: "1", logprob: String(lp) } },
+          pieces.has(id) ? visible(pieces.get(id)) : ""));
       });
       step.observation_ids.forEach((id, j) => {
-        spans.push(el("span", { class: "tok obs",
-          "data-info": `turn ${stepIndex} · observation token ${j} · id ${id} · mask 0 (inserted, not trained)` }));
+        spans.push(el("span", { class: "tok obs", dataset: { id: String(id), turn: String(stepIndex), pos: String(j), mask: "0" } },
+          pieces.has(id) ? visible(pieces.get(id)) : ""));
       });
       return el("div", { class: "tokens", title: "completion tokens: hover for mask and logprob" }, spans);
+    }
+
+    function tokenInfo(tok) {
+      const d = tok.dataset;
+      const id = Number(d.id);
+      const text = pieces.has(id) ? ` ${JSON.stringify(pieces.get(id))}` : "";
+      if (d.mask === "1") {
+        const lp = Number(d.logprob);
+        return `turn ${d.turn} · action token ${d.pos}${text} · id ${id} · mask 1 (trained) · logprob ${Taper.fmtNum(lp, 4)} · p ${Math.exp(lp).toFixed(3)}`;
+      }
+      return `turn ${d.turn} · observation token ${d.pos}${text} · id ${id} · mask 0 (inserted, not trained)`;
+    }
+
+    async function decode(t) {
+      const missing = [...new Set(t.steps.flatMap((s) => s.action_ids.concat(s.observation_ids)))].filter((i) => !pieces.has(i));
+      if (!missing.length) return;
+      try {
+        const out = await Taper.api(`/ui/api/jobs/${encodeURIComponent(jobId)}/tokens`, { method: "POST", body: { ids: missing } });
+        for (const [k, v] of Object.entries(out.pieces)) pieces.set(Number(k), v);
+      } catch (e) {
+        return;  // the strip still works without text
+      }
+      if (selected !== t.id) return;
+      for (const tok of viewer.querySelectorAll(".tok")) {
+        const id = Number(tok.dataset.id);
+        if (pieces.has(id)) tok.textContent = visible(pieces.get(id));
+      }
+      viewer.dataset.decoded = t.id;
     }
 
     function toolCallBox(call) {
@@ -102,7 +132,7 @@ const TrajectoryViewer = (() => {
         s.tool_calls.map(toolCallBox),
         s.observation_text ? el("pre", { class: "observation" }, s.observation_text) : null,
         tokenStrip(s, i + 1)));
-      viewer.replaceChildren(
+      viewer.replaceChildren(...[
         el("div", { class: "traj-head" },
           el("span", { class: `badge traj-${t.status}` }, t.status),
           el("strong", {}, ` reward ${Taper.fmtNum(t.outcome_reward, 3)}`),
@@ -111,14 +141,15 @@ const TrajectoryViewer = (() => {
         t.error ? el("pre", { class: "tool-error" }, t.error) : null,
         el("details", {}, el("summary", {}, "Task"), el("pre", { class: "mono small" }, JSON.stringify(t.task, null, 2))),
         el("details", {}, el("summary", {}, `Prompt (${t.prompt_ids.length} tokens)`), el("pre", { class: "prompt" }, t.prompt_text)),
-        ...turns);
+        ...turns].filter(Boolean));
+      decode(t);
     }
 
     viewer.addEventListener("mouseover", (ev) => {
       const tok = ev.target.closest(".tok");
       if (!tok) return;
       readout.hidden = false;
-      readout.textContent = tok.dataset.info;
+      readout.textContent = tokenInfo(tok);
     });
     viewer.addEventListener("mouseleave", () => { readout.hidden = true; });
     form.addEventListener("submit", (ev) => { ev.preventDefault(); offset = 0; load(); });

@@ -1,0 +1,96 @@
+"""The job page of a real running tiny job: the real JobRunner (tiny model, vLLM on CPU) in a detached driver on a
+real local Ray, scheduled by the API process, watched and steered from headless Chromium."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from synthetic import chart_data
+from ui_helpers import ThreadedServer, log_in, screenshot, wait_js
+
+from api.app import create_app
+from rl_service.settings import TaperSettings
+from rl_service.store import Store
+
+TINY_JOB = {
+    "name": "ui-real",
+    "model": {"preset": "tiny"},
+    "environment": {"name": "calculator"},
+    "tasks": {"seed": 0, "num_train": 16, "num_eval": 0},
+    "rollout": {"num_workers": 1, "prompts_per_step": 2, "num_generations": 2, "max_turns": 2,
+                "max_tokens_per_turn": 24, "max_total_tokens": 320, "kv_cache_gib": 0.25},  # the prompt is ~250 tokens
+    "reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 10},
+    "resources": {"learner_cpus": 1, "rollout_cpus": 1},
+    "total_steps": 4,
+    "checkpoint_every": 4,
+}
+
+
+@pytest.mark.slow
+def test_real_job_page_updates_takes_a_schedule_patch_and_shows_trajectories(
+        redis_url: str, ray_local, tmp_path: Path, page) -> None:
+    key = Store(redis_url).create_api_key("ui-real")
+    with ThreadedServer(create_app(settings=TaperSettings(redis_url=redis_url, data_dir=tmp_path))) as server:
+        api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        r = api.post("/v1/jobs", json=TINY_JOB)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        log_in(page, server.url, key, f"/ui/jobs/{job_id}")
+        wait_js(page, "document.getElementById('schedule-chart').dataset.version === '1'")
+        # the runner has read its schedule (and is starting its engines): steer it from the editor now
+        page.wait_for_selector("#events li[data-kind=started]", state="attached", timeout=300_000)
+        page.select_option("#schedule-form [name=kind]", "constant")
+        page.fill("#schedule-form [name=w_start]", "0.5")
+        wait_js(page, "document.getElementById('schedule-chart').dataset.proposed === '1'")
+        with page.expect_response(lambda r: r.request.method == "PATCH") as resp:
+            page.click("#schedule-apply")
+        assert resp.value.status == 200 and resp.value.json()["version"] == 2
+        wait_js(page, "document.getElementById('schedule-chart').dataset.version === '2'")
+        current = next(t for t in chart_data(page, "schedule-chart") if t["meta"] == "current")
+        patched_from = resp.value.json()["effective_from"]
+        assert current["y"][patched_from:] == pytest.approx([0.5] * (len(current["y"]) - patched_from))
+
+        # the curves grow while the job runs: watch what the page draws until the job ends
+        state = "document.getElementById('job-state').dataset.state"
+        points = "Number(document.getElementById('chart-rewards-raw')?.dataset.points || 0)"
+        seen_running: set[int] = set()
+        deadline = time.monotonic() + 420
+        while (now := page.evaluate(f"[{state}, {points}]"))[0] not in ("succeeded", "failed", "cancelled"):
+            assert time.monotonic() < deadline, f"the job did not finish: {now}"
+            if now[0] == "running" and now[1] >= 1:
+                if not seen_running:
+                    screenshot(page, "real-job-running")
+                seen_running.add(now[1])
+            page.wait_for_timeout(100)
+        assert now[0] == "succeeded", page.inner_text("#job-error")
+        total = TINY_JOB["total_steps"]
+        wait_js(page, f"{points} === {total}", timeout=15)
+        # a partial curve was on the page while the job was running, and grew to the full one without a reload
+        assert seen_running and min(seen_running) < total, seen_running
+
+        # the runner used the patched schedule: the weight chart shows it and marks the version change
+        used = next(t for t in chart_data(page, "chart-schedule") if t["meta"] == "schedule/weight")
+        assert used["y"][-1] == pytest.approx(0.5)
+        events = [li for li in page.eval_on_selector_all("#events li", "els => els.map(e => e.dataset.kind)")]
+        assert "schedule_patched" in events and "schedule_applied" in events
+
+        # the trajectories of the run, opened in the viewer with their tokens
+        page.click("#traj-filter button[type=submit]")
+        wait_js(page, "document.querySelectorAll('#traj-table tr[data-traj]').length === 16")
+        trajs = api.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 50}).json()["items"]
+        with_tools = [t for t in trajs if any(s["tool_calls"] for s in t["steps"])]
+        pick = (with_tools or trajs)[0]
+        page.click(f"#traj-table tr[data-traj='{pick['id']}']")
+        page.wait_for_selector("#traj-viewer .turn")
+        assert page.locator("#traj-viewer .turn").count() == len(pick["steps"])
+        tokens = sum(len(s["action_ids"]) + len(s["observation_ids"]) for s in pick["steps"])
+        assert page.locator("#traj-viewer .tok").count() == tokens
+        calls = sum(len(s["tool_calls"]) for s in pick["steps"])
+        assert page.locator("#traj-viewer .tool-call").count() == calls
+        page.hover("#traj-viewer .tok.act >> nth=0")
+        assert "logprob" in page.inner_text("#token-readout")
+        screenshot(page, "real-job-done")
+        assert page.console_errors == []
