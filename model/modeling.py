@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from model.cache import TaperCache
@@ -43,7 +44,7 @@ class TaperCausalLMOutput(CausalLMOutputWithPast):
     router_loads: tuple[torch.Tensor, ...] | None = None
 
 
-class TaperDecoderLayer(nn.Module):
+class TaperDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: TaperConfig, layer_idx: int) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
@@ -62,13 +63,16 @@ class TaperDecoderLayer(nn.Module):
 
     def forward(
         self,
-        res: AttnResState,
-        attention_mask: torch.Tensor | None,
-        cache: TaperCache | None,
-    ) -> None:
-        """Runs both sub-layers, adding their outputs to the AttnRes state `res` in place.
-        attention_mask [B, P+T] covers cached and new tokens (None = all real)."""
-        x = self.mixer_norm(self.mixer_res(res.candidates()))
+        partial: torch.Tensor | None,
+        *blocks: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: TaperCache | None = None,
+    ) -> torch.Tensor:
+        """Both sub-layers. `blocks` are the AttnRes block summaries, `partial` the running in-block sum (None
+        right after a block boundary); returns the new in-block sum. Tensors are positional so reentrant
+        gradient checkpointing sees them. attention_mask [B, P+T] covers cached and new tokens."""
+        cache = past_key_values
+        x = self.mixer_norm(self.mixer_res([*blocks] if partial is None else [*blocks, partial]))
         T = x.shape[1]
         token_mask = None if attention_mask is None else attention_mask[:, -T:]
         if self.is_mla:
@@ -80,16 +84,16 @@ class TaperDecoderLayer(nn.Module):
             )
             if cache is not None:
                 cache.set_kda_states(self.layer_idx, conv_state, recurrent_state)
-        res.add(mixed)
-        h = self.mlp_norm(self.mlp_res(res.candidates()))
-        res.add(self.mlp(h, token_mask) if self.is_moe else self.mlp(h))
+        partial = mixed if partial is None else partial + mixed
+        h = self.mlp_norm(self.mlp_res([*blocks, partial]))
+        return partial + (self.mlp(h, token_mask) if self.is_moe else self.mlp(h))
 
 
 class TaperPreTrainedModel(PreTrainedModel):
     config_class = TaperConfig
     config: TaperConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["TaperDecoderLayer"]
     _is_stateful = True
     _supports_sdpa = True
@@ -173,7 +177,7 @@ class TaperModel(TaperPreTrainedModel):
                 attention_mask = None
         res = AttnResState.start(inputs_embeds)
         for layer in self.layers:
-            layer(res, attention_mask, cache)
+            res.partial = layer(res.partial, *res.blocks, attention_mask=attention_mask, past_key_values=cache)
             res.end_layer(self.config.attn_res_block_size)
         hidden = self.norm(self.final_res(res.candidates()))
         if cache is not None:

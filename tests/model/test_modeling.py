@@ -181,3 +181,23 @@ def test_balancing_bias_stays_fp32_when_the_model_is_cast():
     for moe, bias in zip(model.model.moe_layers(), expected, strict=True):
         assert moe.router.bias_correction.dtype == torch.float32
         assert torch.equal(moe.router.bias_correction, bias)
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    model = _tiny().train()
+    ids = torch.randint(0, 1536, (2, 16))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_grads()
+    model.gradient_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    loss_ckpt, grads_ckpt = loss_and_grads()
+    torch.testing.assert_close(loss_ckpt, loss)
+    assert grads_ckpt.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-5, atol=1e-7, msg=name)
