@@ -102,3 +102,70 @@ def test_crash_after_step_3_and_resume_equals_uninterrupted(shared_pool, tiny_ll
     assert [c.step for c in list_checkpoints(tmp_path / "a" / "checkpoints")] == [3, 6]
     assert {"step", "time/rollout", "time/learn", "time/sync", "time/reward", "schedule/weight", "success_rate",
             "entropy", "clip_ratio/region_mean", "advantages/mean", "staleness/max"} <= set(metrics_a[1])
+
+
+def test_async_mode_pause_resume_and_schedule_patch(shared_pool, tiny_llama_dir, tmp_path) -> None:
+    from reward_models.schedule import RewardSchedule
+
+    spec = make_spec(tiny_llama_dir, total_steps=4, checkpoint_every=10,
+                     rollout={"async_mode": True, "max_staleness": 1})
+    new_schedule = RewardSchedule(kind="constant", w_start=0.5)
+
+    def steer(step, metrics):
+        if step == 1 and "loss" in metrics:
+            hooks.set_schedule(new_schedule)
+        if step == 2 and "loss" in metrics:
+            hooks.set_control("pause")
+
+    hooks = InMemoryHooks(schedule=RewardSchedule(kind="constant", w_start=0.0), on_metrics=steer)
+    assert JobRunner("c", spec, hooks, tmp_path, pool_factory=shared_pool.factory).run() == "paused"
+    assert latest_checkpoint(tmp_path / "checkpoints").step == 2
+    applied = hooks.events_of("schedule_applied")
+    assert len(applied) == 1 and applied[0]["step"] == 1 and applied[0]["version"] == 2
+    hooks.set_control("run")
+    assert JobRunner("c", spec, hooks, tmp_path, pool_factory=shared_pool.factory).run() == "succeeded"
+
+    train = [m for _, m in hooks.metrics if "loss" in m]
+    assert [int(m["step"]) for m in train] == [1, 2, 3, 4]
+    assert [m["schedule/weight"] for m in train] == [0.0, 0.5, 0.5, 0.5]
+    assert [m["schedule/version"] for m in train] == [1.0, 2.0, 2.0, 2.0]
+    assert all(m["staleness/max"] <= 1 and m["staleness/dropped"] == 0 for m in train)
+    assert train[1]["staleness/max"] == 1  # step 2 really trained on rollouts sampled while step 1 trained
+    for t in range(4):
+        versions = [min(x.weight_versions()) for x in iter_trajectories(step_file(tmp_path / "trajectories", t))]
+        assert versions and all(t - v <= 1 for v in versions)
+
+
+def _fake_trajectory(task, group, version, status="ok", seed=0):
+    import random
+
+    from rollout_workers.trajectory import Step, Trajectory
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(2, 200) for _ in range(6)]
+    return Trajectory(env="calculator", task_id=task["id"], task=task, group_id=group, prompt_ids=[5, 6, 7, 8],
+                      prompt_text="q", status=status,
+                      steps=[Step(action_ids=ids, action_logprobs=[-4.0] * 6, action_text="x", weight_version=version,
+                                  finish_reason="stop", is_final=True)])
+
+
+def test_infra_failures_and_stale_trajectories_never_reach_the_loss(tiny_llama_dir, tmp_path) -> None:
+    spec = make_spec(tiny_llama_dir, rollout={"async_mode": True, "max_staleness": 1})
+    runner = JobRunner("d", spec, InMemoryHooks(), tmp_path)
+    runner.setup()
+    seen = []
+    real_step = runner.learner.step
+    runner.learner.step = lambda samples, *a, **k: (seen.extend(samples), real_step(samples, *a, **k))[1]
+    tasks = runner.train_tasks[:2]
+    t = 5  # policy version 5: versions 4 and 5 are fresh enough, 3 is too old
+    trajs = []
+    for gi, task in enumerate(tasks):
+        trajs += [_fake_trajectory(task, f"g{gi}", 5, seed=10 * gi), _fake_trajectory(task, f"g{gi}", 4, seed=10 * gi + 1),
+                  _fake_trajectory(task, f"g{gi}", 3, seed=10 * gi + 2),
+                  _fake_trajectory(task, f"g{gi}", 5, status="env_error", seed=10 * gi + 3),
+                  _fake_trajectory(task, f"g{gi}", 5, status="tool_timeout", seed=10 * gi + 4)]
+    metrics = runner._train_step(t, trajs, {})
+    allowed = [tj.completion_ids() for tj in trajs if tj.status == "ok" and min(tj.weight_versions()) >= 4]
+    assert len(seen) == 4 and sorted(s.completion_ids for s in seen) == sorted(allowed)
+    assert metrics["staleness/dropped"] == 2 and metrics["trajectories/excluded"] == 4
+    assert metrics["staleness/max"] == 2
