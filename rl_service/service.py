@@ -108,7 +108,7 @@ class Principal:
 
 class TaperService:
     def __init__(self, store: Store, data_dir: Path, submit_rate_per_minute: int = 60,
-                 auth_cache_s: float = 5.0) -> None:
+                 auth_cache_s: float = 5.0, status_cache_s: float = 0.25) -> None:
         self.store = store
         self.data_dir = Path(data_dir)
         self.jobs_dir = (self.data_dir / "jobs").resolve()
@@ -116,6 +116,8 @@ class TaperService:
         self.auth_cache_s = auth_cache_s
         self._auth_cache: dict[str, tuple[float, Principal]] = {}
         self._auth_lock = threading.Lock()
+        self.status_cache_s = status_cache_s
+        self._status_cache: dict[str, tuple[float, JobRecord]] = {}
 
     # ---- auth ----
     def _cached_principal(self, key: str | None) -> Principal | None:
@@ -179,12 +181,35 @@ class TaperService:
         return self._job(p, job_id)
 
     async def aget_job(self, p: Principal, job_id: str) -> JobRecord:
-        try:
-            return await self.store.aget_job(job_id, tenant=p.tenant)
-        except JobNotFound:
-            raise NotFound(f"job {job_id!r} not found", field="job_id") from None
+        """The job for a status read. Status is polled (dashboards, CLIs, many clients per job), so records are
+        micro-cached for ``status_cache_s``: a driver's progress shows up that much later, while changes made
+        through this service are seen at once (they drop the entry)."""
+        now = time.monotonic()
+        hit = self._status_cache.get(job_id)
+        if hit is not None and hit[0] > now:
+            job = hit[1]
+        else:
+            try:
+                job = await self.store.aget_job(job_id)
+            except JobNotFound:
+                raise NotFound(f"job {job_id!r} not found", field="job_id") from None
+            if len(self._status_cache) > 10_000:
+                self._status_cache.clear()
+            self._status_cache[job_id] = (now + self.status_cache_s, job)
+        if job.tenant != p.tenant:
+            raise NotFound(f"job {job_id!r} not found", field="job_id")
+        return job
+
+    def _changed(self, job_id: str) -> None:
+        self._status_cache.pop(job_id, None)
 
     def cancel(self, p: Principal, job_id: str) -> JobRecord:
+        try:
+            return self._cancel(p, job_id)
+        finally:
+            self._changed(job_id)
+
+    def _cancel(self, p: Principal, job_id: str) -> JobRecord:
         for _ in range(5):  # retry when the job changed state under us
             job = self._job(p, job_id)
             try:
@@ -201,6 +226,12 @@ class TaperService:
         raise Conflict("job kept changing state; try again", field="state")
 
     def pause(self, p: Principal, job_id: str) -> JobRecord:
+        try:
+            return self._pause(p, job_id)
+        finally:
+            self._changed(job_id)
+
+    def _pause(self, p: Principal, job_id: str) -> JobRecord:
         for _ in range(5):
             job = self._job(p, job_id)
             if job.state == JobState.PAUSED:
@@ -218,6 +249,12 @@ class TaperService:
         raise Conflict("job kept changing state; try again", field="state")
 
     def resume(self, p: Principal, job_id: str) -> JobRecord:
+        try:
+            return self._resume(p, job_id)
+        finally:
+            self._changed(job_id)
+
+    def _resume(self, p: Principal, job_id: str) -> JobRecord:
         for _ in range(5):
             job = self._job(p, job_id)
             try:
@@ -269,6 +306,7 @@ class TaperService:
 
     def patch_schedule(self, p: Principal, job_id: str, patch: dict[str, Any]) -> ScheduleVersion:
         self._job(p, job_id)
+        self._changed(job_id)
         if not isinstance(patch, dict) or not patch:
             raise InvalidInput("the patch must be a non-empty JSON object of schedule fields", field="body")
         try:

@@ -270,3 +270,17 @@ def test_sse_follows_a_live_job_until_it_finishes(api: Api) -> None:
                            headers={**api.h(), "Accept": "text/event-stream", "Last-Event-ID": ids[-2]}) as r:
         again = [line for line in r.iter_lines() if line.startswith("event:")]
     assert again == ["event: state"]
+
+
+def test_status_reads_are_fresh_after_our_writes_and_at_most_briefly_stale_after_the_driver(api: Api) -> None:
+    import time
+
+    job = submit(api).json()
+    url = f"/v1/jobs/{job['id']}"
+    assert api.client.get(url, headers=api.h()).json()["step"] == 0
+    api.store.add_metrics(job["id"], 3, {"loss": 1.0})  # as a driver would, behind the service's back
+    time.sleep(api.service.status_cache_s + 0.05)
+    assert api.client.get(url, headers=api.h()).json()["step"] == 3
+    api.client.post(f"{url}/cancel", headers=api.h())
+    assert api.client.get(url, headers=api.h()).json()["state"] == "cancelled"  # no wait needed
+    assert api.client.get(url, headers=api.h(api.key_b)).status_code == 404  # the cache is tenant-checked
