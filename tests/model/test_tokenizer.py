@@ -93,3 +93,15 @@ def test_string_arguments_are_rendered_verbatim(tokenizer):
 def test_tool_traffic_tokenises_compactly(tokenizer):
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "(12 + 7) * 3"}}</tool_call>'
     assert len(tokenizer(call, add_special_tokens=False).input_ids) < len(call) / 2.5
+
+
+def test_training_script_reproduces_the_shipped_tokenizer(tmp_path):
+    import importlib.util
+
+    script = TOKENIZER_DIR.parents[1] / "scripts" / "train_tokenizer.py"
+    spec = importlib.util.spec_from_file_location("train_tokenizer", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.train(vocab_size=1536, output_dir=tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / name).read_bytes() == (TOKENIZER_DIR / name).read_bytes(), name
