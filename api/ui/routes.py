@@ -17,7 +17,15 @@ from pydantic import BaseModel, Field, ValidationError
 from api.auth import get_service, principal
 from api.ui.preview import schedule_preview
 from api.ui.tokens import token_pieces
-from rl_service.service import InvalidInput, NotFound, Principal, ServiceError, TaperService, invalid_from
+from rl_service.service import (
+    Conflict,
+    InvalidInput,
+    NotFound,
+    Principal,
+    ServiceError,
+    TaperService,
+    invalid_from,
+)
 
 HERE = Path(__file__).resolve().parent
 PAGES = HERE / "pages"
@@ -126,6 +134,8 @@ async def preview_schedule(
 
     def compute() -> dict[str, Any]:
         job = svc.get_job(who, job_id)
+        if patch and job.state.is_terminal:
+            raise Conflict(f"job is already {job.state.value}; its schedule is final", field="state")
         history = svc.schedule(who, job_id)
         end = last_step if last_step is not None else max(job.total_steps, job.step + 1)
         try:

@@ -113,6 +113,11 @@ def test_preview_and_tokens_endpoints_need_a_key_and_name_the_bad_field(client) 
     other = {"Authorization": f"Bearer {service.store.create_api_key('someone-else')}"}
     assert c.post(url, json={}, headers=other).status_code == 404  # another tenant's job does not exist
 
+    service.store.transition(job.id, "succeeded", reason="done")
+    final = c.post(url, json={"w_end": 0.5}, headers=h)
+    assert final.status_code == 409 and final.json()["error"]["field"] == "state"
+    assert c.post(url, json={}, headers=h).status_code == 200  # the curve itself stays viewable
+
     turl = f"/ui/api/jobs/{job.id}/tokens"
     assert c.post(turl, json={"ids": [1]}).status_code == 401
     assert c.post(turl, json={"ids": [1, 1, 2]}, headers=h).json() == {"pieces": {"1": "<|im_start|>", "2": "<|im_end|>"}}
