@@ -34,7 +34,7 @@ resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", bootstrap, src])
+os.execv(sys.executable, [sys.executable, "-I", "-c", bootstrap, src])
 """
 
 # Runs inside the child: install the audit hook, then execute the user's file.
