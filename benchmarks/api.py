@@ -35,6 +35,59 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class LeanClient:
+    """A minimal HTTP/1.1 keep-alive client over asyncio streams (a pool of connections).
+
+    httpx spends about as much CPU per request as the server does; on a 2-core machine that would measure the
+    load generator more than the API, so the load is generated with this instead."""
+
+    def __init__(self, url: str, headers: dict[str, str], connections: int = 32) -> None:
+        from urllib.parse import urlparse
+
+        u = urlparse(url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.headers = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{self.host}:{self.port}", **headers}.items())
+        self.size = connections
+        self.pool: asyncio.Queue | None = None
+
+    async def _connection(self):
+        if self.pool is None:
+            self.pool = asyncio.Queue()
+            for _ in range(self.size):
+                self.pool.put_nowait(None)
+        conn = await self.pool.get()
+        if conn is None:
+            conn = await asyncio.open_connection(self.host, self.port)
+        return conn
+
+    async def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        reader, writer = await self._connection()
+        try:
+            extra = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n" if body is not None else ""
+            writer.write(f"{method} {path} HTTP/1.1\r\n{self.headers}{extra}\r\n".encode() + (body or b""))
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = int(head.split(b" ", 2)[1])
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            payload = await reader.readexactly(length) if length else b""
+        except BaseException:
+            writer.close()
+            assert self.pool is not None
+            self.pool.put_nowait(None)
+            raise
+        assert self.pool is not None
+        self.pool.put_nowait((reader, writer))
+        return status, payload
+
+    async def close(self) -> None:
+        while self.pool is not None and not self.pool.empty():
+            conn = self.pool.get_nowait()
+            if conn is not None:
+                conn[1].close()
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -59,7 +112,7 @@ def summarize(name: str, latencies_s: list[float], errors: int, elapsed_s: float
     }
 
 
-async def open_loop(client: httpx.AsyncClient, make_request, rate: float, seconds: float, ok=(200, 201)):
+async def open_loop(client: LeanClient, make_request, rate: float, seconds: float, ok=(200, 201)):
     """Start request i at t0 + i/rate; latency = completion - scheduled start."""
     n = int(rate * seconds)
     latencies: list[float] = []
@@ -74,19 +127,19 @@ async def open_loop(client: httpx.AsyncClient, make_request, rate: float, second
         if delay > 0:
             await asyncio.sleep(delay)
         try:
-            r = await make_request(client, i)
-            if r.status_code in ok:
+            status, _ = await make_request(client, i)
+            if status in ok:
                 latencies.append(loop.time() - scheduled)
             else:
                 errors += 1
-        except httpx.HTTPError:
+        except (OSError, asyncio.IncompleteReadError, ValueError):
             errors += 1
 
     await asyncio.gather(*(one(i) for i in range(n)))
     return latencies, errors, loop.time() - t0
 
 
-async def closed_loop(client: httpx.AsyncClient, make_request, concurrency: int, seconds: float):
+async def closed_loop(client: LeanClient, make_request, concurrency: int, seconds: float):
     latencies: list[float] = []
     errors = 0
     loop = asyncio.get_running_loop()
@@ -99,12 +152,12 @@ async def closed_loop(client: httpx.AsyncClient, make_request, concurrency: int,
         while loop.time() < end:
             t = loop.time()
             try:
-                r = await make_request(client, w * 1_000_000 + i)
-                if r.status_code == 200:
+                status, _ = await make_request(client, w * 1_000_000 + i)
+                if status == 200:
                     latencies.append(loop.time() - t)
                 else:
                     errors += 1
-            except httpx.HTTPError:
+            except (OSError, asyncio.IncompleteReadError, ValueError):
                 errors += 1
             i += 1
 
@@ -180,27 +233,30 @@ async def run_benchmark(url: str, key: str, args: argparse.Namespace) -> dict[st
             await asyncio.sleep(0.5)
         print(f"background job {job_id}: {state}")
 
-        async def read_status(c: httpx.AsyncClient, i: int) -> httpx.Response:
-            return await c.get(f"/v1/jobs/{job_id}")
+        lean = LeanClient(url, headers, connections=args.connections)
+
+        async def read_status(c: LeanClient, i: int) -> tuple[int, bytes]:
+            return await c.request("GET", f"/v1/jobs/{job_id}")
 
         submitted: list[str] = []
-        small = {"name": "bench-submit", "total_steps": 1}
+        small = json.dumps({"name": "bench-submit", "total_steps": 1}).encode()
 
-        async def submit(c: httpx.AsyncClient, i: int) -> httpx.Response:
-            resp = await c.post("/v1/jobs", json=small)
-            if resp.status_code == 201:
-                submitted.append(resp.json()["id"])
-            return resp
+        async def submit(c: LeanClient, i: int) -> tuple[int, bytes]:
+            status, body = await c.request("POST", "/v1/jobs", small)
+            if status == 201:
+                submitted.append(json.loads(body)["id"])
+            return status, body
 
         for _ in range(20):  # warm-up: connections, caches
-            await read_status(client, 0)
+            await read_status(lean, 0)
         results = []
-        lat, err, el = await open_loop(client, read_status, args.rate, args.seconds)
+        lat, err, el = await open_loop(lean, read_status, args.rate, args.seconds)
         results.append(summarize("status reads (open loop)", lat, err, el, args.rate))
-        lat, err, el = await open_loop(client, submit, args.submit_rate, args.submit_seconds)
+        lat, err, el = await open_loop(lean, submit, args.submit_rate, args.submit_seconds)
         results.append(summarize("submissions (open loop)", lat, err, el, args.submit_rate))
-        lat, err, el = await closed_loop(client, read_status, args.concurrency, args.closed_seconds)
+        lat, err, el = await closed_loop(lean, read_status, args.concurrency, args.closed_seconds)
         results.append(summarize(f"status reads (closed loop, {args.concurrency} clients)", lat, err, el, None))
+        await lean.close()
         final_state = (await client.get(f"/v1/jobs/{job_id}")).json()["state"]
         for jid in submitted + [job_id]:
             await client.post(f"/v1/jobs/{jid}/cancel")
@@ -218,6 +274,7 @@ def main() -> None:
     p.add_argument("--submit-rate", type=float, default=20.0)
     p.add_argument("--submit-seconds", type=float, default=5.0)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--connections", type=int, default=32, help="Keep-alive connections of the load generator.")
     p.add_argument("--closed-seconds", type=float, default=5.0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "api.json"))
     args = p.parse_args()
@@ -229,7 +286,10 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="taper-bench-") as tmp, EmbeddedServer(Path(tmp)) as server:
             report = asyncio.run(run_benchmark(server.url, server.key(), args))
-    report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                         "load_average_1m_after": os.getloadavg()[0]}
+    print(f"load average (1 min) after the run: {report['machine']['load_average_1m_after']:.1f} "
+          f"on {report['machine']['cpus']} CPUs")
     print(f"{'phase':48} {'req':>6} {'err':>4} {'rps':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for r in report["results"]:
         print(f"{r['phase']:48} {r['requests']:6d} {r['errors']:4d} {r['achieved_rps']:7.1f} "

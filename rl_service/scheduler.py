@@ -180,10 +180,17 @@ class Scheduler:
             self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop (running jobs are left alone: their drivers are detached), after a last cleanup so
+        jobs that just finished do not keep their resources until another scheduler runs."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        try:
+            if self.store.acquire_lock(self.token, self.lock_ttl_ms):
+                self.cleanup()
+        except Exception:
+            log.exception("final cleanup failed")
         self.store.release_lock(self.token)
 
     def _loop(self) -> None:

@@ -93,3 +93,5 @@ def test_real_job_lifecycle_over_http(redis_url: str, ray_local, tmp_path: Path)
         assert len(last) == 4 and all(t["train_step"] == 2 for t in last)
         assert all(t["job_id"] == job_id for t in trajs)
         assert c.get("/metrics").text.count('taper_jobs{state="succeeded"} 1.0') == 1
+    # the finished job's placement group is gone, so later tests get the whole local Ray
+    assert not Store(redis_url).r.smembers(Store(redis_url).k_placed())

@@ -61,3 +61,4 @@ def test_api_crash_and_restart_mid_job_loses_nothing(redis_url: str, ray_address
         assert len(httpx.get(f"{second.url}/v1/jobs/{job['id']}/checkpoints", headers=h).json()) == 12
     finally:
         second.stop()
+    assert not Store(redis_url).r.smembers(Store(redis_url).k_placed())  # resources freed for later tests
