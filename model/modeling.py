@@ -4,6 +4,10 @@ Layer i: Block-AttnRes mix -> RMSNorm -> token mixer (KDA, or gated MLA for i in
 then Block-AttnRes mix -> RMSNorm -> channel mixer (dense SiTU-GLU for i < first_k_dense, else Stable
 LatentMoE). A final AttnRes mix runs before the last norm. No positional encoding anywhere.
 Parameter names are documented in model/PARAMETERS.md (the vLLM plugin uses the same names).
+
+Decoding: the model creates a `TaperCache` (KDA conv + recurrent states, MLA keys/values) on the first
+forward with use_cache and returns it; `generate()` threads it through (greedy, sampling, beams).
+Training: call `update_balancing()` after each optimizer step; `gradient_checkpointing_enable()` works.
 """
 
 from __future__ import annotations
