@@ -121,6 +121,8 @@ def _install_errors(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
         field = _field_of(tuple(first.get("loc", ())), str(first.get("msg", "")))
+        if first.get("type") == "json_invalid":
+            field = "body"  # its location is a character offset, not a field
         details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": e.get("msg", "")}
                    for e in errors[:20]]
         return JSONResponse(

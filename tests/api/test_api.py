@@ -74,7 +74,7 @@ def test_bad_bodies_get_422_naming_the_field_and_write_nothing(api: Api, body, f
 def test_malformed_json_huge_payload_and_wrong_content(api: Api) -> None:
     before = redis_dump(api.store.url)
     r = api.client.post("/v1/jobs", content=b"{not json", headers={**api.h(), "Content-Type": "application/json"})
-    assert r.status_code == 422
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body"
     huge = {**SPEC, "tasks": {"options": {"blob": "x" * 100_000}}}
     r = submit(api, huge)
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
