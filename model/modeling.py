@@ -161,6 +161,10 @@ class TaperModel(TaperPreTrainedModel):
     ) -> TaperModelOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        for unsupported in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(unsupported):
+                raise NotImplementedError(f"{unsupported}=True is not supported: AttnRes layers have no single "
+                                          "per-layer hidden state and KDA no attention map")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -228,7 +232,7 @@ class TaperForCausalLM(TaperPreTrainedModel, GenerationMixin):
         assignments per expert [n_experts] over real tokens, when `output_router_loads`."""
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, output_router_loads=output_router_loads,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_router_loads=output_router_loads, **kwargs,
         )
         hidden = outputs.last_hidden_state
         if logits_to_keep:

@@ -201,3 +201,11 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     assert grads_ckpt.keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_unsupported_outputs_raise_instead_of_returning_nothing():
+    model = _tiny().eval()
+    ids = torch.randint(0, 1536, (1, 3))
+    with pytest.raises(NotImplementedError, match="output_hidden_states"):
+        model(ids, use_cache=False, output_hidden_states=True)
+    assert model(ids, use_cache=False, output_hidden_states=False, output_attentions=False).logits.shape[1] == 3
