@@ -8,7 +8,8 @@ Per chunk of C tokens with state S at its start and in-chunk cumulative log-deca
   O        = scale (Q * exp(Gam)) S + P Vn
   S_next   = exp(Gam_last) S + (K * exp(Gam_last - Gam))^T Vn
 The decays are formed from pairwise differences Gam_t - Gam_s (t >= s), so nothing overflows whatever
-the gate; the loop runs over chunks (T / C steps), batched over sequences and heads.
+the gate. The state-independent part runs for many chunks at once; only the state recurrence loops over
+chunks (T / C steps of small matmuls), batched over sequences and heads.
 """
 
 from __future__ import annotations
@@ -19,30 +20,23 @@ import torch.nn.functional as F
 from kernels.kda.common import sequence_bounds
 
 
-def _chunk_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gam: torch.Tensor, beta: torch.Tensor,
-    S: torch.Tensor, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk for all (sequence, head) rows: q,k,gam [R,C,K], v [R,C,V], beta [R,C], S [R,K,V]."""
-    C = q.shape[1]
+def _intra(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gam: torch.Tensor, beta: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """State-independent part for a batch of chunks: q,k,gam [..., C, K], v [..., C, V], beta [..., C].
+    Returns P [..., C, C], U [..., C, V], W [..., C, K]."""
+    C = q.shape[-2]
     idx = torch.arange(C, device=q.device)
     incl = idx[:, None] >= idx[None, :]
-    strict = idx[:, None] > idx[None, :]
-    diff = gam[:, :, None, :] - gam[:, None, :, :]  # [R, t, s, K]
-    decay = torch.exp(diff.masked_fill(~incl[None, :, :, None], float("-inf")))
-    A = torch.einsum("rtk,rsk,rtsk->rts", k, k, decay) * strict
-    P = torch.einsum("rtk,rsk,rtsk->rts", q, k, decay) * scale
+    diff = gam[..., :, None, :] - gam[..., None, :, :]  # [..., t, s, K]
+    decay_k = torch.exp(diff.masked_fill(~incl[:, :, None], float("-inf"))) * k[..., None, :, :]
+    A = (decay_k * k[..., :, None, :]).sum(-1) * (idx[:, None] > idx[None, :])
+    P = (decay_k * q[..., :, None, :]).sum(-1) * scale
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    L = eye + beta[:, :, None] * A
-    e_gam = torch.exp(gam)
-    rhs = beta[:, :, None] * torch.cat([v, k * e_gam], dim=-1)
+    L = eye + beta[..., :, None] * A
+    rhs = beta[..., :, None] * torch.cat([v, k * torch.exp(gam)], dim=-1)
     sol = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
-    U, W = sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]
-    Vn = U - W @ S
-    out = (q * e_gam * scale) @ S + P @ Vn
-    g_last = gam[:, -1, :]  # [R, K]
-    S_next = torch.exp(g_last)[:, :, None] * S + (k * torch.exp(g_last[:, None, :] - gam)).transpose(1, 2) @ Vn
-    return out, S_next
+    return P, sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]
 
 
 def chunk_kda_torch(
@@ -71,12 +65,23 @@ def chunk_kda_torch(
         S = initial_state.to(q.dtype).reshape(N * HV, K, V)
     else:
         S = q.new_zeros(N * HV, K, V)
+    NT = Tp // C
+    qc, kc, vc = (x.reshape(N * HV, NT, C, -1) for x in (qr, kr, vr))
+    gam = gr.reshape(N * HV, NT, C, K).cumsum(2)
+    bc = br.reshape(N * HV, NT, C)
+    # the intra-chunk part for many chunks at once, in groups that bound the [.., C, C, K] temporaries
+    group = max(1, (1 << 23) // (N * HV * C * C * K))
+    parts = [_intra(qc[:, a:a + group], kc[:, a:a + group], vc[:, a:a + group], gam[:, a:a + group],
+                    bc[:, a:a + group], scale) for a in range(0, NT, group)]
+    P, U, W = (torch.cat(x, 1) for x in zip(*parts, strict=True))
+    q_gam = qc * torch.exp(gam) * scale
+    g_last = gam[:, :, -1, :]  # [R, NT, K]
+    k_tail = kc * torch.exp(g_last[:, :, None, :] - gam)
     outs = []
-    for c0 in range(0, Tp, C):
-        sl = slice(c0, c0 + C)
-        gam = gr[:, sl].cumsum(1)
-        o_chunk, S = _chunk_step(qr[:, sl], kr[:, sl], vr[:, sl], gam, br[:, sl], S, scale)
-        outs.append(o_chunk)
+    for c in range(NT):  # the state recurrence: small matmuls per chunk
+        Vn = U[:, c] - W[:, c] @ S
+        outs.append(q_gam[:, c] @ S + P[:, c] @ Vn)
+        S = torch.exp(g_last[:, c])[:, :, None] * S + k_tail[:, c].transpose(1, 2) @ Vn
     o_rows = torch.cat(outs, 1).reshape(N, HV, Tp, V).permute(0, 2, 1, 3)  # [N, Tp, HV, V]
     if cu_seqlens is None:
         o = o_rows[:, :T]
