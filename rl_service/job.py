@@ -231,6 +231,9 @@ class JobRunner:
         except _Stop as stop:
             return stop.result
         finally:
+            if getattr(self, "dp", None) is not None:
+                self.dp.shutdown()
+                self.dp = None
             if self.pool is not None:
                 try:
                     self.pool.shutdown()
@@ -286,6 +289,18 @@ class JobRunner:
                                pad_token_id=self.tokenizer.pad_token_id or 0, device=self.device)
 
         ckpt = latest_checkpoint(self.checkpoint_dir)
+        self.dp = None
+        if spec.resources.num_learners > 1:
+            # Data-parallel ranks (Ray actors) train; the driver keeps a full copy for pushes and checkpoints.
+            # Their optimizer state stays sharded on the ranks: a resume restores weights, data, schedule and
+            # RNG exactly but restarts AdamW's moments.
+            from rl_service.distributed import DistributedLearner
+
+            self.dp = DistributedLearner(str(ckpt.path if ckpt else self.initial_dir), self.learner.config,
+                                         spec.resources.num_learners, use_gpu=spec.resources.learner_gpus > 0,
+                                         num_cpus_per_rank=spec.resources.learner_cpus,
+                                         ref_model_dir=str(self.initial_dir),
+                                         pad_token_id=self.tokenizer.pad_token_id or 0)
         start = 0
         if ckpt is not None:
             state = ckpt.state
@@ -438,9 +453,11 @@ class JobRunner:
         action_adv = [a for s in samples for a, m in zip(s.advantages, s.loss_mask, strict=True) if m]
         metrics.update(_token_stats("advantages", action_adv))
         tl = time.perf_counter()
-        if samples:
-            learn = self.learner.step(samples)
-            metrics.update(learn)
+        if samples and self.dp is not None:
+            metrics.update(self.dp.step(samples))
+            self.model.load_state_dict(self.dp.full_state_dict())
+        elif samples:
+            metrics.update(self.learner.step(samples))
         else:
             metrics["learner_skipped"] = 1.0
         times["time/learn"] = time.perf_counter() - tl

@@ -91,3 +91,16 @@ class ReusedPool:
 
     def shutdown(self) -> None:  # the module fixture shuts the real pool down
         pass
+
+
+def fake_trajectory(task, group, version, status="ok", seed=0):
+    import random
+
+    from rollout_workers.trajectory import Step, Trajectory
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(2, 200) for _ in range(6)]
+    return Trajectory(env="calculator", task_id=task["id"], task=task, group_id=group, prompt_ids=[5, 6, 7, 8],
+                      prompt_text="q", status=status,
+                      steps=[Step(action_ids=ids, action_logprobs=[-4.0] * 6, action_text="x", weight_version=version,
+                                  finish_reason="stop", is_final=True)])

@@ -12,7 +12,7 @@ from rl_service.checkpoint import latest_checkpoint, list_checkpoints
 from rl_service.job import InMemoryHooks, JobRunner, seeded_vllm_engine
 from rl_service.spec import JobSpec
 from rollout_workers.storage import iter_trajectories, step_file
-from tests.rl_service.learner_helpers import ReusedPool
+from tests.rl_service.learner_helpers import ReusedPool, fake_trajectory
 
 GRADED = {"kind": "python", "name": "graded_calculator",
           "import_path": "tests.rl_service.learner_helpers:GradedCalculator"}
@@ -136,19 +136,6 @@ def test_async_mode_pause_resume_and_schedule_patch(shared_pool, tiny_llama_dir,
         assert versions and all(t - v <= 1 for v in versions)
 
 
-def _fake_trajectory(task, group, version, status="ok", seed=0):
-    import random
-
-    from rollout_workers.trajectory import Step, Trajectory
-
-    rng = random.Random(seed)
-    ids = [rng.randrange(2, 200) for _ in range(6)]
-    return Trajectory(env="calculator", task_id=task["id"], task=task, group_id=group, prompt_ids=[5, 6, 7, 8],
-                      prompt_text="q", status=status,
-                      steps=[Step(action_ids=ids, action_logprobs=[-4.0] * 6, action_text="x", weight_version=version,
-                                  finish_reason="stop", is_final=True)])
-
-
 def test_infra_failures_and_stale_trajectories_never_reach_the_loss(tiny_llama_dir, tmp_path) -> None:
     spec = make_spec(tiny_llama_dir, rollout={"async_mode": True, "max_staleness": 1})
     runner = JobRunner("d", spec, InMemoryHooks(), tmp_path)
@@ -160,10 +147,10 @@ def test_infra_failures_and_stale_trajectories_never_reach_the_loss(tiny_llama_d
     t = 5  # policy version 5: versions 4 and 5 are fresh enough, 3 is too old
     trajs = []
     for gi, task in enumerate(tasks):
-        trajs += [_fake_trajectory(task, f"g{gi}", 5, seed=10 * gi), _fake_trajectory(task, f"g{gi}", 4, seed=10 * gi + 1),
-                  _fake_trajectory(task, f"g{gi}", 3, seed=10 * gi + 2),
-                  _fake_trajectory(task, f"g{gi}", 5, status="env_error", seed=10 * gi + 3),
-                  _fake_trajectory(task, f"g{gi}", 5, status="tool_timeout", seed=10 * gi + 4)]
+        trajs += [fake_trajectory(task, f"g{gi}", 5, seed=10 * gi), fake_trajectory(task, f"g{gi}", 4, seed=10 * gi + 1),
+                  fake_trajectory(task, f"g{gi}", 3, seed=10 * gi + 2),
+                  fake_trajectory(task, f"g{gi}", 5, status="env_error", seed=10 * gi + 3),
+                  fake_trajectory(task, f"g{gi}", 5, status="tool_timeout", seed=10 * gi + 4)]
     metrics = runner._train_step(t, trajs, {})
     allowed = [tj.completion_ids() for tj in trajs if tj.status == "ok" and min(tj.weight_versions()) >= 4]
     assert len(seen) == 4 and sorted(s.completion_ids for s in seen) == sorted(allowed)
