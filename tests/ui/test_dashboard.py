@@ -9,9 +9,13 @@ import json
 
 import pytest
 from synthetic import chart_data, report_steps, start_job, trajectory, write_trajectories
-from ui_helpers import UiServer, log_in, screenshot, wait_js
+from ui_helpers import ThreadedServer, UiServer, log_in, screenshot, wait_js
 
+from api.app import create_app
 from api.ui.tokens import token_pieces
+from rl_service.service import TaperService
+from rl_service.settings import TaperSettings
+from rl_service.store import Store
 from rollout_workers.trajectory import TrajectoryStatus
 
 
@@ -196,3 +200,29 @@ def test_submit_form_shows_the_api_validation_message(ui_server: UiServer, page)
     page.wait_for_selector("#job-state[data-state=cancelled]")
     assert ui_server.store.get_job(job_id).state == "cancelled"
     assert page.console_errors == []
+
+
+def test_event_stream_resumes_after_an_api_restart_without_losing_or_repeating_events(
+        redis_url: str, tmp_path, page) -> None:
+    store = Store(redis_url)
+    service = TaperService(store, tmp_path)
+    key = store.create_api_key("ui")
+    job = start_job(service, "ui")
+    events = "Array.from(document.querySelectorAll('#events li')).map(li => li.dataset.id)"
+    first = ThreadedServer(create_app(service, TaperSettings(data_dir=tmp_path)))
+    with first:
+        log_in(page, first.url, key, f"/ui/jobs/{job.id}")
+        page.wait_for_selector("#stream-status[data-status=live]")
+        wait_js(page, f"{events}.length === 3")  # submitted, queued -> starting, starting -> running
+    wait_js(page, "document.getElementById('stream-status').dataset.status === 'reconnecting'")
+    missed = store.add_event(job.id, "while_down", {"n": 1})
+    with ThreadedServer(create_app(service, TaperSettings(data_dir=tmp_path)), port=first.port):
+        page.wait_for_selector("#events li[data-kind=while_down]", state="attached", timeout=30_000)
+        page.wait_for_selector("#stream-status[data-status=live]")
+        store.add_event(job.id, "after_restart", {"n": 2})
+        page.wait_for_selector("#events li[data-kind=after_restart]", state="attached")
+        ids = page.evaluate(events)
+        assert len(ids) == len(set(ids)) == 5 and missed in ids  # Last-Event-ID: nothing replayed twice
+        store.transition(job.id, "cancelled", reason="done")
+        page.wait_for_selector("#stream-status[data-status=ended]")
+    store.close()

@@ -67,8 +67,8 @@ const Charts = (() => {
 
   function layout(title, extra) {
     return Object.assign({
-      title: { text: title, font: { size: 13 } }, height: 260, margin: { l: 50, r: 10, t: 30, b: 35 },
-      xaxis: { title: { text: "step", font: { size: 11 } } }, legend: { font: { size: 10 }, orientation: "h", y: -0.25 },
+      title: { text: title, font: { size: 13 } }, height: 260, margin: { l: 50, r: 10, t: 30, b: 30 },
+      xaxis: { automargin: true }, legend: { font: { size: 10 }, orientation: "h", yanchor: "top", y: -0.18 },
       hovermode: "x unified", uirevision: title,
     }, extra || {});
   }
@@ -103,7 +103,8 @@ const Charts = (() => {
         ? { type: "bar", name: shortName(k, group), x: data[k].x, y: data[k].y, meta: k }
         : { type: "scatter", mode: data[k].x.length > 30 ? "lines" : "lines+markers", connectgaps: true,
             name: shortName(k, group), x: data[k].x, y: data[k].y, meta: k });
-      const extra = group.stacked ? { barmode: "stack" } : {};
+      // room for the legend below the plot (about three names per row)
+      const extra = { height: 240 + 18 * Math.ceil(traces.length / 3), ...(group.stacked ? { barmode: "stack" } : {}) };
       if (group.id === "schedule" || group.id.startsWith("rewards")) Object.assign(extra, versionShapes(changes));
       div.dataset.keys = groupKeys.join(",");
       div.dataset.points = String(Math.max(...groupKeys.map((k) => data[k].x.length)));
