@@ -66,6 +66,8 @@ def bench_job(args) -> dict:
         row["idle_fraction"] = row["time/idle"] / row["time/step"]
         row["learner_tokens_per_s"] = statistics.mean(m.get("tokens_per_s", 0.0) for m in steps)
         row["weight_sync_s"] = statistics.mean(m["weight_sync_s"] for m in steps)
+        row["logprob_mismatch"] = statistics.mean(m.get("logprob_mismatch/mean_abs", 0.0) for m in steps)
+        row["staleness_max"] = max(m.get("staleness/max", 0.0) for m in steps)
         row["pool_start_s"] = [d for k, d in hooks.events if k == "rollout_pool_ready"][0]["seconds"]
         row["wall_s"] = wall
         out[mode] = row

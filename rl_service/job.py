@@ -439,6 +439,10 @@ class JobRunner:
             "trajectories/mean_completion_tokens": float(np.mean([len(tj.completion_ids()) for tj in trajs]))
             if trajs else 0.0,
         })
+        sampled = sum(len(s.action_ids) for tj in trajs for s in tj.steps)
+        metrics["rollout/sampled_tokens"] = float(sampled)
+        if times.get("time/rollout", 0.0) > 0 and not self.spec.rollout.async_mode:
+            metrics["rollout/tokens_per_s"] = sampled / times["time/rollout"]
         for key, value in batch.stats.items():
             metrics[f"reward/{key}"] = value
         metrics["success_rate"] = batch.stats.get("success_rate", 0.0)

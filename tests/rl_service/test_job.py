@@ -156,3 +156,30 @@ def test_infra_failures_and_stale_trajectories_never_reach_the_loss(tiny_llama_d
     assert len(seen) == 4 and sorted(s.completion_ids for s in seen) == sorted(allowed)
     assert metrics["staleness/dropped"] == 2 and metrics["trajectories/excluded"] == 4
     assert metrics["staleness/max"] == 2
+
+
+def test_job_main_reads_yaml_specs_and_names_bad_fields(tmp_path) -> None:
+    from pydantic import ValidationError
+
+    from rl_service.job_main import load_spec
+
+    good = tmp_path / "job.yaml"
+    good.write_text("total_steps: 3\nrollout:\n  async_mode: true\nalgorithm:\n  loss_type: gspo\n")
+    spec = load_spec(good)
+    assert spec.total_steps == 3 and spec.rollout.async_mode and spec.algorithm.loss_type == "gspo"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm:\n  loss_type: ppo\n")
+    with pytest.raises(ValidationError, match="loss_type"):
+        load_spec(bad)
+
+
+def test_data_cursor_is_a_seeded_permutation_per_epoch() -> None:
+    from rl_service.job import DataCursor
+
+    c = DataCursor(5, seed=1)
+    first = c.take(5)
+    assert sorted(first) == list(range(5))
+    state = c.state()
+    nxt = c.take(3)
+    assert DataCursor.from_state(5, 1, state).take(3) == nxt and c.epoch == 1
+    assert DataCursor(5, seed=2).take(5) != first
