@@ -31,7 +31,7 @@ def ui_server(redis_url: str, tmp_path: Path) -> Iterator[UiServer]:
     store.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
