@@ -24,11 +24,11 @@ TINY_JOB = {
     "model": {"preset": "tiny"},
     "environment": {"name": "calculator"},
     "tasks": {"seed": 0, "num_train": 16, "num_eval": 0},
-    "rollout": {"num_workers": 1, "prompts_per_step": 2, "num_generations": 2, "max_turns": 2,
-                "max_tokens_per_turn": 16, "max_total_tokens": 128, "kv_cache_gib": 0.25},
+    "rollout": {"num_workers": 1, "prompts_per_step": 2, "num_generations": 2, "max_turns": 1,
+                "max_tokens_per_turn": 8, "max_total_tokens": 96, "kv_cache_gib": 0.25},
     "reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 10},
     "resources": {"learner_cpus": 1, "rollout_cpus": 1},
-    "total_steps": 3,
+    "total_steps": 2,
     "checkpoint_every": 1,
 }
 
@@ -69,12 +69,12 @@ def test_real_job_lifecycle_over_http(redis_url: str, ray_local, tmp_path: Path)
         t_running = time.monotonic()
         final = wait_for(lambda: (j := job())["state"] in ("succeeded", "failed", "cancelled") and j, 420, "the end")
         assert final["state"] == "succeeded", why()
-        assert final["attempts"] == 1 and final["step"] == 3
+        assert final["attempts"] == 1 and final["step"] == 2
         print(f"running -> succeeded in {time.monotonic() - t_running:.1f} s")
 
         metrics = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
         train = [m for m in metrics if "schedule/version" in m["metrics"]]
-        assert [m["step"] for m in train][-1] == 3
+        assert [m["step"] for m in train] == [1, 2]
         assert train[-1]["metrics"]["schedule/version"] == 2.0  # the PATCH reached the job
         assert train[-1]["metrics"]["schedule/weight"] == 0.5
 
@@ -86,11 +86,13 @@ def test_real_job_lifecycle_over_http(redis_url: str, ray_local, tmp_path: Path)
         assert states == ["starting", "running", "succeeded"]
 
         ckpts = c.get(f"/v1/jobs/{job_id}/checkpoints").json()
-        assert [ck["step"] for ck in ckpts][-1] == 3 and all(ck["uri"].startswith("file://") for ck in ckpts)
+        assert [ck["step"] for ck in ckpts][-1] == 2 and all(ck["uri"].startswith("file://") for ck in ckpts)
         trajs = c.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 50}).json()["items"]
-        assert len(trajs) == 3 * 2 * 2  # steps x prompts x generations
-        last = c.get(f"/v1/jobs/{job_id}/trajectories", params={"step": 2}).json()["items"]
-        assert len(last) == 4 and all(t["train_step"] == 2 for t in last)
+        assert len(trajs) == 2 * 2 * 2  # steps x prompts x generations
+        last = c.get(f"/v1/jobs/{job_id}/trajectories", params={"step": 1}).json()["items"]
+        assert len(last) == 4 and all(t["train_step"] == 1 for t in last)
+        page = c.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 3, "offset": 6}).json()["items"]
+        assert [t["id"] for t in page] == [t["id"] for t in trajs[6:]]
         assert all(t["job_id"] == job_id for t in trajs)
         assert c.get("/metrics").text.count('taper_jobs{state="succeeded"} 1.0') == 1
     # the finished job's placement group is gone, so later tests get the whole local Ray
