@@ -137,14 +137,20 @@ def standalone(engine: Any, prompts: list[list[int]], tokens_per_seq: int) -> fl
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=tokens_per_seq, ignore_eos=True, temperature=1.0, logprobs=0, detokenize=False)
-    engine.llm.reset_prefix_cache()
-    t0 = time.monotonic()
-    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    wall = time.monotonic() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    best = 0.0
+    for _ in range(2):  # best of two: the machine is shared, noise only ever slows a run down
+        engine.llm.reset_prefix_cache()
+        t0 = time.monotonic()
+        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        wall = time.monotonic() - t0
+        best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+    return best
 
 
-def run_pool(model_dir: str, workers: int, concurrency: int, sampling: SamplingConfig, latency_s: float) -> dict[str, Any]:
+def run_pool(model_dir: str, workers: int, concurrencies: list[int], sampling: SamplingConfig,
+             latency_s: float) -> list[dict[str, Any]]:
+    """One pool of `workers` Ray actors; each concurrency level is one pool.generate call over that many
+    tasks (spread over the workers)."""
     import ray
 
     from rollout_workers.engine import EngineConfig
@@ -152,35 +158,38 @@ def run_pool(model_dir: str, workers: int, concurrency: int, sampling: SamplingC
 
     ray.init(num_cpus=max(2, workers), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CONFIGURE_LOGGING": "0"}})
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    rows = []
     try:
-        pool = RolloutPool(EngineConfig(model_dir=model_dir, max_model_len=1024, kv_cache_gib=0.5), make_env_factory(latency_s),
-                           num_workers=workers, num_cpus_per_worker=1)
+        pool = RolloutPool(EngineConfig(model_dir=model_dir, max_model_len=1024, kv_cache_gib=0.5),
+                           make_env_factory(latency_s), num_workers=workers, num_cpus_per_worker=1)
         pool.generate(CalculatorEnv.generate_tasks(8, seed=99), n=1, sampling=sampling)  # warm-up
-        tasks = CalculatorEnv.generate_tasks(concurrency, seed=1)
-        before = pool.stats()
-        t0 = time.monotonic()
-        groups = pool.generate(tasks, n=1, sampling=sampling)
-        wall = time.monotonic() - t0
-        after = pool.stats()
+        for c in concurrencies:
+            tasks = CalculatorEnv.generate_tasks(c, seed=1)
+            before = pool.stats()
+            t0 = time.monotonic()
+            groups = pool.generate(tasks, n=1, sampling=sampling)
+            wall = time.monotonic() - t0
+            after = pool.stats()
+            n = sum(len(g) for g in groups)
+            rows.append({
+                "workers": workers,
+                "concurrency": c,
+                "trajectories_per_s": n / wall,
+                "tokens_per_s": (after["sampled_tokens"] - before["sampled_tokens"]) / wall,
+                "wall_s": wall,
+            })
+            print(f"  pool of {workers}, concurrency {c}: {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
         pool.shutdown()
     finally:
         ray.shutdown()
-    n = sum(len(g) for g in groups)
-    return {
-        "workers": workers,
-        "concurrency": concurrency,
-        "trajectories_per_s": n / wall,
-        "tokens_per_s": (after["sampled_tokens"] - before["sampled_tokens"]) / wall,
-        "wall_s": wall,
-    }
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 96])
     ap.add_argument("--tool-latency-ms", type=float, default=5.0)
-    ap.add_argument("--sft-steps", type=int, default=200)
+    ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--pool-workers", type=int, default=2, help="0 skips the pool measurement")
     ap.add_argument("--model-dir", default=None, help="an existing model to use instead of the SFT'd tiny Llama")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -196,7 +205,7 @@ def main() -> None:
         t0 = time.monotonic()
         print(f"fine-tuning a tiny Llama on calculator demonstrations ({args.sft_steps} steps)")
         train_tool_caller(Path(model_dir), str(TOKENIZER_DIR), args.sft_steps)
-        print(f"  done in {time.monotonic() - t0:.0f} s")
+        print(f"  done in {time.monotonic() - t0:.0f} s; reuse it with --model-dir {model_dir}")
 
     sampling = SamplingConfig(max_tokens_per_turn=48, max_turns=3, max_total_tokens=1024, temperature=1.0, tool_timeout_s=5.0)
     engine = VLLMEngine(EngineConfig(model_dir=model_dir, max_model_len=1024, kv_cache_gib=0.5, max_num_seqs=256))
@@ -206,17 +215,23 @@ def main() -> None:
     rows = []
     for c in args.concurrency:
         tasks = CalculatorEnv.generate_tasks(c, seed=1)
-        loop = run_loop(engine, env_factory, tasks, sampling)
+        runs = []
+        for _ in range(2):  # best of two, each from a cold prefix cache like the standalone runs
+            engine.llm.reset_prefix_cache()
+            runs.append(run_loop(engine, env_factory, tasks, sampling))
+        loop = max(runs, key=lambda r: r["tokens_per_s"])
         prompts = loop.pop("prompt_ids")
         base = standalone(engine, prompts, max(1, round(loop["sampled_tokens_per_episode"])))
         row = {"concurrency": c, **loop, "standalone_tokens_per_s": base, "loop_vs_standalone": loop["tokens_per_s"] / base}
         rows.append(row)
-        print(f"  concurrency {c}: {row['tokens_per_s']:.0f} tok/s loop vs {base:.0f} standalone", flush=True)
+        print(f"  concurrency {c}: {row['tokens_per_s']:.0f} tok/s loop vs {base:.0f} standalone; "
+              f"{row['turns_per_episode']:.2f} turns/ep, {row['sampled_tokens_per_episode']:.1f} tok/ep, "
+              f"{row['generate_calls']} generate calls, success {row['success_rate']:.2f}", flush=True)
 
     pool_rows = []
     if args.pool_workers:
-        for c in args.concurrency:
-            pool_rows.append(run_pool(model_dir, args.pool_workers, c, sampling, args.tool_latency_ms / 1000.0))
+        del engine  # the pool's workers build their own engines
+        pool_rows = run_pool(model_dir, args.pool_workers, args.concurrency, sampling, args.tool_latency_ms / 1000.0)
 
     print()
     print(f"one worker, in-process vLLM (CPU), calculator env, tool latency {args.tool_latency_ms:g} ms")
