@@ -113,6 +113,7 @@ def cache_bytes(kv_cache_config: Any, batch: int, context: int) -> int:
 def run_worker(args: argparse.Namespace) -> None:
     """One model in this process: a fresh engine, every context, one JSON line per context on stdout."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # on CPU it would override kv_cache_memory_bytes
     import torch
 
     # vLLM serves with one torch thread (multi-threaded small ops spin-wait); its in-process CPU worker

@@ -1,7 +1,8 @@
-"""The token mixers as vLLM layers. Each subclasses the HF layer (so parameters, names and math are the
-HF model's) and adds what vLLM needs: KDA keeps its states in vLLM's hybrid (mamba-style) state cache and
+"""The mixers as vLLM layers. Each subclasses the HF layer (so parameters, names and math are the HF
+model's) and adds what serving needs: KDA keeps its states in vLLM's hybrid (mamba-style) state cache and
 reads the gated-delta-net backend's per-request metadata; MLA is ordinary vLLM `Attention` over the
-up-projected keys/values (NoPE)."""
+up-projected keys/values (NoPE); the MoE routes with its frozen balancing bias and records nothing, and
+small batches (decode) run their chosen experts as one batched matmul instead of a loop over experts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
+from model.layers.moe import StableLatentMoE
+from model.layers.situ_glu import situ_glu
 from model.vllm_plugin.kda_ops import (
     KDABatch,
     conv_state_shape,
@@ -117,3 +120,34 @@ class VllmGatedMLA(GatedMLA):
         k, v = (t.flatten(-2) for t in self.project_kv(x))
         attn = self.attn(*(t.to(self.cache_dtype) for t in (q, k, v))).to(x.dtype)
         return self.output(attn.view(x.shape[0], self.num_heads, self.v_head_dim), x)
+
+
+# Up to this many routed (token, expert) pairs, gathering each pair's expert weights and running one
+# batched matmul beats looping over the experts (decode steps); above it, the HF grouped/looped dispatch.
+GATHERED_EXPERTS_MAX_PAIRS = 64
+
+
+class VllmStableLatentMoE(StableLatentMoE):
+    """Stable LatentMoE at inference: frozen balancing bias, no load statistics, fast small-batch experts."""
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        scores = self.router.scores(x)
+        expert_ids, weights = self.router.select(scores)
+        z = self.latent_down(x)
+        if expert_ids.numel() <= GATHERED_EXPERTS_MAX_PAIRS:
+            y = self._gathered_experts(z, expert_ids, weights)
+        else:
+            y = self.experts(z, expert_ids, weights)
+        out = self.latent_up(self.latent_norm(y).to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out
+
+    def _gathered_experts(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k w_k Expert_{e_k}(z) for each token, fp32 sum: z [N, l], expert_ids/weights [N, k]."""
+        experts = self.experts
+        gate_up = experts.gate_up_proj[expert_ids]  # [N, k, 2I, l]
+        a, u = torch.einsum("nl,nkil->nki", z, gate_up).split(experts.intermediate_size, dim=-1)
+        h = situ_glu(a, u, experts.beta, experts.beta_linear)
+        out = torch.einsum("nki,nkli->nkl", h, experts.down_proj[expert_ids])
+        return (out.float() * weights[..., None]).sum(1)

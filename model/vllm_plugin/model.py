@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.platforms import current_platform
@@ -25,12 +25,12 @@ from vllm.sequence import IntermediateTensors
 
 from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
-from model.layers.moe import StableLatentMoE
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
     VllmKimiDeltaAttention,
+    VllmStableLatentMoE,
     kda_state_dtypes,
     kda_state_shapes,
 )
@@ -57,7 +57,7 @@ class TaperDecoderLayer(nn.Module):
         self.mlp_res = BlockAttnRes(d, eps)
         self.mlp_norm = RMSNorm(d, eps)
         self.mlp = (
-            StableLatentMoE(config) if config.is_moe_layer(layer_idx)
+            VllmStableLatentMoE(config) if config.is_moe_layer(layer_idx)
             else SiTUGLUMLP(d, config.intermediate_size, config.situ_beta, config.situ_beta_linear)
         )
 
@@ -92,6 +92,9 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
         config = vllm_config.model_config.hf_config
         if not isinstance(config, TaperConfig):
             raise TypeError(f"hf_config must be a TaperConfig, got {type(config).__name__}")
+        if vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            # The KDA and MoE paths read batch layouts on the host (eager only, no graph capture).
+            raise ValueError("enforce_eager: the Taper vLLM model must be served with enforce_eager=True")
         self.config = config
         self.model_dtype = vllm_config.model_config.dtype
         self.compute_dtype = torch.float32 if current_platform.is_cpu() else self.model_dtype

@@ -2,7 +2,8 @@
 shipped tokenizer, against the HF model on the same weights.
 
 One engine serves the whole module. Its token budget (max_num_batched_tokens=64) is below the longer
-prompts, so every test with a long prompt also runs chunked prefill through the KDA state slots.
+prompts, so every test with a long prompt also runs chunked prefill through the KDA state slots. The
+weight-push test starts a second engine with a cache small enough to force preemptions.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def _save_model(seed: int, out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-def _make_engine(model_dir: Path):
+def _make_engine(model_dir: Path, **overrides: object):
     from vllm import LLM
 
     # vLLM's CPU worker replaces torch.set_num_threads in-process; one thread avoids OpenMP spin-waits
     # on the shared 2-core machine (vLLM's own serving default).
     torch.set_num_threads(1)
-    return LLM(model=str(model_dir), **ENGINE_KWARGS)
+    return LLM(model=str(model_dir), **{**ENGINE_KWARGS, **overrides})
 
 
 def _shutdown(llm) -> None:
@@ -138,6 +139,28 @@ def test_registered_through_the_plugin_entry_point() -> None:
     assert "TaperForCausalLM" in ModelRegistry.get_supported_archs()
 
 
+@pytest.mark.parametrize("tokens", [5, 100])  # gathered experts (decode-sized) and the HF dispatch
+def test_serving_moe_matches_hf_moe_with_frozen_bias(tokens: int) -> None:
+    from model.layers.moe import StableLatentMoE
+    from model.vllm_plugin.layers import VllmStableLatentMoE
+
+    cfg = TaperConfig.preset("tiny")
+    torch.manual_seed(0)
+    hf = StableLatentMoE(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+        hf.router.bias_correction.normal_(0, 0.5)  # the bias must steer the choice of experts
+    served = VllmStableLatentMoE(cfg)
+    served.load_state_dict(hf.state_dict())
+    x = torch.randn(tokens, cfg.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(served(x), hf.eval()(x), rtol=1e-5, atol=1e-5)
+        biased = hf.router.select(hf.router.scores(x))[0]
+        hf.router.bias_correction.zero_()
+        assert not torch.equal(biased, hf.router.select(hf.router.scores(x))[0])
+
+
 def test_greedy_batch_matches_hf_generate_and_logprobs(engine, hf_model) -> None:
     # different lengths in one batch; 150 tokens > the 64-token budget: chunked prefill
     prompts = _prompts([1, 6, 23, 70, 150], seed=1)
@@ -171,22 +194,33 @@ def test_long_and_short_prompts_with_n_samples(engine, hf_model) -> None:
             torch.testing.assert_close(_engine_logprobs(completion), ref, rtol=0, atol=LOGPROB_TOL)
 
 
-def test_weight_push_equals_fresh_engine(
-    engine, model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+def test_weight_push_equals_fresh_engine_that_preempts(
+    engine, model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from model.vllm_plugin.weight_sync import push_weights
 
-    prompts = _prompts([4, 33, 120], seed=3)
-    before = [list(o.outputs[0].token_ids) for o in _generate(engine, prompts, _greedy())]
+    prompts = _prompts([4, 33, 120, 200, 90, 150], seed=3)
+    params = _greedy(40)
+    before = [list(o.outputs[0].token_ids) for o in _generate(engine, prompts, params)]
     new_dir = _save_model(1, tmp_path_factory.mktemp("taper-tiny-new"), tokenizer_dir)
     new_state = TaperForCausalLM.from_pretrained(new_dir, dtype=torch.float32).state_dict()
     seconds = push_weights(engine, new_state)
     assert 0 < seconds < 60
-    pushed = [list(o.outputs[0].token_ids) for o in _generate(engine, prompts, _greedy())]
+    pushed = [list(o.outputs[0].token_ids) for o in _generate(engine, prompts, params)]
     assert pushed != before, "the push changed nothing"
-    fresh = _make_engine(new_dir)
+    # The fresh engine's cache holds too few blocks for all six requests, so the scheduler preempts
+    # (frees a request's KV blocks and KDA state slots, then recomputes it from scratch later).
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # on CPU it overrides kv_cache_memory_bytes
+    fresh = _make_engine(new_dir, kv_cache_memory_bytes=4 << 20)
+    scheduler = fresh.llm_engine.engine_core.engine_core.scheduler
+    preemptions = []
+    preempt = scheduler._preempt_request
+    scheduler._preempt_request = lambda request, *a, **k: (preemptions.append(request.request_id),
+                                                           preempt(request, *a, **k))[1]
     try:
-        expected = [list(o.outputs[0].token_ids) for o in _generate(fresh, prompts, _greedy())]
+        expected = [list(o.outputs[0].token_ids) for o in _generate(fresh, prompts, params)]
     finally:
         _shutdown(fresh)
+    assert preemptions, "the small cache was meant to force a preemption"
     assert pushed == expected
