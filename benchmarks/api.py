@@ -6,8 +6,8 @@
 Phases (open loop: requests are started on a fixed schedule, whether or not earlier ones returned, and
 latency counts from the scheduled start, so a stalled server cannot hide its queueing):
 
-1. status reads (GET /v1/jobs/{id}) at --rate for --seconds, with a job running (--job-spec; the embedded
-   default is the examples' calculator job on the tiny model);
+1. status reads (GET /v1/jobs/{id}) at --rate for --seconds, with a job training in the background
+   (--job-spec; default a tiny-model calculator job; measured once it has finished --wait-step steps);
 2. submissions (POST /v1/jobs) at --submit-rate for --submit-seconds (the jobs are cancelled afterwards);
 3. closed loop: --concurrency clients reading status as fast as they can, for the peak rate.
 
@@ -33,6 +33,18 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+# The job that trains in the background during the measurement (tiny model, vLLM on CPU, many steps).
+BACKGROUND_JOB = {
+    "name": "bench-background",
+    "model": {"preset": "tiny"},
+    "environment": {"name": "calculator"},
+    "tasks": {"seed": 0, "num_train": 1000, "num_eval": 0},
+    "rollout": {"num_workers": 1, "prompts_per_step": 4, "num_generations": 4, "max_turns": 2,
+                "max_tokens_per_turn": 32, "max_total_tokens": 256, "kv_cache_gib": 0.25},
+    "resources": {"learner_cpus": 1, "rollout_cpus": 1},
+    "total_steps": 100_000,
+    "checkpoint_every": 50,
+}
 
 
 class LeanClient:
@@ -178,10 +190,11 @@ class EmbeddedServer:
         from rl_service.embedded import free_port, start_private_redis
 
         self.redis = start_private_redis(self.data_dir / "redis", persist=False)
+        ray_address = self._start_ray()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, TAPER_REDIS_URL=self.redis.url, TAPER_DATA_DIR=str(self.data_dir),
-                   TAPER_SUBMIT_RATE_PER_MINUTE="100000", PYTHONPATH=str(ROOT))
+                   TAPER_SUBMIT_RATE_PER_MINUTE="100000", PYTHONPATH=str(ROOT), RAY_ADDRESS=ray_address)
         self.log = open(self.data_dir / "api.log", "w")  # noqa: SIM115 - closed in __exit__
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
@@ -190,7 +203,7 @@ class EmbeddedServer:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"API server exited; see {self.data_dir / 'api.log'}")
+                raise RuntimeError(f"API server exited:\n{(self.data_dir / 'api.log').read_text()[-2000:]}")
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
                     return self
@@ -198,6 +211,24 @@ class EmbeddedServer:
                 pass
             time.sleep(0.5)
         raise RuntimeError("API server did not come up")
+
+    @staticmethod
+    def _start_ray(attempts: int = 3) -> str:
+        """A local Ray the server joins (its head runs in processes of its own; this process only connects).
+        Started here rather than by the server so a slow start on a busy machine can be retried."""
+        import ray
+
+        for attempt in range(attempts):
+            try:
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                         namespace="taper-bench")
+                return ray.get_runtime_context().gcs_address
+            except Exception as exc:  # Ray's own "node timed out during startup"
+                ray.shutdown()
+                if attempt == attempts - 1:
+                    raise
+                print(f"Ray did not start ({exc}); retrying")
+        raise AssertionError("unreachable")
 
     def key(self) -> str:
         from rl_service.store import Store
@@ -214,24 +245,29 @@ class EmbeddedServer:
         self.log.close()
         if self.redis is not None:
             self.redis.stop()
+        import ray
+
+        ray.shutdown()
 
 
 async def run_benchmark(url: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=30) as client:
-        spec = yaml.safe_load(Path(args.job_spec).read_text()) if args.job_spec else {"name": "bench"}
+        spec = yaml.safe_load(Path(args.job_spec).read_text()) if args.job_spec else BACKGROUND_JOB
         r = await client.post("/v1/jobs", json=spec)
         r.raise_for_status()
         job_id = r.json()["id"]
-        state = "queued"
+        job: dict[str, Any] = {"state": "queued", "step": 0}
         deadline = time.monotonic() + args.wait_running
-        while time.monotonic() < deadline:
-            state = (await client.get(f"/v1/jobs/{job_id}")).json()["state"]
-            if state == "running" or state in ("succeeded", "failed", "cancelled"):
+        while time.monotonic() < deadline:  # until it is training: running, with a first step done
+            job = (await client.get(f"/v1/jobs/{job_id}")).json()
+            if (job["state"] == "running" and job["step"] >= args.wait_step) or job["state"] in (
+                    "succeeded", "failed", "cancelled"):
                 break
-            await asyncio.sleep(0.5)
-        print(f"background job {job_id}: {state}")
+            await asyncio.sleep(1.0)
+        state = job["state"]
+        print(f"background job {job_id}: {state} at step {job['step']}")
 
         lean = LeanClient(url, headers, connections=args.connections)
 
@@ -257,18 +293,21 @@ async def run_benchmark(url: str, key: str, args: argparse.Namespace) -> dict[st
         lat, err, el = await closed_loop(lean, read_status, args.concurrency, args.closed_seconds)
         results.append(summarize(f"status reads (closed loop, {args.concurrency} clients)", lat, err, el, None))
         await lean.close()
+        final_step = (await client.get(f"/v1/jobs/{job_id}")).json()["step"]
         final_state = (await client.get(f"/v1/jobs/{job_id}")).json()["state"]
         for jid in submitted + [job_id]:
             await client.post(f"/v1/jobs/{jid}/cancel")
-    return {"job_state_during": state, "job_state_after": final_state, "results": results}
+    return {"job_state_during": state, "job_step_before": job["step"], "job_state_after": final_state,
+            "job_step_after": final_step, "results": results}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url")
     p.add_argument("--key")
-    p.add_argument("--job-spec", default=str(ROOT / "examples" / "calculator.yaml"))
-    p.add_argument("--wait-running", type=float, default=240.0, help="Seconds to wait for the job to run.")
+    p.add_argument("--job-spec", default="", help="YAML job spec of the background job (default: a tiny one).")
+    p.add_argument("--wait-running", type=float, default=400.0, help="Seconds to wait for the job to train.")
+    p.add_argument("--wait-step", type=int, default=1, help="Measure once the background job reached this step.")
     p.add_argument("--rate", type=float, default=200.0)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--submit-rate", type=float, default=20.0)
