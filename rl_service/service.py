@@ -432,6 +432,7 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     try:
         store = Store(url)
         service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute)
+        service.builtin_environments()  # import the environment registry now, not in the first submission
         if not store.has_api_keys():
             key_file = data_dir / "api-key"
             key = store.create_api_key("default", name="bootstrap", admin=True)
