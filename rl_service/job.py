@@ -300,7 +300,8 @@ class JobRunner:
                                          spec.resources.num_learners, use_gpu=spec.resources.learner_gpus > 0,
                                          num_cpus_per_rank=spec.resources.learner_cpus,
                                          ref_model_dir=str(self.initial_dir),
-                                         pad_token_id=self.tokenizer.pad_token_id or 0)
+                                         pad_token_id=self.tokenizer.pad_token_id or 0,
+                                         actor_options={"resources": spec.resources.learner_resources})
         start = 0
         if ckpt is not None:
             state = ckpt.state
@@ -570,4 +571,4 @@ def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     res = spec.resources
     return RolloutPool(functools.partial(seeded_vllm_engine, engine), reg, spec.rollout.num_workers, env_options=spec.environment.options,
                        num_cpus_per_worker=res.rollout_cpus, num_gpus_per_worker=res.rollout_gpus,
-                       resources=dict(res.custom) or None)
+                       resources=res.rollout_resources or None)

@@ -59,7 +59,9 @@ def pg_name(job_id: str) -> str:
 
 
 def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
-    """Bundle 0..num_learners-1: learner ranks (bundle 0 also hosts the driver); then one per rollout worker."""
+    """Bundle 0..num_learners-1: learner ranks (bundle 0 also hosts the driver); then one per rollout worker.
+    Each role's custom resources (`learner_custom`, `rollout_custom`) go into its bundles, so a cluster can
+    dedicate nodes to learners and rollouts."""
     res = spec.resources
 
     def bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -68,8 +70,9 @@ def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
             b["GPU"] = float(gpus)
         return b
 
-    learners = [bundle(res.learner_cpus, res.learner_gpus) for _ in range(res.num_learners)]
-    rollouts = [{**bundle(res.rollout_cpus, res.rollout_gpus), **res.custom} for _ in range(spec.rollout.num_workers)]
+    learners = [{**bundle(res.learner_cpus, res.learner_gpus), **res.learner_resources} for _ in range(res.num_learners)]
+    rollouts = [{**bundle(res.rollout_cpus, res.rollout_gpus), **res.rollout_resources}
+                for _ in range(spec.rollout.num_workers)]
     return learners + rollouts
 
 
@@ -332,6 +335,8 @@ class Scheduler:
                 max_concurrency=4,
                 num_cpus=res.learner_cpus,
                 num_gpus=res.learner_gpus,
+                # with one learner the driver is the learner: it takes bundle 0 whole
+                resources=res.learner_resources if res.num_learners == 1 else {},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
                 ),

@@ -77,13 +77,42 @@ class AlgorithmSpec(_Strict):
     gamma: float | None = Field(None, ge=0.0, le=1.0, description="Discount for process returns-to-go; None = step only.")
 
 
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
 class ResourcesSpec(_Strict):
     rollout_cpus: float = Field(1.0, gt=0.0, description="CPUs per rollout worker.")
     rollout_gpus: float = Field(0.0, ge=0.0)
     learner_cpus: float = Field(1.0, gt=0.0)
     learner_gpus: int = Field(0, ge=0, le=1024)
     num_learners: int = Field(1, ge=1, le=1024, description="Data-parallel learner ranks.")
-    custom: dict[str, float] = Field(default_factory=dict, description="Extra Ray resources, e.g. {'rollout': 1}.")
+    rollout_custom: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each rollout worker needs, e.g. {'rollout': 1}.")
+    learner_custom: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each learner rank needs, e.g. {'learner': 1}.")
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Older name of rollout_custom (merged into it; rollout_custom wins).")
+
+    @model_validator(mode="after")
+    def _check_custom(self) -> ResourcesSpec:
+        for field in ("rollout_custom", "learner_custom", "custom"):
+            for name, amount in getattr(self, field).items():
+                if not name or name in RAY_BUILTIN_RESOURCES:
+                    raise ValueError(f"resources.{field}: {name!r} is not a custom resource name "
+                                     f"(use the cpus/gpus fields for {', '.join(RAY_BUILTIN_RESOURCES)})")
+                if not amount > 0:
+                    raise ValueError(f"resources.{field}[{name!r}]: must be > 0, got {amount}")
+        return self
+
+    @property
+    def rollout_resources(self) -> dict[str, float]:
+        """Custom resources one rollout worker requests (`custom` and `rollout_custom` merged)."""
+        return {**self.custom, **self.rollout_custom}
+
+    @property
+    def learner_resources(self) -> dict[str, float]:
+        """Custom resources one learner rank (and the job driver, which trains when num_learners is 1) requests."""
+        return dict(self.learner_custom)
 
 
 class JobSpec(_Strict):

@@ -1,0 +1,40 @@
+"""Placement by resources: what each role's Ray bundles and actors request (pure logic; the real
+multi-node check is test_multinode.py)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from rl_service.scheduler import job_bundles
+from rl_service.spec import JobSpec, ResourcesSpec
+
+
+def spec_with(resources: dict, num_workers: int = 2) -> JobSpec:
+    return JobSpec.model_validate({"resources": resources, "rollout": {"num_workers": num_workers}})
+
+
+def test_each_role_gets_its_own_custom_resources() -> None:
+    spec = spec_with({"learner_cpus": 2, "learner_gpus": 1, "num_learners": 2, "learner_custom": {"learner": 1},
+                      "rollout_cpus": 0.5, "rollout_gpus": 1, "rollout_custom": {"rollout": 1}}, num_workers=3)
+    bundles = job_bundles(spec)
+    assert bundles[:2] == [{"CPU": 2.0, "GPU": 1.0, "learner": 1.0}] * 2
+    assert bundles[2:] == [{"CPU": 0.5, "GPU": 1.0, "rollout": 1.0}] * 3
+
+
+def test_custom_is_the_older_name_of_rollout_custom() -> None:
+    res = ResourcesSpec(custom={"rollout": 1, "fast_disk": 1}, rollout_custom={"rollout": 2})
+    assert res.rollout_resources == {"rollout": 2, "fast_disk": 1}
+    assert res.learner_resources == {}
+    assert job_bundles(spec_with({"custom": {"rollout": 1}}, num_workers=1)) == [{"CPU": 1.0}, {"CPU": 1.0, "rollout": 1}]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("learner_custom", {"GPU": 1}, "resources.learner_custom: 'GPU' is not a custom resource"),
+    ("rollout_custom", {"CPU": 2}, "resources.rollout_custom: 'CPU' is not a custom resource"),
+    ("rollout_custom", {"rollout": 0}, "resources.rollout_custom['rollout']: must be > 0"),
+    ("custom", {"": 1}, "resources.custom: '' is not a custom resource"),
+])
+def test_bad_custom_resources_are_rejected_naming_the_field(field: str, value: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ResourcesSpec(**{field: value})
