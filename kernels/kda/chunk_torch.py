@@ -7,9 +7,12 @@ Per chunk of C tokens with state S at its start and in-chunk cumulative log-deca
   Vn       = U - W S                                    (the delta-rule "new values")
   O        = scale (Q * exp(Gam)) S + P Vn
   S_next   = exp(Gam_last) S + (K * exp(Gam_last - Gam))^T Vn
-The decays are formed from pairwise differences Gam_t - Gam_s (t >= s), so nothing overflows whatever
-the gate. The state-independent part runs for many chunks at once; only the state recurrence loops over
-chunks (T / C steps of small matmuls), batched over sequences and heads.
+Where a chunk's total decay spans at most `_MAX_FACTORED_RANGE` (always with the lower-bounded gate at
+C = 16: 16 * 5 = 80), exp(Gam_t - Gam_s) = exp(Gam_t - Gam_0) * exp(Gam_0 - Gam_s) and A, P are plain
+matmuls whose factors stay inside the float range. Otherwise (the unbounded gate) the decays are formed
+from pairwise differences Gam_t - Gam_s (t >= s), so nothing overflows whatever the gate, at the price of
+[C, C, K] temporaries. The state-independent part runs for many chunks at once; only the state recurrence
+loops over chunks (T / C steps of small matmuls), batched over sequences and heads.
 """
 
 from __future__ import annotations
@@ -18,6 +21,27 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kda.common import sequence_bounds
+
+# exp(80) ~ 5.5e34: factor products stay far inside fp32/bf16 range (max ~ exp(88.7)).
+_MAX_FACTORED_RANGE = 80.0
+
+
+def _intra_factored(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gam: torch.Tensor, beta: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_intra` as matmuls, valid when each chunk's decay range is at most _MAX_FACTORED_RANGE."""
+    C = q.shape[-2]
+    idx = torch.arange(C, device=q.device)
+    ref = gam[..., :1, :].detach()  # the product does not depend on it: no gradient, no cancellation
+    k_in = k * torch.exp(ref - gam)  # exp(Gam_0 - Gam_s) in [1, exp(range)]
+    k_out = k * torch.exp(gam - ref)  # exp(Gam_t - Gam_0) in (0, 1]
+    A = (k_out @ k_in.transpose(-1, -2)) * (idx[:, None] > idx[None, :])
+    P = ((q * torch.exp(gam - ref)) @ k_in.transpose(-1, -2)) * ((idx[:, None] >= idx[None, :]) * scale)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    L = eye + beta[..., :, None] * A
+    rhs = beta[..., :, None] * torch.cat([v, k * torch.exp(gam)], dim=-1)
+    sol = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    return P, sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]
 
 
 def _intra(
@@ -47,7 +71,10 @@ def chunk_kda_torch(
     float dtype. Returns o [B,T,HV,V] and final states [N,HV,K,V] in that dtype."""
     B, T, HV, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
+    # Bounded gates make 16-token chunks factorable into matmuls, which beats larger pairwise chunks.
+    # fp64 is the checking precision: it keeps the pairwise form, whose rounding is the smallest.
+    factor = q.dtype != torch.float64 and float(-g.detach().min()) * 16 <= _MAX_FACTORED_RANGE
+    C = 16 if factor else chunk_size
     bounds = sequence_bounds(T, B, cu_seqlens)
     N = len(bounds)
     max_len = max(end - start for _, start, end in bounds)
@@ -69,11 +96,14 @@ def chunk_kda_torch(
     qc, kc, vc = (x.reshape(N * HV, NT, C, -1) for x in (qr, kr, vr))
     gam = gr.reshape(N * HV, NT, C, K).cumsum(2)
     bc = br.reshape(N * HV, NT, C)
-    # the intra-chunk part for many chunks at once, in groups that bound the [.., C, C, K] temporaries
-    group = max(1, (1 << 23) // (N * HV * C * C * K))
-    parts = [_intra(qc[:, a:a + group], kc[:, a:a + group], vc[:, a:a + group], gam[:, a:a + group],
-                    bc[:, a:a + group], scale) for a in range(0, NT, group)]
-    P, U, W = (torch.cat(x, 1) for x in zip(*parts, strict=True))
+    if factor and float((gam[:, :, 0] - gam[:, :, -1]).detach().max()) <= _MAX_FACTORED_RANGE:
+        P, U, W = _intra_factored(qc, kc, vc, gam, bc, scale)
+    else:
+        # many chunks at once, in groups that bound the [.., C, C, K] temporaries
+        group = max(1, (1 << 23) // (N * HV * C * C * K))
+        parts = [_intra(qc[:, a:a + group], kc[:, a:a + group], vc[:, a:a + group], gam[:, a:a + group],
+                        bc[:, a:a + group], scale) for a in range(0, NT, group)]
+        P, U, W = (torch.cat(x, 1) for x in zip(*parts, strict=True))
     q_gam = qc * torch.exp(gam) * scale
     g_last = gam[:, :, -1, :]  # [R, NT, K]
     k_tail = kc * torch.exp(g_last[:, :, None, :] - gam)
