@@ -134,8 +134,6 @@ class JobDriver:
             target = FINAL_RESULTS.get(str(result))
             if target is None:
                 raise RuntimeError(f"job runner returned an unknown result {result!r}")
-            store.transition(job_id, target, expect=[JobState.RUNNING], reason=f"runner returned {result}")
-            return target.value
         except Exception as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             log.exception("job %s failed", job_id)
@@ -143,6 +141,10 @@ class JobDriver:
             store.transition(job_id, JobState.FAILED, expect=[JobState.RUNNING], fields={"error": detail},
                              reason="runner raised")
             return "failed"
+        # Outside the try: failing to record the outcome is not the job failing. It propagates, and the
+        # scheduler's liveness check restarts the driver, whose runner resumes from the final checkpoint.
+        store.transition(job_id, target, expect=[JobState.RUNNING], reason=f"runner returned {result}")
+        return target.value
 
 
 class Scheduler:
