@@ -61,7 +61,7 @@ def render_plots(metrics: Sequence[dict[str, Any]], out_dir: Path,
            for k in _keys(metrics, "reward/process/", "/raw")]
     weighted = [(k.removeprefix("reward/process/").removesuffix("/weighted") + " (weighted)", *_series(metrics, k))
                 for k in _keys(metrics, "reward/process/", "/weighted")]
-    outcome = [("outcome", *_series(metrics, "reward/outcome"))]
+    outcome = [("outcome", *_series(metrics, "reward/outcome_mean"))]
     plots["rewards"] = _plot(out_dir / "rewards.png", "Reward components: raw and weighted",
                              outcome + raw + weighted, "mean reward", schedule_changes)
     plots["schedule"] = _plot(out_dir / "schedule.png", "Process-reward weight w(t) and schedule versions",

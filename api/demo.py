@@ -1,0 +1,250 @@
+"""`taper demo`: the whole service on one machine, for real.
+
+Starts the embedded defaults (a private Redis, the API server with a local Ray), warm-starts the tiny model
+by supervised fine-tuning on gold calculator traces, submits an RL job over the REST API with a linear
+process-reward decay, follows it, patches the schedule once mid-run, and writes a report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from api.report import render_html, render_plots
+from rl_service.embedded import RedisServer, free_port, start_private_redis
+from rl_service.settings import TaperSettings
+
+
+@dataclass
+class DemoConfig:
+    """What the demo runs. Defaults fit a 2-core CPU in well under 10 minutes."""
+
+    out_dir: Path = Path("taper_data/demo")
+    sft_steps: int = 60
+    sft_examples: int = 400
+    rl_steps: int = 60
+    prompts_per_step: int = 8
+    num_generations: int = 8
+    eval_tasks: int = 100
+    patch_at_step: int | None = None  # default: half-way
+    seed: int = 0
+    job_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "demo-calculator",
+        "model": {"preset": "tiny", "checkpoint": str(checkpoint)},
+        "environment": {"name": "calculator"},
+        "tasks": {"seed": cfg.seed, "num_train": 5000, "num_eval": cfg.eval_tasks},
+        "algorithm": {"loss_type": "dapo", "learning_rate": 2e-3, "beta": 0.0, "scale_rewards": "group"},
+        "rollout": {
+            "num_workers": 1,
+            "prompts_per_step": cfg.prompts_per_step,
+            "num_generations": cfg.num_generations,
+            "max_turns": 3,
+            "max_tokens_per_turn": 48,
+            "max_total_tokens": 384,
+            "temperature": 1.0,
+        },
+        "reward_schedule": {"kind": "linear", "w_start": 0.5, "w_end": 0.0, "horizon": cfg.rl_steps},
+        "total_steps": cfg.rl_steps,
+        "checkpoint_every": max(cfg.rl_steps // 3, 1),
+        "seed": cfg.seed,
+    }
+    for dotted, value in cfg.job_overrides.items():
+        node = spec
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return spec
+
+
+class EmbeddedService:
+    """A private Redis and the API server as a subprocess (which starts a local Ray)."""
+
+    def __init__(self, data_dir: Path, console: Console) -> None:
+        self.data_dir = data_dir.resolve()
+        self.console = console
+        self.redis: RedisServer | None = None
+        self.api: subprocess.Popen | None = None
+        self.url = ""
+
+    def __enter__(self) -> EmbeddedService:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = start_private_redis(self.data_dir / "redis", persist=True)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, TAPER_REDIS_URL=self.redis.url, TAPER_DATA_DIR=str(self.data_dir))
+        log = open(self.data_dir / "api.log", "w")  # noqa: SIM115 - lives as long as the server
+        self.api = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.api.poll() is not None:
+                raise RuntimeError(f"the API server exited; see {self.data_dir / 'api.log'}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the API server did not come up; see {self.data_dir / 'api.log'}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.api is not None and self.api.poll() is None:
+            self.api.terminate()
+            try:
+                self.api.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.api.kill()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def create_key(self) -> str:
+        from rl_service.store import Store
+
+        assert self.redis is not None
+        return Store(self.redis.url).create_api_key("demo", name="demo")
+
+
+def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int,
+               console: Console | None = None) -> tuple[Path, list[float]]:
+    """SFT the tiny model on an environment's gold conversations; save it as a checkpoint directory."""
+    import torch
+
+    from model.config import TaperConfig
+    from model.modeling import TaperForCausalLM
+    from model.tokenizer import load_tokenizer
+    from rl_service.sft import warm_start as sft
+    from rollout_workers.environments.registry import generate_tasks, make_env_factory
+
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer()
+    model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tokenizer)))
+    # SFT tasks come from another seed than the job's tasks, so held-out evaluation stays held out.
+    env = make_env_factory(env_name)()
+    conversations = [env.demonstration(t) for t in generate_tasks(env_name, examples, seed=seed + 10_000)]
+    with (console or Console(quiet=True)).status(f"warm-start: SFT on {len(conversations)} gold {env_name} traces"):
+        losses = sft(model, tokenizer, conversations, steps=steps, lr=3e-3, batch_size=16, seed=seed,
+                     tools=env.tools())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out, losses
+
+
+def fetch_metrics(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    rows = client.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 100000}).raise_for_status().json()["items"]
+    return [{**r["metrics"], "step": r["step"]} for r in rows]
+
+
+def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig, console: Console) -> list[dict[str, Any]]:
+    """Show a progress bar until the job ends; patch the schedule once half-way."""
+    patch_at = cfg.patch_at_step if cfg.patch_at_step is not None else cfg.rl_steps // 2
+    patched = False
+    metrics: list[dict[str, Any]] = []
+    columns = [TextColumn("[bold]RL"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("rl", total=cfg.rl_steps, info="starting")
+        while True:
+            job = client.get(f"/v1/jobs/{job_id}").raise_for_status().json()
+            metrics = fetch_metrics(client, job_id)
+            train = [m for m in metrics if "success_rate" in m]
+            if train:
+                last = train[-1]
+                progress.update(bar, completed=int(last["step"]), info=(
+                    f"success {last.get('success_rate', 0):.0%}  w={last.get('schedule/weight', 0):.2f} "
+                    f"(v{int(last.get('schedule/version', 1))})  {last.get('rollout/tokens_per_s', 0):.0f} tok/s"))
+                if not patched and int(last["step"]) >= patch_at:
+                    body = {"kind": "linear", "w_start": float(last.get("schedule/weight", 0.25)), "w_end": 0.0,
+                            "horizon": max(cfg.rl_steps // 4, 1)}
+                    client.patch(f"/v1/jobs/{job_id}/reward-schedule", json=body).raise_for_status()
+                    progress.console.print(f"patched the reward schedule at step {last['step']}: "
+                                           f"faster decay to 0 over {body['horizon']} steps")
+                    patched = True
+            if job["state"] in ("succeeded", "failed", "cancelled"):
+                if job["state"] != "succeeded":
+                    raise RuntimeError(f"job {job_id} ended {job['state']}: {job.get('error')}")
+                return metrics
+            time.sleep(1.0)
+
+
+def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console()
+    started = time.monotonic()
+    out = cfg.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    settings = TaperSettings(data_dir=out / "service")
+    with EmbeddedService(settings.data_dir, console) as service:
+        console.print(f"API on {service.url} (OpenAPI at {service.url}/docs), private Redis, local Ray")
+        key = service.create_key()
+        ckpt, losses = warm_start("calculator", out / "warmstart", steps=cfg.sft_steps, examples=cfg.sft_examples,
+                                  seed=cfg.seed, console=console)
+        console.print(f"warm-start done: SFT loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps")
+        client = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        job = client.post("/v1/jobs", json=demo_job_spec(cfg, ckpt)).raise_for_status().json()
+        job_id = job["id"]
+        console.print(f"submitted RL job {job_id}")
+        metrics = follow_job(client, job_id, cfg, console)
+        events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).raise_for_status().json()["items"]
+        trajs_raw = client.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 6}).raise_for_status().json()["items"]
+    from rollout_workers.trajectory import Trajectory
+
+    evals = [m for m in metrics if "eval/success_rate" in m]
+    before, after = evals[0], evals[-1]
+    changes = [(int(e["data"].get("step", 0)), f"v{e['data'].get('version')}")
+               for e in events if e["kind"] == "schedule_applied"]
+    report_dir = out / "report"
+    plots = render_plots(metrics, report_dir, schedule_changes=changes)
+    summary = {
+        "held-out success before RL": f"{before['eval/success_rate']:.1%}",
+        "held-out success after RL": f"{after['eval/success_rate']:.1%}",
+        "gain (points)": f"{100 * (after['eval/success_rate'] - before['eval/success_rate']):.1f}",
+        "outcome reward before / after": f"{before.get('eval/outcome_mean', 0):.3f} / {after.get('eval/outcome_mean', 0):.3f}",
+        "RL steps": cfg.rl_steps,
+        "wall time (s)": f"{time.monotonic() - started:.0f}",
+    }
+    page = render_html(report_dir, f"Taper demo: job {job_id}", summary, plots,
+                       [Trajectory.model_validate(t) for t in trajs_raw])
+    (report_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    for k, v in summary.items():
+        console.print(f"  {k}: [bold]{v}[/bold]")
+    console.print(f"report: {page}")
+    return {"job_id": job_id, "summary": summary, "metrics": metrics, "events": events, "report": page,
+            "before": before["eval/success_rate"], "after": after["eval/success_rate"]}
+
+
+def register(app: typer.Typer) -> None:
+    """Add `taper demo` to the CLI."""
+
+    @app.command()
+    def demo(
+        steps: int = typer.Option(DemoConfig.rl_steps, help="RL steps."),
+        out: Path = typer.Option(DemoConfig.out_dir, help="Where the report and service data go."),
+        seed: int = typer.Option(0, help="Seed for tasks, model init and sampling."),
+    ) -> None:
+        """Run the main job end to end on this machine and write a report."""
+        console = Console()
+        try:
+            result = run_demo(DemoConfig(out_dir=out, rl_steps=steps, seed=seed), console)
+        except (RuntimeError, httpx.HTTPStatusError) as e:
+            console.print(f"[red]demo failed:[/red] {e}")
+            raise typer.Exit(1) from None
+        gain = 100 * (result["after"] - result["before"])
+        console.print(f"[bold green]held-out success {result['before']:.1%} -> {result['after']:.1%} "
+                      f"({gain:+.1f} points)[/bold green]")

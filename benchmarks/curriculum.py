@@ -1,0 +1,154 @@
+"""The curriculum benchmark: the same RL budget four ways, on `calculator` and `long_horizon`.
+
+Variants (DESIGN.md section 6):
+  outcome_only     w(t) = 0: plain outcome GRPO
+  dense            process rewards at full weight throughout (decoupled credit assignment)
+  dense_to_sparse  w(t) decays linearly 1 -> 0 over the run (decoupled credit assignment)
+  summed           the naive baseline: w(t) 1 -> 0 summed into the reward before group normalisation
+
+Each run warm-starts the tiny model by SFT on the environment's gold traces, then trains with the real job
+runner (rollouts in vLLM, rewards, learner) offline. Reports the final held-out success rate and the first
+step whose training success reaches the threshold; prints a table, writes JSON and a plot.
+
+    python benchmarks/curriculum.py --seeds 3 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "outcome_only": {"reward_schedule": {"kind": "constant", "w_start": 0.0, "w_end": 0.0},
+                     "algorithm": {"credit_assignment": "decoupled"}},
+    "dense": {"reward_schedule": {"kind": "constant", "w_start": 1.0, "w_end": 1.0},
+              "algorithm": {"credit_assignment": "decoupled"}},
+    "dense_to_sparse": {"reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0},
+                        "algorithm": {"credit_assignment": "decoupled"}},
+    "summed": {"reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0},
+               "algorithm": {"credit_assignment": "summed"}},
+}
+
+ENV_ROLLOUT = {
+    "calculator": {"max_turns": 3, "max_tokens_per_turn": 48, "max_total_tokens": 384},
+    "long_horizon": {"max_turns": 8, "max_tokens_per_turn": 40, "max_total_tokens": 1024},
+}
+
+
+def job_spec(env: str, variant: str, seed: int, steps: int, checkpoint: Path) -> dict[str, Any]:
+    v = VARIANTS[variant]
+    schedule = dict(v["reward_schedule"], horizon=steps)
+    return {
+        "name": f"curriculum-{env}-{variant}-{seed}",
+        "model": {"preset": "tiny", "checkpoint": str(checkpoint)},
+        "environment": {"name": env},
+        "tasks": {"seed": seed, "num_train": 5000, "num_eval": 100},
+        "algorithm": {"loss_type": "dapo", "learning_rate": 2e-3, **v["algorithm"]},
+        "rollout": {"prompts_per_step": 8, "num_generations": 8, **ENV_ROLLOUT[env]},
+        "reward_schedule": schedule,
+        "total_steps": steps,
+        "checkpoint_every": steps,
+        "seed": seed,
+    }
+
+
+def run_one(env: str, variant: str, seed: int, steps: int, work: Path, checkpoint: Path) -> dict[str, Any]:
+    from rl_service.job import InMemoryHooks, JobRunner
+    from rl_service.spec import JobSpec
+
+    spec = JobSpec.model_validate(job_spec(env, variant, seed, steps, checkpoint))
+    hooks = InMemoryHooks(spec.reward_schedule)
+    started = time.monotonic()
+    state = JobRunner(f"{env}-{variant}-{seed}", spec, hooks, work / f"{env}-{variant}-{seed}").run()
+    metrics = hooks.metrics
+    evals = [m for m in metrics if "eval/success_rate" in m]
+    train = [m for m in metrics if "success_rate" in m]
+    return {
+        "env": env, "variant": variant, "seed": seed, "state": state,
+        "eval_before": evals[0]["eval/success_rate"] if evals else None,
+        "eval_after": evals[-1]["eval/success_rate"] if evals else None,
+        "train_success": [m["success_rate"] for m in train],
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def steps_to(curve: list[float], threshold: float, window: int = 5) -> int | None:
+    """First step whose moving average over `window` steps reaches the threshold."""
+    for i in range(len(curve)):
+        chunk = curve[max(0, i - window + 1): i + 1]
+        if sum(chunk) / len(chunk) >= threshold:
+            return i
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--envs", nargs="+", default=list(ENV_ROLLOUT))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--sft-steps", type=int, default=60)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--work", type=Path, default=Path("taper_data/curriculum"))
+    args = ap.parse_args()
+
+    from api.demo import warm_start
+    from rl_service.embedded import ensure_ray
+
+    ensure_ray()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for env in args.envs:
+        for seed in range(args.seeds):
+            ckpt, _ = warm_start(env, args.work / f"warm-{env}-{seed}", steps=args.sft_steps, examples=400, seed=seed)
+            for variant in args.variants:
+                r = run_one(env, variant, seed, args.steps, args.work, ckpt)
+                r["steps_to_threshold"] = steps_to(r["train_success"], args.threshold)
+                print(f"{env:13s} {variant:16s} seed {seed}: held-out {r['eval_before']} -> {r['eval_after']} "
+                      f"({r['wall_s']:.0f} s)", flush=True)
+                results.append(r)
+                (args.out / "curriculum.json").write_text(json.dumps(results, indent=1))
+
+    print(f"\n{'env':13s} {'variant':16s} {'final held-out success':>24s} {'steps to ' + str(args.threshold):>14s}")
+    for env in args.envs:
+        for variant in args.variants:
+            rs = [r for r in results if r["env"] == env and r["variant"] == variant]
+            finals = [r["eval_after"] for r in rs if r["eval_after"] is not None]
+            reached = [r["steps_to_threshold"] for r in rs if r["steps_to_threshold"] is not None]
+            final = f"{statistics.mean(finals):.1%} ± {statistics.pstdev(finals):.1%}" if finals else "-"
+            to = f"{statistics.mean(reached):.0f} ({len(reached)}/{len(rs)})" if reached else f"never (0/{len(rs)})"
+            print(f"{env:13s} {variant:16s} {final:>24s} {to:>14s}")
+    _plot(results, args.out / "curriculum.png")
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    envs = sorted({r["env"] for r in results})
+    fig, axes = plt.subplots(1, len(envs), figsize=(6 * len(envs), 3.6), squeeze=False)
+    for ax, env in zip(axes[0], envs, strict=True):
+        for variant in VARIANTS:
+            curves = [r["train_success"] for r in results if r["env"] == env and r["variant"] == variant]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            mean = [statistics.mean(c[i] for c in curves) for i in range(n)]
+            ax.plot(range(n), mean, label=variant)
+        ax.set_title(env)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training success rate")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
