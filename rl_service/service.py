@@ -6,7 +6,6 @@ state-machine checks and the store's atomic writes all happen here or below.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -419,7 +418,7 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     DESIGN.md section 8). Writes a first API key for tenant ``default`` to ``data_dir/api-key`` when the store
     has none, so a fresh single-machine install can be used at once."""
     from rl_service.embedded import ensure_ray, start_private_redis
-    from rl_service.scheduler import DEFAULT_RUNNER, Scheduler
+    from rl_service.scheduler import Scheduler
 
     data_dir = Path(settings.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -441,10 +440,7 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
         scheduler = None
         if run_scheduler:
             ensure_ray(settings.ray_address, num_cpus=settings.local_cpus)
-            # TODO(lead): make `job_runner` a TaperSettings field (TAPER_JOB_RUNNER); read from the env until then.
-            chosen = (runner or getattr(settings, "job_runner", None) or os.environ.get("TAPER_JOB_RUNNER")
-                      or DEFAULT_RUNNER)
-            scheduler = Scheduler(store, runner=chosen)
+            scheduler = Scheduler(store, runner=runner or settings.job_runner)
             scheduler.start()
     except BaseException:
         if redis_server is not None:  # do not leave a private redis-server behind a failed start

@@ -29,6 +29,9 @@ class TaperSettings(BaseSettings):
     submit_rate_per_minute: int = Field(60, ge=1, description="Job submissions per tenant per minute.")
     local_cpus: int | None = Field(None, ge=1, description="CPUs a locally started Ray may use (default: all).")
     redis_server_bin: str = Field("redis-server", description="The binary the private Redis is started from.")
+    job_runner: str = Field(
+        "rl_service.job:JobRunner", pattern=r"^[\w.]+:\w+$", description="Import path of the job runner class."
+    )
 
     @field_validator("redis_url")
     @classmethod
