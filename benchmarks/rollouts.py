@@ -132,7 +132,18 @@ def run_loop(engine: Any, env_factory: Any, tasks: list[dict[str, Any]], samplin
 
 
 def standalone(engine: Any, prompts: list[list[int]], tokens_per_seq: int) -> float:
-    """Tokens/s of one plain batched generate call: same prompts, same token count per sequence."""
+    """Tokens/s of one plain batched generate call: same prompts, same token count per sequence.
+
+    Called from a worker thread, as the agent loop calls the engine: on vLLM's CPU backend the thread
+    that built the engine has its OpenMP threads pinned, and on a shared machine that thread measured
+    ~7x slower than an unpinned one, which would flatter the loop."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_standalone, engine, prompts, tokens_per_seq).result()
+
+
+def _standalone(engine: Any, prompts: list[list[int]], tokens_per_seq: int) -> float:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -250,7 +261,8 @@ def main() -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "load_average_1m_at_end": os.getloadavg()[0]},
         "model": "tiny Llama (hidden 128, 2 layers), SFT on calculator demonstrations" if args.model_dir is None else args.model_dir,
         "tool_latency_ms": args.tool_latency_ms,
         "sampling": sampling.model_dump(),

@@ -7,8 +7,8 @@ running engine in place (`load_weights`), never by restarting it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -84,8 +84,8 @@ def _on_cpu() -> bool:
 
 
 class VLLMEngine:
-    """`vllm.LLM` behind the Engine interface; generate/load_weights are serialised by one lock, so a
-    weight push lands between turns and every turn has exactly one weight version."""
+    """`vllm.LLM` behind the Engine interface; generate/load_weights are serialised on one engine
+    thread, so a weight push lands between turns and every turn has exactly one weight version."""
 
     def __init__(self, config: EngineConfig, weight_version: int = 0) -> None:
         from transformers import AutoTokenizer
@@ -114,7 +114,10 @@ class VLLMEngine:
         kwargs.update(config.engine_kwargs)
         self.llm = LLM(**kwargs)
         self.weight_version = weight_version
-        self._lock = threading.Lock()
+        # Every engine call runs on this one thread: it serialises generate and load_weights (a push
+        # lands between turns), and on vLLM's CPU backend the thread that built the engine has its
+        # OpenMP threads pinned, which measured several times slower on a shared machine.
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-vllm")
 
     def generate(self, requests: list[TurnRequest], sampling: SamplingConfig, stop_token_ids: list[int]) -> list[TurnOutput]:
         from vllm import SamplingParams
@@ -138,9 +141,11 @@ class VLLMEngine:
             for r in requests
         ]
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
-        with self._lock:
-            version = self.weight_version
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+
+        def run() -> tuple[int, list[Any]]:
+            return self.weight_version, self.llm.generate(prompts, params, use_tqdm=False)
+
+        version, outs = self._thread.submit(run).result()
         results = []
         for out in outs:
             c = out.outputs[0]
@@ -151,9 +156,11 @@ class VLLMEngine:
         return results
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        with self._lock:
+        def run() -> None:
             load_weights_into_llm(self.llm, state_dict)
             self.weight_version = version
+
+        self._thread.submit(run).result()
 
 
 def load_weights_into_llm(llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
