@@ -1,5 +1,5 @@
 """A real multi-node Ray cluster on one machine: a head (1 CPU, `learner`) and a rollout node (2 CPUs,
-`rollout: 2`) as separate `ray start` processes. A tiny RL job's rollout workers must land on the rollout
+`rollout`) as separate `ray start` processes. A tiny RL job's rollout workers must land on the rollout
 node; that node is killed mid-job and a replacement joins; the job must finish with every group of every
 step, its workers rescheduled onto the replacement.
 
@@ -170,7 +170,7 @@ def test_rollout_node_lost_mid_job_is_replaced_and_no_group_is_lost(cluster_dir:
         rollout_args = [f"--address={address}", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0",
                         f'--resources={{"rollout": {NUM_WORKERS}}}']
         nodes.append(RayNode(rollout_args, cluster_dir, "rollout-a"))
-        first = wait_for(lambda: progress_lines(progress), 300, "the first training step", job, cluster_dir / "job.log")[0]
+        first = wait_for(lambda: progress_lines(progress), 480, "the first training step", job, cluster_dir / "job.log")[0]
         node_a = first["worker_nodes"][0]
         assert node_a and first["worker_nodes"] == [node_a] * NUM_WORKERS, first
 
