@@ -28,15 +28,15 @@ from rl_service.settings import TaperSettings
 
 @dataclass
 class DemoConfig:
-    """What the demo runs. Defaults fit a 2-core CPU in well under 10 minutes."""
+    """What the demo runs, sized for a 2-core CPU."""
 
     out_dir: Path = Path("taper_data/demo")
     sft_steps: int = 60
     sft_examples: int = 400
-    rl_steps: int = 60
-    prompts_per_step: int = 8
+    rl_steps: int = 30
+    prompts_per_step: int = 4
     num_generations: int = 8
-    eval_tasks: int = 100
+    eval_tasks: int = 50
     patch_at_step: int | None = None  # default: half-way
     seed: int = 0
     job_overrides: dict[str, Any] = field(default_factory=dict)
@@ -152,10 +152,12 @@ def fetch_metrics(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
     return [{**r["metrics"], "step": r["step"]} for r in rows]
 
 
-def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig, console: Console) -> list[dict[str, Any]]:
-    """Show a progress bar until the job ends; patch the schedule once half-way."""
+def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig,
+               console: Console) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Show a progress bar until the job ends; patch the schedule once half-way.
+    Returns the metrics and the patch that was sent (with the step it was sent after)."""
     patch_at = cfg.patch_at_step if cfg.patch_at_step is not None else cfg.rl_steps // 2
-    patched = False
+    patched: dict[str, Any] | None = None
     metrics: list[dict[str, Any]] = []
     columns = [TextColumn("[bold]RL"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
@@ -170,18 +172,18 @@ def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig, console: Cons
                 progress.update(bar, completed=int(last["step"]), info=(
                     f"success {last.get('success_rate', 0):.0%}  w={last.get('schedule/weight', 0):.2f} "
                     f"(v{int(last.get('schedule/version', 1))})  {last.get('rollout/tokens_per_s', 0):.0f} tok/s"))
-                if not patched and int(last["step"]) >= patch_at:
+                if patched is None and int(last["step"]) >= patch_at:
                     body = {"kind": "linear", "w_start": float(last.get("schedule/weight", 0.25)), "w_end": 0.0,
                             "horizon": max(cfg.rl_steps // 4, 1)}
                     client.patch(f"/v1/jobs/{job_id}/reward-schedule", json=body).raise_for_status()
                     progress.console.print(f"patched the reward schedule at step {last['step']}: "
                                            f"faster decay to 0 over {body['horizon']} steps")
-                    patched = True
+                    patched = {"after_step": int(last["step"]), "schedule": body}
             if job["state"] in ("succeeded", "failed", "cancelled"):
                 if job["state"] != "succeeded":
                     raise RuntimeError(f"job {job_id} ended {job['state']}: {job.get('error')}")
-                return metrics
-            time.sleep(1.0)
+                return metrics, patched
+            time.sleep(0.5)
 
 
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
@@ -200,7 +202,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
         job = client.post("/v1/jobs", json=demo_job_spec(cfg, ckpt)).raise_for_status().json()
         job_id = job["id"]
         console.print(f"submitted RL job {job_id}")
-        metrics = follow_job(client, job_id, cfg, console)
+        metrics, patch = follow_job(client, job_id, cfg, console)
         events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).raise_for_status().json()["items"]
         trajs_raw = client.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 6}).raise_for_status().json()["items"]
     from rollout_workers.trajectory import Trajectory
@@ -226,6 +228,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
         console.print(f"  {k}: [bold]{v}[/bold]")
     console.print(f"report: {page}")
     return {"job_id": job_id, "summary": summary, "metrics": metrics, "events": events, "report": page,
+            "report_dir": report_dir, "patch": patch,
             "before": before["eval/success_rate"], "after": after["eval/success_rate"]}
 
 
