@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
+from api import demo
 from rl_service.settings import TaperSettings, get_settings
 
 app = typer.Typer(help="Taper: agentic RL post-training service.", no_args_is_help=True)
@@ -331,14 +332,7 @@ def keys_create(
     print(key)
 
 
-# `taper demo` (api/demo.py, written by the lead) registers itself here.
-try:  # pragma: no cover - the demo module is optional until it lands
-    from api import demo as _demo
-
-    if hasattr(_demo, "register"):
-        _demo.register(app)
-except ImportError:
-    pass
+demo.register(app)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from api.report import render_html, render_plots
 from rl_service.embedded import RedisServer, free_port, start_private_redis
 from rl_service.settings import TaperSettings
 
@@ -187,6 +186,8 @@ def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig,
 
 
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
+    from api.report import render_html, render_plots
+
     console = console or Console()
     started = time.monotonic()
     out = cfg.out_dir.resolve()
