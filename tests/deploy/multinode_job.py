@@ -65,6 +65,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--result", required=True)
     p.add_argument("--total-steps", type=int, default=3)
     p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--hold-after-step", type=int, default=0,
+                   help="after this step, wait for the file `--progress` + '.resume' before going on")
     args = p.parse_args(argv)
 
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PASSTHROUGH)}
@@ -85,6 +87,11 @@ def main(argv: list[str]) -> int:
         with progress.open("a") as f:
             f.write(json.dumps({"step": step, "worker_nodes": nodes,
                                 "worker_restarts": getattr(pool, "restarts", None)}) + "\n")
+        if step == args.hold_after_step:  # lets the test kill a node before the next step's rollouts start
+            resume = progress.with_suffix(".resume")
+            deadline = time.monotonic() + 600
+            while not resume.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
 
     hooks = LoggingHooks(on_metrics=on_metrics)
     runner = JobRunner("multinode", spec, hooks, args.work_dir, pool_factory=pool_factory, device="cpu")
