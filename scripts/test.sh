@@ -13,4 +13,13 @@ for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; slee
 export TAPER_TEST_REDIS_URL="redis://127.0.0.1:$port/0"
 
 .venv/bin/ruff check .
-.venv/bin/python -m pytest "$@"
+# One pytest process per group: in-process vLLM engines and Ray clients of one group cannot leak into
+# the next. Every group runs; the script fails if any group failed.
+status=0
+for group in "tests/kernels tests/reward_models tests/deploy" "tests/model" "tests/rollout_workers" \
+             "tests/rl_service tests/api" "tests/ui tests/test_demo.py tests/test_foundation.py"; do
+  echo "==> pytest $group"
+  # shellcheck disable=SC2086
+  .venv/bin/python -m pytest $group "$@" || status=1
+done
+exit $status

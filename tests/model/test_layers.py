@@ -31,7 +31,9 @@ def test_situ_glu_is_bounded_for_huge_inputs():
 
 
 def test_situ_glu_is_swiglu_for_small_inputs():
-    a, u = torch.randn(1000) * 0.1, torch.randn(1000) * 0.1
+    # |a| stays well inside the region where beta*tanh(a/beta) ~ a to rtol (error ~ (a/beta)^2 / 3)
+    gen = torch.Generator().manual_seed(0)
+    a, u = torch.randn(1000, generator=gen) * 0.05, torch.randn(1000, generator=gen) * 0.05
     torch.testing.assert_close(situ_glu(a, u, 4.0, 25.0), F.silu(a) * u, rtol=2e-3, atol=1e-5)
 
 
