@@ -10,7 +10,7 @@ Each run warm-starts the tiny model by SFT on the environment's gold traces, the
 runner (rollouts in vLLM, rewards, learner) offline. Reports the final held-out success rate and the first
 step whose training success reaches the threshold; prints a table, writes JSON and a plot.
 
-    python benchmarks/curriculum.py --seeds 3 --steps 60
+    python -m benchmarks.curriculum --seeds 3 --steps 60   (from the repository root)
 """
 
 from __future__ import annotations
