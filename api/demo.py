@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +38,10 @@ class DemoConfig:
     eval_tasks: int = 50
     patch_at_step: int | None = None  # default: half-way
     seed: int = 0
-    job_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
-    spec: dict[str, Any] = {
+    return {
         "name": "demo-calculator",
         "model": {"preset": "tiny", "checkpoint": str(checkpoint)},
         "environment": {"name": "calculator"},
@@ -62,13 +61,6 @@ def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
         "checkpoint_every": max(cfg.rl_steps // 3, 1),
         "seed": cfg.seed,
     }
-    for dotted, value in cfg.job_overrides.items():
-        node = spec
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return spec
 
 
 class EmbeddedService:
