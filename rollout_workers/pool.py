@@ -13,6 +13,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -29,6 +30,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _DEAD = (RayActorError, ActorUnavailableError)
+
+
+_Chunk = tuple[int, list[list[EpisodeSpec]], int]  # (first group index, groups, attempts so far)
+
+
+@dataclass
+class _Batch:
+    """One `generate` call in progress: chunks still queued, chunks on workers, groups done."""
+
+    chunks: deque[_Chunk]
+    results: list[list[Trajectory] | None]
+    call_args: tuple[SamplingConfig, int | None, str | None]
+    in_flight: dict[ray.ObjectRef, tuple[int, Any, _Chunk]] = field(default_factory=dict)
 
 
 class RolloutPool:
@@ -93,42 +107,7 @@ class RolloutPool:
         job_id: str | None = None,
     ) -> list[list[Trajectory]]:
         """One group of n trajectories per task, in task order."""
-        if n < 1:
-            raise ValueError("n: must be >= 1")
-        groups = make_group_specs(tasks, n)
-        if not groups:
-            return []
-        size = self.groups_per_call or math.ceil(len(groups) / len(self._workers))
-        chunks: deque[tuple[int, list[list[EpisodeSpec]], int]] = deque(
-            (start, groups[start : start + size], 0) for start in range(0, len(groups), size)
-        )
-        results: list[list[Trajectory] | None] = [None] * len(groups)
-        in_flight: dict[ray.ObjectRef, tuple[int, Any, tuple[int, list[list[EpisodeSpec]], int]]] = {}
-        while chunks or in_flight:
-            busy_slots = {slot for slot, _, _ in in_flight.values()}
-            for slot in range(len(self._workers)):
-                if chunks and slot not in busy_slots:
-                    chunk = chunks.popleft()
-                    worker = self._workers[slot]
-                    ref = worker.generate.remote(chunk[1], sampling, train_step, job_id)
-                    in_flight[ref] = (slot, worker, chunk)
-            done, _ = ray.wait(list(in_flight), num_returns=1)
-            for ref in done:
-                slot, worker, chunk = in_flight.pop(ref)
-                try:
-                    out = ray.get(ref)
-                except _DEAD as e:
-                    start, chunk_groups, attempts = chunk
-                    if attempts >= self.max_retries:
-                        raise RuntimeError(f"rollout chunk failed on {attempts + 1} workers: {e}") from e
-                    self._replace(slot, worker)
-                    chunks.appendleft((start, chunk_groups, attempts + 1))
-                    continue
-                start = chunk[0]
-                for i, group in enumerate(out):
-                    results[start + i] = group
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
+        return self._collect(self._dispatch(tasks, n, sampling, train_step, job_id))
 
     def submit(
         self,
@@ -138,8 +117,61 @@ class RolloutPool:
         train_step: int | None = None,
         job_id: str | None = None,
     ) -> concurrent.futures.Future[list[list[Trajectory]]]:
-        """`generate` in the background (async mode); `.result()` waits for it."""
-        return self._executor.submit(self.generate, tasks, n, sampling, train_step, job_id)
+        """`generate` in the background (async mode); `.result()` waits for it.
+
+        The first chunks reach the workers before this returns, so they are queued ahead of any weight
+        push the caller makes next: async rollouts really start on the weights in force at submission.
+        """
+        return self._executor.submit(self._collect, self._dispatch(tasks, n, sampling, train_step, job_id))
+
+    def _dispatch(
+        self,
+        tasks: list[dict[str, Any]],
+        n: int,
+        sampling: SamplingConfig,
+        train_step: int | None,
+        job_id: str | None,
+    ) -> _Batch:
+        if n < 1:
+            raise ValueError("n: must be >= 1")
+        groups = make_group_specs(tasks, n)
+        size = self.groups_per_call or max(1, math.ceil(len(groups) / len(self._workers)))
+        batch = _Batch(
+            chunks=deque((start, groups[start : start + size], 0) for start in range(0, len(groups), size)),
+            results=[None] * len(groups),
+            call_args=(sampling, train_step, job_id),
+        )
+        self._fill_idle_workers(batch)
+        return batch
+
+    def _fill_idle_workers(self, batch: _Batch) -> None:
+        busy_slots = {slot for slot, _, _ in batch.in_flight.values()}
+        for slot in range(len(self._workers)):
+            if batch.chunks and slot not in busy_slots:
+                chunk = batch.chunks.popleft()
+                worker = self._workers[slot]
+                ref = worker.generate.remote(chunk[1], *batch.call_args)
+                batch.in_flight[ref] = (slot, worker, chunk)
+
+    def _collect(self, batch: _Batch) -> list[list[Trajectory]]:
+        while batch.in_flight:
+            done, _ = ray.wait(list(batch.in_flight), num_returns=1)
+            for ref in done:
+                slot, worker, chunk = batch.in_flight.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except _DEAD as e:
+                    start, chunk_groups, attempts = chunk
+                    if attempts >= self.max_retries:
+                        raise RuntimeError(f"rollout chunk failed on {attempts + 1} workers: {e}") from e
+                    self._replace(slot, worker)
+                    batch.chunks.appendleft((start, chunk_groups, attempts + 1))
+                    continue
+                for i, group in enumerate(out):
+                    batch.results[chunk[0] + i] = group
+            self._fill_idle_workers(batch)
+        assert all(r is not None for r in batch.results)
+        return batch.results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ weights and stats
     def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
