@@ -516,37 +516,10 @@ class JobRunner:
         self.hooks.emit_event("eval", {"step": step, **result})
 
 
-def _skip_cpu_generator_rewind() -> None:
-    """vLLM rewinds a seeded request's generator after a partial prefill (the hybrid model's state cache
-    prefills in block-aligned chunks), which CPU generators cannot do: "CPU Generator does not use
-    offset". Without the rewind the discarded sample still consumes its draws, identically in every run,
-    so seeded rollouts stay reproducible (which is all exact resume needs)."""
-    import numpy as _np
-    from vllm.v1.worker import gpu_model_runner as gmr
-
-    original = gmr.GPUModelRunner._bookkeeping_sync
-    if getattr(original, "_taper_cpu_rewind_patch", False):
-        return
-
-    def patched(self, *args, **kwargs):
-        gens = self.input_batch.generators
-        idx = _np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
-        held = {int(i): gens.pop(int(i)) for i in idx if int(i) in gens and gens[int(i)].device.type == "cpu"}
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            gens.update(held)
-
-    patched._taper_cpu_rewind_patch = True  # type: ignore[attr-defined]
-    gmr.GPUModelRunner._bookkeeping_sync = patched
-
-
 def seeded_vllm_engine(config: Any) -> Any:
     """EngineFactory for the rollout workers (runs inside the worker process)."""
     from rollout_workers.engine import VLLMEngine
 
-    if not torch.cuda.is_available():
-        _skip_cpu_generator_rewind()
     return VLLMEngine(config)
 
 

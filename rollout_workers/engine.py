@@ -112,6 +112,8 @@ class VLLMEngine:
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs.update(config.engine_kwargs)
+        if _on_cpu():
+            skip_cpu_generator_rewind()
         self.llm = LLM(**kwargs)
         self.weight_version = weight_version
         # Every engine call runs on this one thread: it serialises generate and load_weights (a push
@@ -182,6 +184,31 @@ def load_weights_into_llm(llm: Any, state_dict: Mapping[str, torch.Tensor]) -> N
             "reload_weights", kwargs={"weights_iterator": list(state_dict.items()), "is_checkpoint_format": True}
         )
     llm.reset_prefix_cache()
+
+
+def skip_cpu_generator_rewind() -> None:
+    """vLLM rewinds a seeded request's generator after a partial prefill (the hybrid model's state cache
+    prefills in block-aligned chunks), which CPU generators cannot do: "CPU Generator does not use
+    offset". Without the rewind the discarded sample still consumes its draws, identically in every run,
+    so seeded rollouts stay reproducible (which is all exact resume needs). Idempotent."""
+    import numpy as np
+    from vllm.v1.worker import gpu_model_runner as gmr
+
+    original = gmr.GPUModelRunner._bookkeeping_sync
+    if getattr(original, "_taper_cpu_rewind_patch", False):
+        return
+
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gens = self.input_batch.generators
+        idx = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
+        held = {int(i): gens.pop(int(i)) for i in idx if int(i) in gens and gens[int(i)].device.type == "cpu"}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            gens.update(held)
+
+    patched._taper_cpu_rewind_patch = True  # type: ignore[attr-defined]
+    gmr.GPUModelRunner._bookkeeping_sync = patched
 
 
 def _serves_plugin_model(llm: Any) -> bool:
