@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -161,9 +161,35 @@ class RankLearner:
     def save_pretrained(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         self.inner.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
 
+    def learner_state(self) -> dict[str, Any]:
+        """Optimizer + LR scheduler state with the optimizer's whole (unsharded) tensors keyed by parameter
+        name (a collective: call on every rank; rank 0's is complete, the others' optimizer part is empty)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optim = get_optimizer_state_dict(self.inner, self.learner.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"optimizer_by_name": optim, "scheduler": self.learner.scheduler.state_dict(),
+                "optimizer_steps": self.learner.optimizer_steps, "world_size": self.world_size}
+
+    def load_learner_state(self, state: dict[str, Any]) -> None:
+        """Restore what `learner_state` returned (every rank gets the whole state and keeps its shard)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.inner, self.learner.optimizer, optim_state_dict=state["optimizer_by_name"],
+                                 options=StateDictOptions(full_state_dict=True))
+        self.learner.scheduler.load_state_dict(state["scheduler"])
+        self.learner.optimizer_steps = int(state["optimizer_steps"])
+
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _node_address() -> tuple[str, int]:
+    """This node's IP and a free port on it (rank 0 hosts the rendezvous, so ask on rank 0's node)."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port()
 
 
 class _SyncedBalancing:
@@ -194,31 +220,66 @@ def free_port() -> int:
 
 
 class DistributedLearner:
-    """Data-parallel learner over `num_ranks` Ray actors (same `step` contract as `Learner`)."""
+    """Data-parallel learner over `num_ranks` Ray actors (same `step` contract as `Learner`).
+
+    `placement_group` + `bundle_indices` pin rank r to bundle `bundle_indices[r]` (the scheduler reserves
+    one bundle per rank); without them the ranks go wherever Ray finds room. `progress` is called about every
+    `progress_every_s` while the ranks work, so a job's heartbeat keeps going through a long step.
+    """
 
     def __init__(self, model_dir: str, config: LearnerConfig, num_ranks: int, use_gpu: bool = False,
                  strategy: Strategy = "auto", num_cpus_per_rank: float = 1.0, ref_model_dir: str | None = None,
-                 pad_token_id: int = 0, actor_options: dict[str, Any] | None = None) -> None:
+                 pad_token_id: int = 0, actor_options: dict[str, Any] | None = None,
+                 placement_group: Any = None, bundle_indices: Sequence[int] | None = None,
+                 progress: Callable[[], None] | None = None, progress_every_s: float = 1.0) -> None:
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if placement_group is not None and (bundle_indices is None or len(bundle_indices) != num_ranks):
+            raise ValueError(f"bundle_indices: need one bundle per rank ({num_ranks}), got {bundle_indices}")
         self.num_ranks = num_ranks
-        addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        init_method = f"tcp://{addr}:{free_port()}"
+        self.progress = progress
+        self.progress_every_s = progress_every_s
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         opts: dict[str, Any] = {"num_cpus": num_cpus_per_rank, "num_gpus": 1 if use_gpu else 0,
                                 "runtime_env": {"env_vars": env}}
         opts.update(actor_options or {})
-        actor = ray.remote(RankLearner).options(**opts)
+
+        def placed(rank: int) -> dict[str, Any]:
+            if placement_group is None:
+                return {}
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group, placement_group_bundle_index=int(bundle_indices[rank]))}
+
+        if placement_group is not None:
+            addr, port = self._wait(ray.remote(_node_address).options(num_cpus=0, **placed(0)).remote())
+        else:
+            addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            port = free_port()
+        init_method = f"tcp://{addr}:{port}"
+        actor = ray.remote(RankLearner)
         self.ranks = [
-            actor.remote(
+            actor.options(**opts, **placed(r)).remote(
                 r, num_ranks, init_method, model_dir, config, strategy, "cuda:0" if use_gpu else "cpu",
                 ref_model_dir, pad_token_id)
             for r in range(num_ranks)
         ]
         self.config = config
-        ray.get([a.ping.remote() for a in self.ranks])
+        self._wait([a.ping.remote() for a in self.ranks])
+
+    def _wait(self, refs: Any) -> Any:
+        """`ray.get`, calling `progress` while it waits."""
+        import ray
+
+        many = isinstance(refs, list)
+        pending = list(refs) if many else [refs]
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.progress_every_s)
+            if self.progress is not None:
+                self.progress()
+        return ray.get(refs)
 
     def _plan(self, samples: Sequence[PolicySample]) -> tuple[list[list[PolicySample]], LossNorm, int]:
         shards = shard_samples(samples, self.num_ranks)
@@ -226,25 +287,30 @@ class DistributedLearner:
         return shards, LossNorm.of(samples), max(n_mb, 1)
 
     def step(self, samples: Sequence[PolicySample]) -> dict[str, float]:
-        import ray
 
         shards, norm, n_mb = self._plan(samples)
-        per_rank = ray.get([a.step.remote(s, norm, n_mb) for a, s in zip(self.ranks, shards, strict=True)])
+        per_rank = self._wait([a.step.remote(s, norm, n_mb) for a, s in zip(self.ranks, shards, strict=True)])
         return combine_metrics(per_rank)
 
     def gradients(self, samples: Sequence[PolicySample]) -> dict[str, torch.Tensor]:
-        import ray
 
         shards, norm, n_mb = self._plan(samples)
-        grads = ray.get([a.gradients.remote(s, norm, n_mb) for a, s in zip(self.ranks, shards, strict=True)])
+        grads = self._wait([a.gradients.remote(s, norm, n_mb) for a, s in zip(self.ranks, shards, strict=True)])
         out = grads[0]
         out["__loss__"] = sum(g["__loss__"] for g in grads)
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        import ray
+        return self._wait([a.full_state_dict.remote() for a in self.ranks])[0]
 
-        return ray.get([a.full_state_dict.remote() for a in self.ranks])[0]
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer and LR schedule of the data-parallel run (see `RankLearner.learner_state`)."""
+        return self._wait([a.learner_state.remote() for a in self.ranks])[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "optimizer_by_name" not in state:
+            raise ValueError("learner state: no 'optimizer_by_name' (not written by a data-parallel learner)")
+        self._wait([a.load_learner_state.remote(state) for a in self.ranks])
 
     def shutdown(self) -> None:
         import ray

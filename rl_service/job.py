@@ -79,6 +79,11 @@ class InMemoryHooks:
         self._schedule: tuple[int, RewardSchedule] = (1, schedule or RewardSchedule())
         self._lock = threading.Lock()
         self.on_metrics = on_metrics
+        self.heartbeats = 0
+
+    def heartbeat(self) -> None:
+        with self._lock:
+            self.heartbeats += 1
 
     def emit_event(self, kind: str, data: dict[str, Any]) -> None:
         with self._lock:
@@ -182,6 +187,29 @@ class JobRunner:
         self.trajectory_dir = self.work_dir / "trajectories"
         self.initial_dir = self.work_dir / "initial"
         self.pool: RolloutPoolLike | None = None
+        self._heartbeat: Callable[[], None] | None = getattr(hooks, "heartbeat", None)
+
+    # ------------------------------------------------------------------ progress
+    def _progress(self) -> None:
+        """Tell the control plane the job is making progress (its driver's heartbeat; hooks rate-limit it).
+        Called between phases, per learner micro-batch, and while waiting on rollouts or the learner ranks,
+        so only a runner stuck in one call (a hung tool scorer, a deadlock) stops the beat."""
+        if self._heartbeat is not None:
+            self._heartbeat()
+
+    def _await(self, future: Any, every_s: float = 1.0) -> Any:
+        """`future.result()`, beating while it waits."""
+        import concurrent.futures
+
+        while True:
+            try:
+                return future.result(timeout=every_s)
+            except concurrent.futures.TimeoutError:
+                self._progress()
+
+    def _generate(self, tasks: list[dict[str, Any]], n: int, sampling: Any, train_step: int | None) -> list[list[Trajectory]]:
+        assert self.pool is not None
+        return self._await(self.pool.submit(tasks, n, sampling, train_step=train_step, job_id=self.job_id))
 
     # ------------------------------------------------------------------ setup
     def _environment(self) -> Any:
@@ -256,7 +284,11 @@ class JobRunner:
             return "succeeded"
         self._check_control(start)
         t0 = time.perf_counter()
-        self.pool = self.pool_factory(spec, engine_dir)
+        self._progress()
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-pool-start") as starter:
+            self.pool = self._await(starter.submit(self.pool_factory, spec, engine_dir))
         self.hooks.emit_event("rollout_pool_ready", {"seconds": time.perf_counter() - t0, "weights": str(engine_dir)})
         if start == 0 and self.eval_tasks:
             self._evaluate(0)
@@ -287,26 +319,26 @@ class JobRunner:
             ref = AutoModelForCausalLM.from_pretrained(str(self.initial_dir), dtype=torch.float32).to(self.device)
         self.learner = Learner(self.model, LearnerConfig.from_spec(spec), ref_model=ref,
                                pad_token_id=self.tokenizer.pad_token_id or 0, device=self.device)
+        self.learner.progress = self._progress
 
         ckpt = latest_checkpoint(self.checkpoint_dir)
         self.dp = None
         if spec.resources.num_learners > 1:
             # Data-parallel ranks (Ray actors) train; the driver keeps a full copy for pushes and checkpoints.
-            # Their optimizer state stays sharded on the ranks: a resume restores weights, data, schedule and
-            # RNG exactly but restarts AdamW's moments.
-            from rl_service.distributed import DistributedLearner
-
-            self.dp = DistributedLearner(str(ckpt.path if ckpt else self.initial_dir), self.learner.config,
-                                         spec.resources.num_learners, use_gpu=spec.resources.learner_gpus > 0,
-                                         num_cpus_per_rank=spec.resources.learner_cpus,
-                                         ref_model_dir=str(self.initial_dir),
-                                         pad_token_id=self.tokenizer.pad_token_id or 0,
-                                         actor_options={"resources": spec.resources.learner_resources})
+            # Checkpoints hold the ranks' optimizer state gathered whole, keyed by parameter name.
+            self.dp = self._start_data_parallel(ckpt.path if ckpt else self.initial_dir)
         start = 0
         if ckpt is not None:
             state = ckpt.state
             load_weights(self.model, ckpt.path)
-            self.learner.load_state_dict(ckpt.learner_state())
+            learner_state = ckpt.learner_state()
+            if self.dp is None:
+                self.learner.load_state_dict(learner_state)
+            elif learner_state is not None and "optimizer_by_name" in learner_state:
+                self.dp.load_state_dict(learner_state)
+            else:  # written by a single learner: its optimizer state does not map onto the ranks
+                self.hooks.emit_event("warning", {"message": "the checkpoint has no data-parallel optimizer "
+                                                  "state; AdamW restarts from zero moments", "step": ckpt.step})
             start = int(state["step"])
             self.cursor = DataCursor.from_state(len(self.train_tasks), spec.tasks.seed, state["cursor"])
             self.history = ScheduleHistory.from_json(state["schedule_history"])
@@ -330,6 +362,23 @@ class JobRunner:
             self.hooks.emit_event("started", {"step": 0, "total_steps": spec.total_steps})
         return start, engine_dir
 
+    def _start_data_parallel(self, model_dir: Path) -> Any:
+        """The learner ranks, each in its own bundle of the job's placement group when the driver runs in one
+        (under the scheduler), else wherever Ray has room."""
+        import ray
+
+        from rl_service.distributed import DistributedLearner
+        from rl_service.scheduler import learner_bundle_indices
+
+        res = self.spec.resources
+        pg = ray.util.get_current_placement_group()
+        return DistributedLearner(str(model_dir), self.learner.config, res.num_learners,
+                                  use_gpu=res.learner_gpus > 0, num_cpus_per_rank=res.learner_cpus,
+                                  ref_model_dir=str(self.initial_dir), pad_token_id=self.tokenizer.pad_token_id or 0,
+                                  actor_options={"resources": res.learner_resources}, placement_group=pg,
+                                  bundle_indices=learner_bundle_indices(self.spec) if pg is not None else None,
+                                  progress=self._progress)
+
     def _loop(self, start: int) -> str:
         spec = self.spec
         assert self.pool is not None
@@ -349,7 +398,7 @@ class JobRunner:
                 if pending is None:
                     pending = self.pool.submit(self._take_tasks(), spec.rollout.num_generations, self._sampling(),
                                                train_step=t, job_id=self.job_id)
-                groups = pending.result()
+                groups = self._await(pending)
                 times["time/idle"] = time.perf_counter() - tr
                 pending = None
                 if t + 1 < spec.total_steps:
@@ -358,19 +407,21 @@ class JobRunner:
                                                train_step=t + 1, job_id=self.job_id)
                 times["time/rollout"] = times["time/idle"]
             else:
-                groups = self.pool.generate(self._take_tasks(), spec.rollout.num_generations, self._sampling(),
-                                            train_step=t, job_id=self.job_id)
+                groups = self._generate(self._take_tasks(), spec.rollout.num_generations, self._sampling(), t)
                 times["time/rollout"] = time.perf_counter() - tr
                 times["time/idle"] = 0.0
             trajs = [tj for g in groups for tj in g]
+            self._progress()
 
             metrics = self._train_step(t, trajs, times)
+            self._progress()
             # ---- weights to the engines
             ts = time.perf_counter()
             state = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
             push_s = self.pool.push_weights(state, t + 1)
             times["time/sync"] = time.perf_counter() - ts
             metrics["weight_sync_s"] = push_s
+            self._progress()
 
             done = t + 1
             tc = time.perf_counter()
@@ -385,6 +436,7 @@ class JobRunner:
             metrics.update(times)
             metrics["learner_idle_fraction"] = times["time/idle"] / max(times["time/step"], 1e-9)
             self.hooks.emit_metrics(done, metrics)
+            self._progress()
         self.hooks.emit_event("completed", {"step": spec.total_steps})
         return "succeeded"
 
@@ -417,6 +469,7 @@ class JobRunner:
         # ---- rewards with the schedule in force at this step
         tw = time.perf_counter()
         score_trajectories(trajs, make_env_factory(self.env, spec.environment.options)())
+        self._progress()
         hist_version, schedule = self.history.at(t)
         w = schedule.weight(t)
         # staleness: never train on a trajectory older than the bound
@@ -489,7 +542,8 @@ class JobRunner:
             "monitor": self.monitor.state_dict(),
             "job_id": self.job_id,
         }
-        ck = save_checkpoint(self.checkpoint_dir, step, self.model, state, learner_state=self.learner.state_dict(),
+        learner_state = self.dp.state_dict() if getattr(self, "dp", None) is not None else self.learner.state_dict()
+        ck = save_checkpoint(self.checkpoint_dir, step, self.model, state, learner_state=learner_state,
                              tokenizer=self.tokenizer, keep_last=self.spec.keep_last_checkpoints)
         self.hooks.add_checkpoint(step, ck.path.resolve().as_uri())
         self.hooks.emit_event("checkpoint", {"step": step, "path": str(ck.path)})
@@ -500,8 +554,7 @@ class JobRunner:
         from rollout_workers.environments.registry import make_env_factory
 
         t0 = time.perf_counter()
-        groups = self.pool.generate(self.eval_tasks, 1, self._sampling(greedy=True), train_step=None,
-                                    job_id=self.job_id)
+        groups = self._generate(self.eval_tasks, 1, self._sampling(greedy=True), None)
         env = make_env_factory(self.env, self.spec.environment.options)()
         outcomes = []
         for g in groups:

@@ -1,8 +1,8 @@
 """The scheduler: places queued jobs onto Ray resources and keeps their drivers alive.
 
 Each job runs in a detached Ray placement group (its resources: one learner bundle per learner rank and
-one rollout bundle per rollout worker) with a detached driver actor in bundle 0 that runs the JobRunner and
-reports over Redis. Detached means neither outlives nor dies with the API process: an API restart leaves
+one rollout bundle per rollout worker; see `job_bundles`) with a detached driver actor that runs the JobRunner
+and reports over Redis. Detached means neither outlives nor dies with the API process: an API restart leaves
 running jobs alone, and the scheduler of the restarted process picks them up from Redis.
 
 The loop is a reconciler: every tick it compares what Redis says each job should have with what Ray has,
@@ -13,9 +13,16 @@ and fixes the difference, so a crash at any point of placing a job is repaired o
 - starting jobs get their placement group and, once it is ready, a driver actor.
 - running jobs whose driver is gone (killed, node lost, crashed) go back to starting and get a new driver,
   which resumes from the newest checkpoint in the job's work dir; after ``max_attempts`` they fail.
+- a running job whose driver is alive but silent (no heartbeat for ``heartbeat_timeout_s``: the runner is
+  stuck in one call) is treated the same way: a ``driver_hung`` event, the driver is killed and replaced.
 - jobs that no longer need resources (paused, finished) have their driver and placement group removed.
 
 Only one process runs the loop at a time (a Redis lock with a TTL), so several API replicas are safe.
+
+Heartbeat: the runner reports progress through its hooks (`DriverHooks.heartbeat`: between phases, per
+learner micro-batch, while it waits on rollouts or learner ranks), which write Redis's own clock to
+``P:job:{id}:heartbeat`` (STRING, expires after a day) at most every ``heartbeat_every_s``; the scheduler
+compares it with Redis's clock, so the hosts' clocks never matter.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, JobState
 from rl_service.redis_hooks import RedisHooks
+from rl_service.settings import get_settings
 from rl_service.spec import JobSpec
 from rl_service.store import JobNotFound, JobRecord, Store
 
@@ -58,10 +66,37 @@ def pg_name(job_id: str) -> str:
     return f"taper-pg-{job_id}"
 
 
+HEARTBEAT_TTL_S = 24 * 3600
+MAX_DRIVER_CPUS = 1.0  # a data-parallel job's driver only holds a copy of the weights for pushes and checkpoints
+
+
+def heartbeat_key(store: Store, job_id: str) -> str:
+    return f"{store.prefix}:job:{job_id}:heartbeat"
+
+
+def write_heartbeat(store: Store, job_id: str) -> None:
+    sec, usec = store.r.time()
+    store.r.set(heartbeat_key(store, job_id), f"{sec}.{usec:06d}", ex=HEARTBEAT_TTL_S)
+
+
+def heartbeat_age(store: Store, job_id: str) -> float | None:
+    """Seconds since the job's driver last beat (by Redis's clock); None when it never did."""
+    raw = store.r.get(heartbeat_key(store, job_id))
+    if raw is None:
+        return None
+    sec, usec = store.r.time()
+    return sec + usec / 1e6 - float(raw)
+
+
+def driver_cpus(spec: JobSpec) -> float:
+    return min(MAX_DRIVER_CPUS, spec.resources.learner_cpus)
+
+
 def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
-    """Bundle 0..num_learners-1: learner ranks (bundle 0 also hosts the driver); then one per rollout worker.
-    Each role's custom resources (`learner_custom`, `rollout_custom`) go into its bundles, so a cluster can
-    dedicate nodes to learners and rollouts."""
+    """One learner rank: bundle 0 is the learner, and the driver (which is that learner) runs in it.
+    Several ranks: bundle 0 is the driver's own (CPU only), bundles 1..num_learners the ranks.
+    Then one bundle per rollout worker. Each role's custom resources (`learner_custom`, `rollout_custom`)
+    go into its bundles, so a cluster can dedicate nodes to learners and rollouts."""
     res = spec.resources
 
     def bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -73,7 +108,14 @@ def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
     learners = [{**bundle(res.learner_cpus, res.learner_gpus), **res.learner_resources} for _ in range(res.num_learners)]
     rollouts = [{**bundle(res.rollout_cpus, res.rollout_gpus), **res.rollout_resources}
                 for _ in range(spec.rollout.num_workers)]
-    return learners + rollouts
+    driver = [bundle(driver_cpus(spec), 0)] if res.num_learners > 1 else []
+    return driver + learners + rollouts
+
+
+def learner_bundle_indices(spec: JobSpec) -> list[int]:
+    """The bundle of each learner rank in `job_bundles(spec)`."""
+    first = 1 if spec.resources.num_learners > 1 else 0
+    return list(range(first, first + spec.resources.num_learners))
 
 
 def _total(bundles: list[dict[str, float]]) -> dict[str, float]:
@@ -95,13 +137,34 @@ def load_runner(runner: str | type) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
+class DriverHooks(RedisHooks):
+    """The driver's hooks: RedisHooks plus the heartbeat, written at most every `every_s` seconds."""
+
+    def __init__(self, store: Store, job_id: str, every_s: float) -> None:
+        super().__init__(store, job_id)
+        self.every_s = every_s
+        self._last = -float("inf")
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        try:
+            write_heartbeat(self.store, self.job_id)
+            self._last = now
+        except Exception:  # Redis briefly away: the job goes on; the next call retries
+            log.warning("job %s: heartbeat not written", self.job_id, exc_info=True)
+
+
 class JobDriver:
     """Runs one job (a detached Ray actor; see Scheduler._start_driver). Threaded so ping() answers mid-run."""
 
-    def __init__(self, job_id: str, redis_url: str, prefix: str, runner: str | type) -> None:
+    def __init__(self, job_id: str, redis_url: str, prefix: str, runner: str | type,
+                 heartbeat_every_s: float = 10.0) -> None:
         self.job_id = job_id
         self.store = Store(redis_url, prefix=prefix)
         self.runner = runner
+        self.heartbeat_every_s = heartbeat_every_s
         self.running = False
         self.finished = False
 
@@ -125,12 +188,14 @@ class JobDriver:
         if job.control == CONTROL_PAUSE:
             store.transition(job_id, JobState.PAUSED, expect=[JobState.STARTING], reason="pause requested")
             return "paused"
+        hooks = DriverHooks(store, job_id, self.heartbeat_every_s)
+        hooks.heartbeat()  # before RUNNING: the scheduler judges running jobs by their heartbeat
         store.transition(job_id, JobState.RUNNING, expect=[JobState.STARTING], data={"attempt": job.attempts})
         try:
             runner_cls = load_runner(self.runner)
             work_dir = Path(job.work_dir)
             work_dir.mkdir(parents=True, exist_ok=True)
-            result = runner_cls(job_id, job.spec, RedisHooks(store, job_id), work_dir).run()
+            result = runner_cls(job_id, job.spec, hooks, work_dir).run()
             target = FINAL_RESULTS.get(str(result))
             if target is None:
                 raise RuntimeError(f"job runner returned an unknown result {result!r}")
@@ -160,7 +225,10 @@ class Scheduler:
         pg_timeout_s: float = 120.0,
         driver_grace_s: float = 5.0,
         liveness_every_s: float = 15.0,
+        heartbeat_every_s: float | None = None,
+        heartbeat_timeout_s: float | None = None,
     ) -> None:
+        """`heartbeat_every_s` / `heartbeat_timeout_s` default to the settings' `driver_heartbeat_*`."""
         self.store = store
         self.runner = runner
         self.namespace = namespace
@@ -170,6 +238,12 @@ class Scheduler:
         self.pg_timeout_s = pg_timeout_s
         self.driver_grace_s = driver_grace_s
         self.liveness_every_s = liveness_every_s
+        settings = get_settings() if heartbeat_every_s is None or heartbeat_timeout_s is None else None
+        self.heartbeat_every_s = heartbeat_every_s or settings.driver_heartbeat_every_s  # type: ignore[union-attr]
+        self.heartbeat_timeout_s = heartbeat_timeout_s or settings.driver_heartbeat_timeout_s  # type: ignore[union-attr]
+        if self.heartbeat_timeout_s <= self.heartbeat_every_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_every_s "
+                             f"({self.heartbeat_every_s})")
         self._last_liveness: dict[str, float] = {}
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
@@ -262,7 +336,7 @@ class Scheduler:
 
     def _reconcile_one(self, job: JobRecord) -> None:
         driver = self._driver(job.id)
-        if driver is not None and not self._driver_stuck(job, driver):
+        if driver is not None and not self._driver_stuck(job, driver) and not self._driver_hung(job, driver):
             return
         started = self._driver_started.get(job.id)
         if started is not None and time.monotonic() - started < self.driver_grace_s:
@@ -310,6 +384,22 @@ class Scheduler:
             return True
         return False
 
+    def _driver_hung(self, job: JobRecord, driver: Any) -> bool:
+        """A running job whose heartbeat is older than ``heartbeat_timeout_s``: its driver is alive but stuck.
+        It is killed (with the actors it owns: learner ranks, rollout workers) and replaced like a lost one."""
+        if job.state != JobState.RUNNING:
+            return False
+        age = heartbeat_age(self.store, job.id)
+        if age is None or age <= self.heartbeat_timeout_s:
+            return False  # no heartbeat at all: a driver from before heartbeats, judged by liveness only
+        log.warning("driver of %s silent for %.1f s; killing it", job.id, age)
+        self.store.add_event(job.id, "driver_hung", {"silent_s": round(age, 3), "timeout_s": self.heartbeat_timeout_s,
+                                                     "attempt": job.attempts, "step": job.step})
+        ray.kill(driver, no_restart=True)
+        self.store.r.delete(heartbeat_key(self.store, job.id))
+        self._driver_started.pop(job.id, None)
+        return True
+
     def _finish_without_driver(self, job: JobRecord) -> bool:
         """Honour a cancel/pause request or the attempt limit for a job whose driver is gone."""
         if job.control == CONTROL_CANCEL:
@@ -328,6 +418,7 @@ class Scheduler:
         self.store.update_job(job.id, allowed=[JobState.STARTING], fields={"attempts": str(job.attempts + 1)},
                               event="driver_started", event_data={"attempt": job.attempts + 1})
         actor_cls = ray.remote(JobDriver)
+        single = res.num_learners == 1  # then the driver is the learner: it takes bundle 0 whole
         try:
             driver = actor_cls.options(
                 name=driver_name(job.id),
@@ -335,14 +426,13 @@ class Scheduler:
                 lifetime="detached",
                 max_restarts=0,
                 max_concurrency=4,
-                num_cpus=res.learner_cpus,
-                num_gpus=res.learner_gpus,
-                # with one learner the driver is the learner: it takes bundle 0 whole
-                resources=res.learner_resources if res.num_learners == 1 else {},
+                num_cpus=res.learner_cpus if single else driver_cpus(job.spec),
+                num_gpus=res.learner_gpus if single else 0,
+                resources=res.learner_resources if single else {},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
                 ),
-            ).remote(job.id, self.store.url, self.store.prefix, self.runner)
+            ).remote(job.id, self.store.url, self.store.prefix, self.runner, self.heartbeat_every_s)
         except ValueError:  # the name is still held by a driver that is going away; retry next tick
             return
         self._driver_started[job.id] = time.monotonic()

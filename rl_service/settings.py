@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -32,6 +32,21 @@ class TaperSettings(BaseSettings):
     job_runner: str = Field(
         "rl_service.job:JobRunner", pattern=r"^[\w.]+:\w+$", description="Import path of the job runner class."
     )
+    driver_heartbeat_every_s: float = Field(
+        10.0, gt=0.0, description="A job driver writes its heartbeat to Redis at most this often while it progresses."
+    )
+    driver_heartbeat_timeout_s: float = Field(
+        900.0, gt=0.0,
+        description="A running job whose driver has not beaten for this long is hung: killed and resumed from its "
+                    "last checkpoint. Must exceed driver_heartbeat_every_s and the longest single call a job makes "
+                    "without progress (engine start, one weight push, one checkpoint write).",
+    )
+
+    @model_validator(mode="after")
+    def _heartbeat_timeout_exceeds_interval(self) -> TaperSettings:
+        if self.driver_heartbeat_timeout_s <= self.driver_heartbeat_every_s:
+            raise ValueError("TAPER_DRIVER_HEARTBEAT_TIMEOUT_S must exceed TAPER_DRIVER_HEARTBEAT_EVERY_S")
+        return self
 
     @field_validator("redis_url")
     @classmethod
@@ -58,7 +73,10 @@ def load_settings() -> TaperSettings:
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            field = str(err["loc"][0]) if err["loc"] else "?"
+            if not err["loc"]:  # a rule across fields: its message names the variables
+                problems.append(str(err["msg"]).removeprefix("Value error, "))
+                continue
+            field = str(err["loc"][0])
             name = _variable_name(field) if field in TaperSettings.model_fields else field
             problems.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
         raise SettingsError("invalid setting: " + "; ".join(problems)) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +72,7 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.balancing_model = balancing_model if balancing_model is not None else model
         self.loss_scale = 1.0
+        self.progress: Callable[[], None] | None = None  # called after each micro-batch (a job's heartbeat)
         disable_dropout(model)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -164,6 +165,8 @@ class Learner:
                 loss, sums = policy_loss(logps, old[k], mb.advantages, mb.mask, mb.token_weights, cfg,
                                          is_ratio=is_ratios.get(k), ref_logps=ref.get(k))
                 (loss * self.loss_scale).backward()
+            if self.progress is not None:
+                self.progress()
             for name, v in sums.items():
                 totals[name] = totals.get(name, 0.0) + float(v)
             m = mb.mask > 0

@@ -53,6 +53,23 @@ class GradedCalculator(CalculatorEnv):
         return sum(1 for t in ids if t % 2 == 0) / len(ids) if ids else 0.0
 
 
+class HangOnceCalculator(GradedCalculator):
+    """GradedCalculator whose verifier gets stuck for good on a trajectory of training step `hang_step`, the
+    first time only (the `hang_flag` file records it): a job driver that hangs in the middle of a step, alive
+    but making no progress. Without `hang_flag` it never hangs."""
+
+    def outcome(self, trajectory) -> float:
+        import time
+        from pathlib import Path
+
+        flag = self.options.get("hang_flag")
+        if flag and trajectory.train_step == int(self.options.get("hang_step", 1)) and not Path(flag).exists():
+            Path(flag).touch()
+            while True:
+                time.sleep(1)
+        return super().outcome(trajectory)
+
+
 class ReusedPool:
     """A real RolloutPool shared by several JobRunner runs of one test module (engine start-up dominates a
     short job). `factory` loads the run's starting weights into the running engines, as a fresh pool would."""

@@ -23,6 +23,10 @@ class StandInRunner:
         start = self._resume_step()
         self.hooks.emit_event("runner_started", {"from_step": start})
         for step in range(start, self.spec.total_steps):
+            self.hooks.heartbeat()
+            if self.spec.name == "hang" and step == 2 and self.hooks.store.get_job(self.job_id).attempts == 1:
+                while True:  # the first driver gets stuck for good (alive, no progress, no heartbeat)
+                    time.sleep(1)
             control = self.hooks.control()
             if control in ("pause", "cancel"):
                 return "paused" if control == "pause" else "cancelled"

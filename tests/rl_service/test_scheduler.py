@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from rl_service.job_states import JobState
-from rl_service.scheduler import Scheduler, driver_name, job_bundles
+from rl_service.scheduler import Scheduler, driver_name, heartbeat_age, job_bundles, learner_bundle_indices
 from rl_service.spec import JobSpec
 from rl_service.store import Store
 
@@ -21,7 +21,8 @@ def store(redis_url: str) -> Store:
 
 @pytest.fixture
 def scheduler(store: Store, standin_runner_cls, tmp_path) -> Iterator[Scheduler]:
-    sched = Scheduler(store, runner=standin_runner_cls, tick_s=0.1, driver_grace_s=1.0, liveness_every_s=0.5)
+    sched = Scheduler(store, runner=standin_runner_cls, tick_s=0.1, driver_grace_s=1.0, liveness_every_s=0.5,
+                      heartbeat_every_s=0.1, heartbeat_timeout_s=3.0)
     sched.start()
     yield sched
     sched.stop()
@@ -51,6 +52,24 @@ def test_bundles_follow_the_spec() -> None:
     spec = JobSpec.model_validate({"resources": {"learner_cpus": 2, "rollout_cpus": 0.5, "rollout_gpus": 1,
                                                  "custom": {"rollout": 1}}, "rollout": {"num_workers": 2}})
     assert job_bundles(spec) == [{"CPU": 2.0}, {"CPU": 0.5, "GPU": 1.0, "rollout": 1}, {"CPU": 0.5, "GPU": 1.0, "rollout": 1}]
+    assert learner_bundle_indices(spec) == [0]
+    # several ranks: the driver gets a CPU-only bundle of its own in front of one bundle per rank
+    dp = JobSpec.model_validate({"resources": {"num_learners": 2, "learner_cpus": 4, "learner_gpus": 1,
+                                               "learner_custom": {"learner": 1}}})
+    assert job_bundles(dp) == [{"CPU": 1.0}, {"CPU": 4.0, "GPU": 1.0, "learner": 1}, {"CPU": 4.0, "GPU": 1.0, "learner": 1},
+                               {"CPU": 1.0}]
+    assert learner_bundle_indices(dp) == [1, 2]
+
+
+def test_heartbeat_settings_are_checked(monkeypatch) -> None:
+    from rl_service.settings import SettingsError, load_settings
+
+    monkeypatch.setenv("TAPER_DRIVER_HEARTBEAT_EVERY_S", "30")
+    monkeypatch.setenv("TAPER_DRIVER_HEARTBEAT_TIMEOUT_S", "20")
+    with pytest.raises(SettingsError, match="TAPER_DRIVER_HEARTBEAT_TIMEOUT_S must exceed"):
+        load_settings()
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        Scheduler(Store("redis://127.0.0.1:1/0"), heartbeat_every_s=5, heartbeat_timeout_s=5)
 
 
 def test_job_runs_to_success_and_frees_its_resources(store: Store, scheduler: Scheduler, tmp_path) -> None:
@@ -121,3 +140,20 @@ def test_a_driver_that_could_not_record_the_outcome_is_restarted(store: Store, s
     got = store.get_job(job.id)
     assert got.attempts == 2 and got.step == 2
     assert "driver_lost" in [e["kind"] for e in store.events(job.id)]
+
+
+def test_a_hung_driver_is_killed_and_its_job_resumed(store: Store, scheduler: Scheduler, tmp_path) -> None:
+    """The first driver stops making progress at step 2 (stuck in one call, still alive and answering pings):
+    its heartbeat goes stale, the scheduler kills it and a second driver resumes from the last checkpoint."""
+    job = store.submit_job("t", _spec(name="hang", total_steps=4), str(tmp_path))[0]
+    wait_for(lambda: store.get_job(job.id).step == 2, what="two steps")
+    wait_for(lambda: (heartbeat_age(store, job.id) or 0) > 1.0, what="the heartbeat going stale")
+    assert _state(store, job.id) == JobState.RUNNING  # alive: the ordinary liveness check sees nothing wrong
+    wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success after the hang")
+    events = store.events(job.id, limit=1000)
+    hung = [e["data"] for e in events if e["kind"] == "driver_hung"]
+    assert len(hung) == 1 and hung[0]["silent_s"] > 3.0 and hung[0]["attempt"] == 1 and hung[0]["step"] == 2
+    got = store.get_job(job.id)
+    assert got.attempts == 2 and got.step == 4
+    resumed = [m["metrics"]["resumed_from"] for m in store.metrics(job.id)]
+    assert resumed == [0, 0, 2, 2]
