@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from rl_service.learner import Learner, LearnerConfig, LossNorm, PolicySample, pack_micro_batches
+from rl_service.learner.weight_push import BALANCING_BUFFER_SUFFIXES  # averaged over ranks after each update
 
 Strategy = Literal["auto", "fsdp", "ddp"]
-BALANCING_BUFFER_SUFFIXES = ("bias_correction",)  # MoE balancing biases: averaged over ranks after each update
 
 _SUM_KEYS = ("loss", "loss/policy", "loss/kl", "action_tokens", "tokens_per_s")
 _MAX_KEYS = ("logprob_mismatch/max_abs", "is_ratio/max", "learn_time_s", "num_micro_batches")

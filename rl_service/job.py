@@ -42,6 +42,7 @@ from rl_service.checkpoint import (
 )
 from rl_service.hooks import Control, JobHooks
 from rl_service.learner import Learner, LearnerConfig, PolicySample
+from rl_service.learner.weight_push import shippable_state_dict
 from rl_service.spec import JobSpec
 from rollout_workers.trajectory import Trajectory
 
@@ -308,8 +309,10 @@ class JobRunner:
                                           spec.tasks.options) if spec.tasks.num_eval else [])
         self.credit = CreditConfig.from_algorithm(spec.algorithm)
 
+        self._progress()
         self.model, self.tokenizer = self._build_model()
         self.model.to(self.device)
+        self._progress()
         if not (self.initial_dir / "config.json").exists():
             save_weights(self.model, self.initial_dir, self.tokenizer)
         ref = None
@@ -417,7 +420,7 @@ class JobRunner:
             self._progress()
             # ---- weights to the engines
             ts = time.perf_counter()
-            state = {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+            state = shippable_state_dict(self.model, torch.bfloat16 if spec.resources.rollout_gpus > 0 else None)
             push_s = self.pool.push_weights(state, t + 1)
             times["time/sync"] = time.perf_counter() - ts
             metrics["weight_sync_s"] = push_s
