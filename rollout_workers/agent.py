@@ -1,9 +1,10 @@
 """The multi-turn tool-calling agent loop: many episodes at once on one engine.
 
-Every round, the episodes waiting for the policy go to the engine in ONE batched `generate` call
-(token-id prompts); while it runs, the tool calls of the others proceed on their own threads. The
-context of an episode is only ever extended by ids: the sampled ids, then the ids of the text the
-loop inserted (tool messages + next assistant header), tokenised on their own.
+Each episode runs as its own coroutine: it submits its next turn (token-id prompt) to the engine the
+moment its previous tool calls return, and the engine's continuous batching puts the turn into the
+running batch at its next step; no episode waits for another one's turn or tools. The context of an
+episode is only ever extended by ids: the sampled ids, then the ids of the text the loop inserted
+(tool messages + next assistant header), tokenised on their own.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class _Episode:
     tools: dict[str, dict[str, Any]] = field(default_factory=dict)
     context: list[int] = field(default_factory=list)
     done: bool = False
-    busy: bool = False  # its last turn is being handled (tool calls running)
     lane: ToolLane | None = None
 
 
@@ -57,7 +57,6 @@ class AgentLoop:
         job_id: str | None = None,
         train_step: int | None = None,
         stats: RolloutStats | None = None,
-        batch_wait_s: float = 0.02,
         tool_runner: ToolRunner | None = None,
     ) -> None:
         self.engine = engine
@@ -68,7 +67,6 @@ class AgentLoop:
         self.job_id = job_id
         self.train_step = train_step
         self.stats = stats or RolloutStats()
-        self.batch_wait_s = batch_wait_s
         self._owns_runner = tool_runner is None
         self.tool_runner = tool_runner or ToolRunner()
 
@@ -79,101 +77,74 @@ class AgentLoop:
     # ------------------------------------------------------------------ driver
     async def run(self, specs: list[EpisodeSpec]) -> list[Trajectory]:
         started = time.monotonic()
-        episodes = list(await asyncio.gather(*(self._start(s) for s in specs)))
-        pending: set[asyncio.Task[None]] = set()
+        engine_before = self.engine.counters()
+        episodes = [self._new_episode(s) for s in specs]
+        tasks = [asyncio.create_task(self._run_episode(e)) for e in episodes]
         try:
-            while True:
-                ready = [e for e in episodes if not e.done and not e.busy]
-                if not ready and not pending:
-                    break
-                if pending:
-                    if not ready:
-                        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                        ready = [e for e in episodes if not e.done and not e.busy]
-                    # While most episodes are still in their tools and those keep finishing, wait:
-                    # fewer, fuller engine calls. A pause of batch_wait_s (a slow tool) ends the wait.
-                    while pending and len(ready) < len(pending):
-                        done, pending = await asyncio.wait(
-                            pending, timeout=self.batch_wait_s, return_when=asyncio.FIRST_COMPLETED
-                        )
-                        ready = [e for e in episodes if not e.done and not e.busy]
-                        if not done:
-                            break
-                    if not ready:
-                        continue
-                outputs = await self._generate(ready)
-                for ep, out in zip(ready, outputs, strict=True):
-                    ep.busy = True
-                    pending.add(asyncio.create_task(self._after_turn(ep, out)))
+            await asyncio.gather(*tasks)
         finally:
-            for t in pending:
+            for t in tasks:
                 t.cancel()
-        await asyncio.gather(*(self._close(e) for e in episodes))
+            await asyncio.gather(*(self._close(e) for e in episodes))
         for e in episodes:
             self.stats.record_trajectory(e.traj.status.value, len(e.traj.prompt_ids))
-        self.stats.record_busy(time.monotonic() - started)
+        self.stats.record_busy(time.monotonic() - started, engine_before, self.engine.counters())
         return [e.traj for e in episodes]
 
-    async def _generate(self, ready: list[_Episode]) -> list[TurnOutput]:
-        requests = []
-        for ep in ready:
-            budget = self.sampling.max_total_tokens - len(ep.context)
-            requests.append(
-                TurnRequest(
-                    prompt_ids=list(ep.context),
-                    max_tokens=min(self.sampling.max_tokens_per_turn, budget),
-                    seed=request_seed(
-                        self.sampling.seed, ep.traj.task_id, ep.spec.sample_index, len(ep.traj.steps), self.train_step
-                    ),
-                )
-            )
-        t0 = time.monotonic()
-        outputs = await asyncio.to_thread(self.engine.generate, requests, self.sampling, self.chat.stop_token_ids)
-        self.stats.record_generate(sum(len(o.token_ids) for o in outputs), time.monotonic() - t0)
-        return outputs
+    async def _run_episode(self, ep: _Episode) -> None:
+        await self._start(ep)
+        while not ep.done:
+            out = await self._turn(ep)  # engine errors propagate: they are not the episode's fault
+            try:
+                await self._handle_turn(ep, out)
+            except Exception as e:  # a bug in handling must not take the other episodes down
+                self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"internal error handling the turn: {e!r}")
+
+    async def _turn(self, ep: _Episode) -> TurnOutput:
+        request = TurnRequest(
+            prompt_ids=list(ep.context),
+            max_tokens=min(self.sampling.max_tokens_per_turn, self.sampling.max_total_tokens - len(ep.context)),
+            seed=request_seed(
+                self.sampling.seed, ep.traj.task_id, ep.spec.sample_index, len(ep.traj.steps), self.train_step
+            ),
+        )
+        out = await asyncio.wrap_future(self.engine.submit(request, self.sampling, self.chat.stop_token_ids))
+        self.stats.record_generate(len(out.token_ids))
+        return out
 
     # ------------------------------------------------------------------ one episode
-    async def _start(self, spec: EpisodeSpec) -> _Episode:
-        task = spec.task
+    def _new_episode(self, spec: EpisodeSpec) -> _Episode:
         traj = Trajectory(
             job_id=self.job_id,
             env=self.env_name,
-            task_id=str(task.get("id", "")),
-            task=task,
+            task_id=str(spec.task.get("id", "")),
+            task=spec.task,
             group_id=spec.group_id,
             prompt_ids=[],
             prompt_text="",
             train_step=self.train_step,
             metadata={"sample_index": spec.sample_index},
         )
-        ep = _Episode(spec=spec, traj=traj)
+        return _Episode(spec=spec, traj=traj)
+
+    async def _start(self, ep: _Episode) -> None:
+        traj = ep.traj
         ep.lane = self.tool_runner.lane()
         try:
             ep.env = self.env_factory()
             env = ep.env
-            messages = await ep.lane.run(bound(env.reset, task), self.sampling.tool_timeout_s)
+            messages = await ep.lane.run(bound(env.reset, ep.spec.task), self.sampling.tool_timeout_s)
             tools = env.tools()
             ep.tools = {t["name"]: t for t in tools}
             traj.prompt_text, traj.prompt_ids = self.chat.render_prompt(messages, tools)
             traj.metadata.update(env.episode_metadata())
         except TimeoutError as e:
-            self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"reset timed out: {e}")
-            return ep
+            return self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"reset timed out: {e}")
         except Exception as e:
-            self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"reset failed: {e!r}")
-            return ep
+            return self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"reset failed: {e!r}")
         ep.context = list(traj.prompt_ids)
         if len(ep.context) >= self.sampling.max_total_tokens:
             self._finish(ep, TrajectoryStatus.TRUNCATED, "max_total_tokens", None)
-        return ep
-
-    async def _after_turn(self, ep: _Episode, out: TurnOutput) -> None:
-        try:
-            await self._handle_turn(ep, out)
-        except Exception as e:  # a bug in handling must not take the other episodes down
-            self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"internal error handling the turn: {e!r}")
-        finally:
-            ep.busy = False
 
     async def _handle_turn(self, ep: _Episode, out: TurnOutput) -> None:
         s = self.sampling

@@ -1,17 +1,31 @@
 """The inference engine behind the agent loop: token ids in, sampled ids + logprobs out.
 
-`Engine` is the interface the loop needs; `VLLMEngine` implements it on `vllm.LLM` (our model through
-the model/vllm_plugin registration, or any HF model vLLM supports). Weights are pushed into the
-running engine in place (`load_weights`), never by restarting it.
+Continuous batching, the way vLLM serving works: one engine thread steps the engine for as long as it
+has live sequences, and each episode `submit`s its next turn the moment its previous tool call returns;
+the new request joins the running batch at the next step. Nobody waits for the slowest sequence of a
+batch, and the engine does not idle between turns.
+
+`ContinuousBatchingEngine` is that scheduler over four hooks (add a request, step, has unfinished,
+apply weights); `VLLMEngine` implements the hooks on vLLM's `LLMEngine` (our model through the
+model/vllm_plugin registration, or any HF model vLLM supports). Weights are pushed into the running
+engine in place (`load_weights`), never by restarting it: a push waits until the turns submitted before
+it have finished (turns submitted after it wait for it), so it lands between engine steps and every turn
+is sampled by exactly one weight version.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+import itertools
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +34,8 @@ from rollout_workers.sampling import SamplingConfig
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
 
 
 class EngineConfig(BaseModel):
@@ -55,15 +71,44 @@ class TurnOutput:
     weight_version: int
 
 
+@dataclass
+class FinishedTurn:
+    """What a step hook reports for a request that finished in that step."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative engine-thread counters (read any time; deltas give rates)."""
+
+    steps: int = 0
+    step_seconds: float = 0.0  # wall time inside engine steps
+    sequence_steps: int = 0  # sum over steps of the sequences live in that step
+    finished_turns: int = 0
+    sampled_tokens: int = 0
+
+    def copy(self) -> EngineCounters:
+        return EngineCounters(**vars(self))
+
+
 class Engine(Protocol):
     tokenizer: PreTrainedTokenizerBase
     weight_version: int
 
-    def generate(self, requests: list[TurnRequest], sampling: SamplingConfig, stop_token_ids: list[int]) -> list[TurnOutput]:
-        """One policy turn for each request, batched."""
+    def submit(
+        self, request: TurnRequest, sampling: SamplingConfig, stop_token_ids: list[int]
+    ) -> concurrent.futures.Future[TurnOutput]:
+        """Queue one policy turn; it joins the running batch at the next engine step."""
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Replace the policy weights in place; later turns record `version`."""
+        """Replace the policy weights in place, between turns; later turns record `version`."""
+
+    def counters(self) -> EngineCounters:
+        """A copy of the engine's cumulative step counters."""
 
 
 def request_seed(base: int | None, *parts: object) -> int | None:
@@ -72,6 +117,202 @@ def request_seed(base: int | None, *parts: object) -> int | None:
         return None
     digest = hashlib.blake2b(repr((base, *parts)).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+@dataclass
+class _Add:
+    request: TurnRequest
+    sampling: SamplingConfig
+    stop_token_ids: list[int]
+    future: concurrent.futures.Future[TurnOutput]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+    drain: bool  # wait until every earlier turn has finished (a barrier for later ones)
+
+
+@dataclass
+class _Stop:
+    future: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+_Command = _Add | _Call | _Stop
+
+
+class ContinuousBatchingEngine(ABC):
+    """The continuous-batching scheduler on one engine thread; subclasses supply the engine hooks.
+
+    Commands (submitted turns, calls such as a weight push) are applied in submission order between
+    engine steps. A draining call is a barrier: it runs once the engine has no live sequence, and the
+    turns submitted after it are held until it has run.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+
+    def __init__(self, weight_version: int = 0) -> None:
+        self.weight_version = weight_version
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._backlog: deque[_Command] = deque()
+        self._running: dict[str, tuple[concurrent.futures.Future[TurnOutput], int]] = {}
+        self._ids = itertools.count()
+        self._counters = EngineCounters()
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+
+    # ---------------------------------------------------------------- hooks (engine thread only)
+    @abstractmethod
+    def _add(self, request_id: str, request: TurnRequest, sampling: SamplingConfig, stop_token_ids: list[int]) -> None:
+        """Add one request to the engine (it runs from the next step on)."""
+
+    @abstractmethod
+    def _step(self) -> list[FinishedTurn]:
+        """One engine step over every live sequence; the requests that finished in it."""
+
+    @abstractmethod
+    def _num_unfinished(self) -> int:
+        """Live sequences (added and not finished)."""
+
+    @abstractmethod
+    def _apply_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the weights in place (called with no live sequence)."""
+
+    # ---------------------------------------------------------------- public API (any thread)
+    def submit(
+        self, request: TurnRequest, sampling: SamplingConfig, stop_token_ids: list[int]
+    ) -> concurrent.futures.Future[TurnOutput]:
+        future: concurrent.futures.Future[TurnOutput] = concurrent.futures.Future()
+        self._send(_Add(request, sampling, list(stop_token_ids), future))
+        return future
+
+    def generate(self, requests: list[TurnRequest], sampling: SamplingConfig, stop_token_ids: list[int]) -> list[TurnOutput]:
+        """Submit every request and wait for all of them (a convenience over `submit`)."""
+        futures = [self.submit(r, sampling, stop_token_ids) for r in requests]
+        return [f.result() for f in futures]
+
+    def call(self, fn: Callable[[], T], *, drain: bool = True) -> T:
+        """Run `fn` on the engine thread between steps and return its result. With `drain`, it runs
+        after every turn submitted before it has finished and before any turn submitted after it."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._send(_Call(fn, future, drain))
+        return future.result()
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        def apply() -> None:
+            self._apply_weights(state_dict)
+            self.weight_version = version
+
+        self.call(apply, drain=True)
+
+    def counters(self) -> EngineCounters:
+        return self._counters.copy()
+
+    def close(self) -> None:
+        """Stop the engine thread (turns still queued or running fail); idempotent."""
+        with self._start_lock:
+            self._closed = True
+            thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        stop = _Stop()
+        self._inbox.put(stop)
+        stop.future.result()
+
+    # ---------------------------------------------------------------- engine thread
+    def _send(self, command: _Command) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the engine failed earlier: {self._failure!r}") from self._failure
+        with self._start_lock:
+            if self._closed:
+                raise RuntimeError("the engine was closed")
+            if self._thread is None:
+                # Not the thread that built the engine: on vLLM's CPU backend that thread has its OpenMP
+                # threads pinned, which measured several times slower on a shared machine.
+                self._thread = threading.Thread(target=self._main, name="taper-engine", daemon=True)
+                self._thread.start()
+        self._inbox.put(command)
+
+    def _main(self) -> None:
+        while True:
+            if not self._backlog and self._num_unfinished() == 0:
+                self._backlog.append(self._inbox.get())  # idle: sleep until there is work
+            while True:
+                try:
+                    self._backlog.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            stop = self._admit()
+            if stop is not None:
+                self._fail_all(RuntimeError("the engine was closed"))
+                stop.future.set_result(None)
+                return
+            if self._num_unfinished():
+                try:
+                    self._run_step()
+                except BaseException as e:  # the engine is broken: fail everything, accept nothing more
+                    self._failure = e
+                    self._fail_all(e)
+                    return
+
+    def _admit(self) -> _Stop | None:
+        """Apply queued commands in order, up to a draining call that must wait for live sequences."""
+        while self._backlog:
+            command = self._backlog[0]
+            if isinstance(command, _Call) and command.drain and self._num_unfinished():
+                return None
+            self._backlog.popleft()
+            if isinstance(command, _Stop):
+                return command
+            if not command.future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            if isinstance(command, _Add):
+                request_id = f"taper-{next(self._ids)}"
+                try:
+                    self._add(request_id, command.request, command.sampling, command.stop_token_ids)
+                except Exception as e:  # a bad request fails alone
+                    command.future.set_exception(e)
+                else:
+                    self._running[request_id] = (command.future, self.weight_version)
+            else:
+                try:
+                    command.future.set_result(command.fn())
+                except Exception as e:
+                    command.future.set_exception(e)
+        return None
+
+    def _run_step(self) -> None:
+        live = self._num_unfinished()
+        t0 = time.perf_counter()
+        finished = self._step()
+        c = self._counters
+        c.step_seconds += time.perf_counter() - t0
+        c.steps += 1
+        c.sequence_steps += live
+        for turn in finished:
+            future, version = self._running.pop(turn.request_id)
+            c.finished_turns += 1
+            c.sampled_tokens += len(turn.token_ids)
+            future.set_result(TurnOutput(turn.token_ids, turn.logprobs, turn.finish_reason, version))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for future, _ in self._running.values():
+            future.set_exception(error)
+        self._running.clear()
+        while True:
+            try:
+                self._backlog.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for command in self._backlog:
+            if isinstance(command, _Stop):
+                command.future.set_result(None)
+            elif command.future.set_running_or_notify_cancel():
+                command.future.set_exception(error)
+        self._backlog.clear()
 
 
 def _on_cpu() -> bool:
@@ -83,14 +324,14 @@ def _on_cpu() -> bool:
         return True
 
 
-class VLLMEngine:
-    """`vllm.LLM` behind the Engine interface; generate/load_weights are serialised on one engine
-    thread, so a weight push lands between turns and every turn has exactly one weight version."""
+class VLLMEngine(ContinuousBatchingEngine):
+    """vLLM's `LLMEngine` behind the continuous-batching scheduler (`self.llm` is the `vllm.LLM`)."""
 
     def __init__(self, config: EngineConfig, weight_version: int = 0) -> None:
         from transformers import AutoTokenizer
         from vllm import LLM  # heavy imports, only where an engine is built
 
+        super().__init__(weight_version)
         self.config = config
         tokenizer_dir = config.tokenizer_dir or config.model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -113,56 +354,47 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs.update(config.engine_kwargs)
         if _on_cpu():
-            skip_cpu_generator_rewind()
+            rewind_cpu_generators_exactly()
         self.llm = LLM(**kwargs)
-        self.weight_version = weight_version
-        # Every engine call runs on this one thread: it serialises generate and load_weights (a push
-        # lands between turns), and on vLLM's CPU backend the thread that built the engine has its
-        # OpenMP threads pinned, which measured several times slower on a shared machine.
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-vllm")
+        self._engine = self.llm.llm_engine
 
-    def generate(self, requests: list[TurnRequest], sampling: SamplingConfig, stop_token_ids: list[int]) -> list[TurnOutput]:
+    def _add(self, request_id: str, request: TurnRequest, sampling: SamplingConfig, stop_token_ids: list[int]) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        if not requests:
-            return []
-        params = [
-            SamplingParams(
-                n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                max_tokens=r.max_tokens,
-                seed=r.seed,
-                logprobs=0,  # the sampled token's logprob only
-                stop_token_ids=stop_token_ids,
-                detokenize=False,
-                skip_special_tokens=False,
-            )
-            for r in requests
-        ]
-        prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
+        params = SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=request.max_tokens,
+            seed=request.seed,
+            logprobs=0,  # the sampled token's logprob only
+            stop_token_ids=stop_token_ids,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
 
-        def run() -> tuple[int, list[Any]]:
-            return self.weight_version, self.llm.generate(prompts, params, use_tqdm=False)
-
-        version, outs = self._thread.submit(run).result()
-        results = []
-        for out in outs:
+    def _step(self) -> list[FinishedTurn]:
+        finished = []
+        for out in self._engine.step():
+            if not out.finished:
+                continue
             c = out.outputs[0]
             ids = list(c.token_ids)
             logprobs = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs or [], strict=True)]
             reason = "length" if c.finish_reason == "length" else "stop"
-            results.append(TurnOutput(ids, logprobs, reason, version))
-        return results
+            finished.append(FinishedTurn(out.request_id, ids, logprobs, reason))
+        return finished
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        def run() -> None:
-            load_weights_into_llm(self.llm, state_dict)
-            self.weight_version = version
+    def _num_unfinished(self) -> int:
+        return self._engine.get_num_unfinished_requests()
 
-        self._thread.submit(run).result()
+    def _apply_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        load_weights_into_llm(self.llm, state_dict)
 
 
 def load_weights_into_llm(llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -186,29 +418,53 @@ def load_weights_into_llm(llm: Any, state_dict: Mapping[str, torch.Tensor]) -> N
     llm.reset_prefix_cache()
 
 
-def skip_cpu_generator_rewind() -> None:
-    """vLLM rewinds a seeded request's generator after a partial prefill (the hybrid model's state cache
-    prefills in block-aligned chunks), which CPU generators cannot do: "CPU Generator does not use
-    offset". Without the rewind the discarded sample still consumes its draws, identically in every run,
-    so seeded rollouts stay reproducible (which is all exact resume needs). Idempotent."""
+CPU_GENERATOR_REWINDS = 0  # discarded samples whose CPU generator was rewound (tests check it is exercised)
+
+
+def rewind_cpu_generators_exactly() -> None:
+    """Make vLLM's generator rewind for discarded samples exact on CPU. Idempotent.
+
+    A request whose prefill is split over several steps (the token budget of a step, or the hybrid
+    model's block-aligned state cache) is sampled at the end of every partial step and the sample is
+    discarded; vLLM then rewinds the request's generator by its offset, which CPU generators cannot do
+    ("CPU Generator does not use offset"). Here the generator state of each request to be discarded is
+    saved when the step's inputs are prepared and restored after sampling, so a seeded request samples
+    the same tokens however its prefill was split, i.e. whatever else is in the running batch.
+    """
     import numpy as np
     from vllm.v1.worker import gpu_model_runner as gmr
 
-    original = gmr.GPUModelRunner._bookkeeping_sync
-    if getattr(original, "_taper_cpu_rewind_patch", False):
+    runner = gmr.GPUModelRunner
+    if getattr(runner._bookkeeping_sync, "_taper_cpu_rewind_patch", False):
         return
+    prepare_inputs, bookkeeping_sync = runner._prepare_inputs, runner._bookkeeping_sync
 
-    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def saving_prepare_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = prepare_inputs(self, *args, **kwargs)
         gens = self.input_batch.generators
-        idx = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
-        held = {int(i): gens.pop(int(i)) for i in idx if int(i) in gens and gens[int(i)].device.type == "cpu"}
+        discarded = np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]
+        self._taper_saved_generator_states = {
+            int(i): gens[int(i)].get_state() for i in discarded if int(i) in gens and gens[int(i)].device.type == "cpu"
+        }
+        return out
+
+    def restoring_bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global CPU_GENERATOR_REWINDS
+        saved = getattr(self, "_taper_saved_generator_states", {})
+        CPU_GENERATOR_REWINDS += len(saved)
+        self._taper_saved_generator_states = {}
+        gens = self.input_batch.generators
+        held = {i: gens.pop(i) for i in saved if i in gens}  # keep them from vLLM's offset rewind
         try:
-            return original(self, *args, **kwargs)
+            return bookkeeping_sync(self, *args, **kwargs)
         finally:
+            for i, gen in held.items():
+                gen.set_state(saved[i])
             gens.update(held)
 
-    patched._taper_cpu_rewind_patch = True  # type: ignore[attr-defined]
-    gmr.GPUModelRunner._bookkeeping_sync = patched
+    restoring_bookkeeping_sync._taper_cpu_rewind_patch = True  # type: ignore[attr-defined]
+    runner._prepare_inputs = saving_prepare_inputs
+    runner._bookkeeping_sync = restoring_bookkeeping_sync
 
 
 def _serves_plugin_model(llm: Any) -> bool:

@@ -203,7 +203,7 @@ class RolloutPool:
                 out[key] = max(values)  # the slowest worker's percentile: an upper bound for the pool
             elif key == "weight_version":
                 out[key] = min(values)
-            elif key in ("engine_busy_fraction", "mean_batch_turns"):
+            elif key in ("engine_busy_fraction", "mean_running_sequences"):
                 out[key] = sum(values) / len(values)
             else:
                 out[key] = sum(values)  # counts, and rates of workers running side by side

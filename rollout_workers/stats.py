@@ -5,8 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rollout_workers.engine import EngineCounters
 
 
 class RolloutStats:
@@ -18,19 +22,18 @@ class RolloutStats:
         self.prompt_tokens = 0
         self.turns = 0
         self.trajectories = 0
-        self.generate_calls = 0
-        self.generate_seconds = 0.0
+        self.engine_steps = 0
+        self.engine_sequence_steps = 0  # sum over engine steps of the live sequences
+        self.engine_seconds = 0.0  # time the engine spent stepping during run() calls
         self.busy_seconds = 0.0  # wall time inside run() calls
         self.statuses: Counter[str] = Counter()
         self.tool_errors: Counter[str] = Counter()
         self.tool_calls = 0
         self._tool_latency: deque[float] = deque(maxlen=latency_window)
 
-    def record_generate(self, sampled_tokens: int, seconds: float) -> None:
+    def record_generate(self, sampled_tokens: int) -> None:
         with self._lock:
-            self.generate_calls += 1
             self.sampled_tokens += sampled_tokens
-            self.generate_seconds += seconds
 
     def record_turn(self, inserted_tokens: int) -> None:
         with self._lock:
@@ -50,9 +53,14 @@ class RolloutStats:
             self.prompt_tokens += prompt_tokens
             self.statuses[status] += 1
 
-    def record_busy(self, seconds: float) -> None:
+    def record_busy(self, seconds: float, engine_before: EngineCounters, engine_after: EngineCounters) -> None:
+        """One run() call: its wall time and what the engine did meanwhile (runs that overlap on one
+        engine each count the shared steps)."""
         with self._lock:
             self.busy_seconds += seconds
+            self.engine_steps += engine_after.steps - engine_before.steps
+            self.engine_sequence_steps += engine_after.sequence_steps - engine_before.sequence_steps
+            self.engine_seconds += engine_after.step_seconds - engine_before.step_seconds
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
@@ -68,9 +76,10 @@ class RolloutStats:
                 "tokens_per_s": self.sampled_tokens / busy,
                 "turns_per_s": self.turns / busy,
                 "trajectories_per_s": self.trajectories / busy,
-                "engine_tokens_per_s": self.sampled_tokens / max(self.generate_seconds, 1e-9),
-                "engine_busy_fraction": min(1.0, self.generate_seconds / busy),
-                "mean_batch_turns": self.turns / max(self.generate_calls, 1),
+                "engine_steps": float(self.engine_steps),
+                "engine_tokens_per_s": self.sampled_tokens / max(self.engine_seconds, 1e-9),
+                "engine_busy_fraction": min(1.0, self.engine_seconds / busy),
+                "mean_running_sequences": self.engine_sequence_steps / max(self.engine_steps, 1),
                 "tool_calls": float(self.tool_calls),
                 "tool_latency_p50_ms": float(np.percentile(lat, 50)),
                 "tool_latency_p90_ms": float(np.percentile(lat, 90)),

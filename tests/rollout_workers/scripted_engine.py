@@ -1,66 +1,78 @@
-"""A scripted Engine for pure-logic loop tests: it "samples" text chosen by a script.
+"""A scripted engine for pure-logic loop tests: it "samples" text chosen by a script, one token per
+step for every live sequence, behind the real continuous-batching scheduler.
 
-Only for tests of the loop's control flow (a random model cannot write tool calls); token-exactness,
-masks and logprobs are tested on the real vLLM engine.
+Only for tests of the loop's control flow and of the scheduler (a random model cannot write tool
+calls); token-exactness, masks and logprobs are tested on the real vLLM engine.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from rollout_workers.engine import TurnOutput, TurnRequest
+from rollout_workers.engine import ContinuousBatchingEngine, FinishedTurn, TurnRequest
 from rollout_workers.sampling import SamplingConfig
 
 # script(prompt_text_so_far, turn_index) -> the text the "policy" writes (without the end token)
 Script = Callable[[str, int], str]
 
 
-class ScriptedEngine:
-    def __init__(self, tokenizer: Any, script: Script) -> None:
+@dataclass
+class _Live:
+    planned: list[int]
+    truncated: bool
+    emitted: int = 0
+
+
+class ScriptedEngine(ContinuousBatchingEngine):
+    def __init__(self, tokenizer: Any, script: Script, step_delay_s: float = 0.0) -> None:
+        super().__init__()
         self.tokenizer = tokenizer
         self.script = script
-        self.weight_version = 0
-        self.calls: list[int] = []  # batch size of every generate call
+        self.step_delay_s = step_delay_s
+        self._live: dict[str, _Live] = {}
+        self.step_log: list[list[str]] = []  # the request ids live in every step
+        self.weight_log: list[int] = []  # for every weight push: the number of steps run before it
+        self.prompts: dict[str, list[int]] = {}  # request id -> prompt ids
+        self.versions: dict[str, int] = {}  # request id -> weight version it was added under
 
-    def generate(self, requests: list[TurnRequest], sampling: SamplingConfig, stop_token_ids: list[int]) -> list[TurnOutput]:
-        self.calls.append(len(requests))
-        outs = []
-        for r in requests:
-            context = self.tokenizer.decode(r.prompt_ids, skip_special_tokens=False)
-            turn = context.count("<|im_start|>assistant\n") - 1
-            ids = self.tokenizer.encode(self.script(context, turn), add_special_tokens=False)
-            ids.append(self.tokenizer.eos_token_id)
-            reason = "stop"
-            if len(ids) > r.max_tokens:
-                ids, reason = ids[: r.max_tokens], "length"
-            outs.append(TurnOutput(ids, [-0.5] * len(ids), reason, self.weight_version))
-        return outs
+    def _add(self, request_id: str, request: TurnRequest, sampling: SamplingConfig, stop_token_ids: list[int]) -> None:
+        context = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
+        turn = context.count("<|im_start|>assistant\n") - 1
+        ids = self.tokenizer.encode(self.script(context, turn), add_special_tokens=False)
+        ids.append(self.tokenizer.eos_token_id)
+        self._live[request_id] = _Live(ids[: request.max_tokens], truncated=len(ids) > request.max_tokens)
+        self.prompts[request_id] = list(request.prompt_ids)
+        self.versions[request_id] = self.weight_version
 
-    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        self.weight_version = version
+    def _step(self) -> list[FinishedTurn]:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        self.step_log.append(list(self._live))
+        finished = []
+        for rid, live in list(self._live.items()):
+            live.emitted += 1
+            if live.emitted == len(live.planned):
+                del self._live[rid]
+                reason = "length" if live.truncated else "stop"
+                finished.append(FinishedTurn(rid, live.planned, [-0.5] * len(live.planned), reason))
+        return finished
 
+    def _num_unfinished(self) -> int:
+        return len(self._live)
 
-class SlowScriptedEngine(ScriptedEngine):
-    """Sleeps in every generate call, so a test can act while a batch is in flight."""
-
-    def __init__(self, tokenizer: Any, script: Script, delay_s: float) -> None:
-        super().__init__(tokenizer, script)
-        self.delay_s = delay_s
-
-    def generate(self, requests: list[TurnRequest], sampling: SamplingConfig, stop_token_ids: list[int]) -> list[TurnOutput]:
-        import time
-
-        time.sleep(self.delay_s)
-        return super().generate(requests, sampling, stop_token_ids)
+    def _apply_weights(self, state_dict: Mapping[str, Any]) -> None:
+        self.weight_log.append(len(self.step_log))
 
 
 def answer_script(context: str, turn: int) -> str:
     return "The answer is 7."
 
 
-def make_slow_engine(tokenizer_dir: str, delay_s: float) -> SlowScriptedEngine:
-    """A picklable engine factory for Ray workers."""
+def make_slow_engine(tokenizer_dir: str, step_delay_s: float) -> ScriptedEngine:
+    """A picklable engine factory for Ray workers: every step sleeps `step_delay_s`."""
     from transformers import AutoTokenizer
 
-    return SlowScriptedEngine(AutoTokenizer.from_pretrained(tokenizer_dir), answer_script, delay_s)
+    return ScriptedEngine(AutoTokenizer.from_pretrained(tokenizer_dir), answer_script, step_delay_s)

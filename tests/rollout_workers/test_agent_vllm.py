@@ -4,7 +4,11 @@ weight pushes into the running engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,7 @@ import torch
 
 from rollout_workers.agent import AgentLoop, make_group_specs, run_groups
 from rollout_workers.chat import as_template_tools
-from rollout_workers.engine import TurnOutput, TurnRequest
+from rollout_workers.engine import EngineCounters, TurnOutput, TurnRequest
 from rollout_workers.environments import generate_tasks, make_env_factory
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.trajectory import Trajectory
@@ -33,13 +37,17 @@ class RecordingEngine:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def generate(self, requests: list[TurnRequest], sampling: SamplingConfig, stop_token_ids: list[int]) -> list[TurnOutput]:
-        outs = self.engine.generate(requests, sampling, stop_token_ids)
-        self.log += [(list(r.prompt_ids), o) for r, o in zip(requests, outs, strict=True)]
-        return outs
+    def submit(self, request: TurnRequest, sampling: SamplingConfig, stop_token_ids: list[int]) -> Future[TurnOutput]:
+        future = self.engine.submit(request, sampling, stop_token_ids)
+        prompt = list(request.prompt_ids)
+        future.add_done_callback(lambda f: self.log.append((prompt, f.result())))
+        return future
 
     def load_weights(self, state_dict: Any, version: int) -> None:
         self.engine.load_weights(state_dict, version)
+
+    def counters(self) -> EngineCounters:
+        return self.engine.counters()
 
 
 def _run(engine: Any, tasks: list[dict[str, Any]], n: int, sampling: SamplingConfig = SAMPLING) -> list[Trajectory]:
@@ -171,3 +179,66 @@ def test_weight_push_updates_the_running_engine(vllm_engine: Any, tiny_llama_dir
     after = _run(vllm_engine, tasks, n=1)[0]
     assert after.completion_ids() == before.completion_ids()  # same seed, same weights: same episode
     assert after.weight_versions() == [start_version + 2] * len(after.steps)
+
+
+@contextlib.contextmanager
+def _engine_held(engine: Any) -> Iterator[None]:
+    """Hold the engine thread between two steps while the body submits, then let it go."""
+    started, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        gate.wait(timeout=60)
+
+    holder = threading.Thread(target=lambda: engine.call(hold, drain=False))
+    holder.start()
+    assert started.wait(timeout=60)
+    try:
+        yield
+    finally:
+        gate.set()
+        holder.join()
+
+
+def test_seeded_turn_is_the_same_alone_or_joining_a_running_batch(tiny_llama_dir: Path, vllm_env: dict[str, str]) -> None:
+    """Continuous batching on the real engine: a seeded turn samples the same tokens whether it runs alone,
+    is prefilled in pieces (it arrives with others that take most of a step's token budget), or joins
+    a batch mid-decode. The piecewise prefill needs the exact CPU generator rewind."""
+    from rollout_workers import engine as engine_module
+    from rollout_workers.engine import EngineConfig, VLLMEngine
+
+    budget = 256
+    engine = VLLMEngine(EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=512, kv_cache_gib=0.1, seed=0,
+                                     engine_kwargs={"max_num_batched_tokens": budget}))
+    sampling = SamplingConfig(max_tokens_per_turn=24, max_total_tokens=512, temperature=1.0)
+    gen = torch.Generator().manual_seed(5)
+    vocab = len(engine.tokenizer) - 100
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(10, vocab, (n,), generator=gen).tolist()
+
+    target = TurnRequest(prompt_ids=prompt(150), max_tokens=24, seed=1234)
+    try:
+        alone = engine.submit(target, sampling, []).result(timeout=120)
+
+        rewinds = engine_module.CPU_GENERATOR_REWINDS
+        engine.call(engine.llm.reset_prefix_cache)  # else the cached prompt needs no prefill to split
+        with _engine_held(engine):  # all three requests enter the same step
+            fillers = [engine.submit(TurnRequest(prompt(100), 24, seed=i), sampling, []) for i in range(2)]
+            split_future = engine.submit(target, sampling, [])
+        split = split_future.result(timeout=120)  # 200 of 256 tokens taken by the fillers: split prefill
+        assert engine_module.CPU_GENERATOR_REWINDS > rewinds
+        [f.result(timeout=120) for f in fillers]
+
+        long = [engine.submit(TurnRequest(prompt(40), 300, seed=10 + i), sampling, []) for i in range(4)]
+        probe = TurnRequest(prompt(8), 2, seed=99)
+        engine.submit(probe, sampling, []).result(timeout=120)  # the long ones are decoding now
+        assert not all(f.done() for f in long)
+        joined = engine.submit(target, sampling, []).result(timeout=120)
+        [f.result(timeout=120) for f in long]
+    finally:
+        engine.close()
+    assert len(alone.token_ids) == 24
+    for other in (split, joined):
+        assert other.token_ids == alone.token_ids
+        assert torch.allclose(torch.tensor(other.logprobs), torch.tensor(alone.logprobs), atol=1e-4, rtol=0)

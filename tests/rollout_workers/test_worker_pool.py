@@ -76,13 +76,13 @@ def test_weight_push_reaches_the_worker_engine(vllm_pool: RolloutPool, tiny_llam
 def test_killing_a_worker_mid_batch_loses_no_group(by_value: Any, tokenizer_dir: Path) -> None:
     import functools
 
-    factory = functools.partial(scripted_engine.make_slow_engine, str(tokenizer_dir), 1.5)
+    factory = functools.partial(scripted_engine.make_slow_engine, str(tokenizer_dir), 0.25)
     pool = RolloutPool(factory, helper_envs.ToyEnv, num_workers=2, num_cpus_per_worker=0.5, groups_per_call=2)
     try:
         pool.push_weights({}, version=5)
         tasks = [{"id": f"t{i}", "question": "[]"} for i in range(8)]
         future = pool.submit(tasks, n=2, sampling=SamplingConfig(max_total_tokens=2048))
-        time.sleep(0.8)  # both workers are inside their first 1.5 s generate call
+        time.sleep(0.8)  # both workers are inside their first turns (about 8 steps of 0.25 s)
         victim = pool.workers[0]
         by_value.kill(victim, no_restart=True)
         groups = future.result(timeout=120)
