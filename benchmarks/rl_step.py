@@ -155,12 +155,27 @@ def bench_push(args) -> list[dict]:
         plain = {k: v.detach() for k, v in model.state_dict().items()}
         pushes = [pool.push_weights(plain, v) for v in range(1, 4)]
         shipped = [pool.push_weights(shippable_state_dict(model), v) for v in range(4, 7)]
+        # where a shipped push goes: the learner-side copy, the object-store put, the worker's engine load
+        import ray
+
+        split = []
+        for v in range(7, 10):
+            t0 = time.perf_counter()
+            state = shippable_state_dict(model)
+            t1 = time.perf_counter()
+            ref = ray.put(state)
+            t2 = time.perf_counter()
+            worker_s = ray.get(pool.workers[0].load_weights.remote(ref, v))
+            t3 = time.perf_counter()
+            split.append((t1 - t0, t2 - t1, worker_s, t3 - t2 - worker_s))
         pool.shutdown()
         rows.append({"preset": preset, "params": sum(p.numel() for p in model.parameters()),
                      "mib": sum(v.numel() * v.element_size() for v in plain.values()) / 2**20,
                      "engine_start_s": start_s, "plain_push_s_mean": statistics.mean(pushes),
                      "plain_push_s_max": max(pushes), "push_s_mean": statistics.mean(shipped),
-                     "push_s_max": max(shipped)})
+                     "push_s_max": max(shipped),
+                     **{f"split_{k}_s": statistics.mean(x[i] for x in split)
+                        for i, k in enumerate(("state_dict", "object_store_put", "engine_load", "transport"))}})
     return rows
 
 
