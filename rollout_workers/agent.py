@@ -10,6 +10,7 @@ episode is only ever extended by ids: the sampled ids, then the ids of the text 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -69,6 +70,7 @@ class AgentLoop:
         self.stats = stats or RolloutStats()
         self._owns_runner = tool_runner is None
         self.tool_runner = tool_runner or ToolRunner()
+        self._prompts: dict[str, tuple[str, list[int]]] = {}
 
     def close(self) -> None:
         if self._owns_runner:
@@ -136,7 +138,7 @@ class AgentLoop:
             messages = await ep.lane.run(bound(env.reset, ep.spec.task), self.sampling.tool_timeout_s)
             tools = env.tools()
             ep.tools = {t["name"]: t for t in tools}
-            traj.prompt_text, traj.prompt_ids = self.chat.render_prompt(messages, tools)
+            traj.prompt_text, traj.prompt_ids = self._render_prompt(messages, tools)
             traj.metadata.update(env.episode_metadata())
         except TimeoutError as e:
             return self._finish(ep, TrajectoryStatus.ENV_ERROR, "env_error", f"reset timed out: {e}")
@@ -145,6 +147,18 @@ class AgentLoop:
         ep.context = list(traj.prompt_ids)
         if len(ep.context) >= self.sampling.max_total_tokens:
             self._finish(ep, TrajectoryStatus.TRUNCATED, "max_total_tokens", None)
+
+    def _render_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """The chat template, rendered and tokenised once per distinct prompt (the n samples of a group
+        share theirs); the key keeps dict order, which the template's output may depend on."""
+        try:
+            key = json.dumps([messages, tools])
+        except (TypeError, ValueError):
+            return self.chat.render_prompt(messages, tools)
+        if key not in self._prompts:
+            self._prompts[key] = self.chat.render_prompt(messages, tools)
+        text, ids = self._prompts[key]
+        return text, list(ids)
 
     async def _handle_turn(self, ep: _Episode, out: TurnOutput) -> None:
         s = self.sampling

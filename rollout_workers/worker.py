@@ -2,7 +2,8 @@
 
 `RolloutWorkerImpl` is the plain class (usable in-process); `RolloutWorker` is the Ray actor. The actor
 is threaded (max_concurrency > 1) so `stats()` and `load_weights()` answer while a batch runs; the
-engine's lock puts a weight push between two turns.
+engine puts a weight push between two engine steps, after the live turns end (continuous batching:
+rollout calls that overlap share the engine's running batch).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ calls). Token exactness on the real engine is in test_agent_vllm.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -197,3 +198,24 @@ def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any
 def test_sampling_config_validation(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         SamplingConfig(**bad)
+
+
+def test_prompt_rendered_once_per_distinct_prompt(tokenizer: Any) -> None:
+    engine = ScriptedEngine(tokenizer, lambda ctx, turn: "The answer is 7.")
+    loop = AgentLoop(engine, make_env_factory("calculator"), SamplingConfig(), env_name="calculator")
+    rendered: list[str] = []
+    render = loop.chat.render_prompt
+    loop.chat.render_prompt = lambda messages, tools: rendered.append(messages[-1]["content"]) or render(messages, tools)
+    tasks = generate_tasks("calculator", 3, seed=0)
+    try:
+        groups = run_groups(loop, make_group_specs(tasks, 4))
+    finally:
+        loop.close()
+        engine.close()
+    assert len(rendered) == 3
+    for task, group in zip(tasks, groups, strict=True):
+        first = group[0]
+        env = CalculatorEnv()
+        text, ids = render(asyncio.run(env.reset(task)), env.tools())
+        assert first.prompt_text == text and first.prompt_ids == ids
+        assert all(t.prompt_ids == ids and t.prompt_ids is not first.prompt_ids for t in group[1:])
