@@ -78,6 +78,7 @@ def test_crash_after_step_3_and_resume_equals_uninterrupted(shared_pool, tiny_ll
     hooks_b = InMemoryHooks()
     assert JobRunner("b", spec, hooks_b, tmp_path / "b", pool_factory=shared_pool.factory).run() == "succeeded"
     assert hooks_b.events_of("resumed")[0]["step"] == 3
+    assert hooks_a.heartbeats >= 5 * 6  # progress reported several times a step (the driver's heartbeat)
 
     # the runs really trained: non-zero advantages and weight changes (GRPO's loss value is ~0 on-policy)
     adv = [m["reward/advantage_abs_mean"] for _, m in hooks_a.metrics if "loss" in m]
