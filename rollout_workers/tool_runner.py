@@ -41,27 +41,61 @@ class _LoopThread:
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.loop.stop)
 
+    def cancel_leftovers(self) -> None:
+        """Cancel whatever the last episode's environment left running here (on the loop's own thread)."""
+
+        def cancel_all() -> None:
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(cancel_all)
+
 
 class ToolRunner:
     """Shared by the episodes of a worker: a thread pool for plain calls, and `lane()` for each
     episode's own tools event loop (an environment instance belongs to one episode, so a blocked
-    environment can only stall its own episode)."""
+    environment can only stall its own episode). A lane's loop thread goes back to an idle list when
+    its episode ends without a timed-out call, and the next lane reuses it: starting a thread and an
+    event loop per episode cost the agent loop measurable CPU at high concurrency."""
 
-    def __init__(self, max_threads: int = 64) -> None:
+    def __init__(self, max_threads: int = 64, max_idle_loops: int = 512) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="taper-tools")
         self.retired_loops = 0
+        self.max_idle_loops = max_idle_loops
+        self._idle_loops: list[_LoopThread] = []
+        self._idle_lock = threading.Lock()
 
     def lane(self) -> ToolLane:
         return ToolLane(self)
 
+    def _take_loop(self) -> _LoopThread:
+        with self._idle_lock:
+            if self._idle_loops:
+                return self._idle_loops.pop()
+        return _LoopThread()
+
+    def _give_back_loop(self, lt: _LoopThread) -> None:
+        lt.cancel_leftovers()
+        with self._idle_lock:
+            if len(self._idle_loops) < self.max_idle_loops:
+                self._idle_loops.append(lt)
+                return
+        lt.stop()
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._idle_lock:
+            idle, self._idle_loops = self._idle_loops, []
+        for lt in idle:
+            lt.stop()
 
 
 class ToolLane:
     def __init__(self, runner: ToolRunner) -> None:
         self._runner = runner
         self._loop_thread: _LoopThread | None = None
+        self._timed_out = False  # a loop that saw a timeout is never reused
 
     async def run(self, fn: Callable[[], Awaitable[T] | T], timeout_s: float) -> T:
         return (await self.run_timed(fn, timeout_s))[0]
@@ -73,7 +107,7 @@ class ToolLane:
         lt = None
         if inspect.iscoroutinefunction(fn) or _returns_coroutine(fn):
             if self._loop_thread is None:
-                self._loop_thread = _LoopThread()
+                self._loop_thread = self._runner._take_loop()
             lt = self._loop_thread
             cfut = asyncio.run_coroutine_threadsafe(_await_timed(fn), lt.loop)
         else:
@@ -81,6 +115,7 @@ class ToolLane:
         try:
             return await asyncio.wait_for(asyncio.wrap_future(cfut), timeout_s)
         except TimeoutError:
+            self._timed_out = True
             cfut.cancel()
             if lt is not None and not await _responsive(lt.loop):
                 self._loop_thread = None  # blocked: abandon it (a daemon thread), start afresh if needed
@@ -90,7 +125,10 @@ class ToolLane:
 
     def close(self) -> None:
         if self._loop_thread is not None:
-            self._loop_thread.stop()
+            if self._timed_out:
+                self._loop_thread.stop()
+            else:
+                self._runner._give_back_loop(self._loop_thread)
             self._loop_thread = None
 
 
