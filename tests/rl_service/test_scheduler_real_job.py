@@ -27,6 +27,7 @@ def test_data_parallel_job_survives_a_hung_driver(redis_url, ray_local, tiny_lla
     registration = {**HANG_ONCE, "options": {"hang_flag": str(tmp_path / "hung-once"), "hang_step": 1}}
     spec = make_spec(tiny_llama_dir, total_steps=2, checkpoint_every=1,
                      environment={"name": "hang_once_calculator", "registration": registration},
+                     rollout={"kv_cache_gib": 0.25},
                      resources={"num_learners": 2, "learner_cpus": 0.5, "rollout_cpus": 0.5})
     assert job_bundles(spec) == [{"CPU": 0.5}] * 4  # driver, rank 0, rank 1, rollout worker: the whole cluster
     sched = Scheduler(store, tick_s=0.2, driver_grace_s=2.0, liveness_every_s=1.0, heartbeat_every_s=0.5,
