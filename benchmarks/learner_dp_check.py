@@ -81,14 +81,28 @@ def rank_main(rank: int, world: int, init: str, model_dir: str, cfg, strategy: s
         torch.cuda.synchronize()
     step_s = time.perf_counter() - t0
     state = r.full_state_dict()
+    # the checkpoint path of the optimizer: gathered whole, loaded back on every rank, gathered again
+    saved = r.learner_state()
+    r.load_learner_state(_broadcast_object(saved if rank == 0 else None))
+    again = r.learner_state()
+    optim_roundtrip = max((diff(a, again["optimizer_by_name"]["state"][k][n])[0]
+                           for k, st in saved["optimizer_by_name"]["state"].items()
+                           for n, a in st.items() if isinstance(a, torch.Tensor) and a.dim() > 0), default=0.0) \
+        if rank == 0 else 0.0
     all_metrics: list = [None] * world
     torch.distributed.all_gather_object(all_metrics, metrics)
     metrics = combine_metrics(all_metrics)
     if rank == 0:
         grads["__loss__"] = torch.tensor(sum(losses))
         torch.save({"grads": grads, "state": state, "metrics": metrics, "step_s": step_s,
-                    "strategy": r.strategy}, Path(out_dir) / "dp.pt")
+                    "strategy": r.strategy, "optim_roundtrip_max_abs": optim_roundtrip}, Path(out_dir) / "dp.pt")
     r.shutdown()
+
+
+def _broadcast_object(obj=None):
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def main() -> None:
@@ -167,6 +181,7 @@ def main() -> None:
         "grad_max_abs_diff": grad_abs, "grad_max_rel_diff": grad_rel, "grad_worst_param": worst,
         "weights_after_step_max_abs_diff": w_abs, "weights_after_step_max_rel_diff": w_rel,
         "step_s_1rank": single_s, "step_s_nrank": dp["step_s"],
+        "optimizer_state_roundtrip_max_abs_diff": dp["optim_roundtrip_max_abs"],
     }
     width = max(len(k) for k in result)
     for k, v in result.items():
