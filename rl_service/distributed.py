@@ -185,11 +185,11 @@ class RankLearner:
             dist.destroy_process_group()
 
 
-def _node_address() -> tuple[str, int]:
-    """This node's IP and a free port on it (rank 0 hosts the rendezvous, so ask on rank 0's node)."""
+def _node_address() -> tuple[str, int, str]:
+    """This node's IP, a free port on it and its Ray node id (rank 0 hosts the rendezvous: ask on its node)."""
     import ray
 
-    return ray.util.get_node_ip_address(), free_port()
+    return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
 
 
 class _SyncedBalancing:
@@ -233,7 +233,10 @@ class DistributedLearner:
                  placement_group: Any = None, bundle_indices: Sequence[int] | None = None,
                  progress: Callable[[], None] | None = None, progress_every_s: float = 1.0) -> None:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
 
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -247,17 +250,21 @@ class DistributedLearner:
                                 "runtime_env": {"env_vars": env}}
         opts.update(actor_options or {})
 
-        def placed(rank: int) -> dict[str, Any]:
-            if placement_group is None:
-                return {}
-            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group, placement_group_bundle_index=int(bundle_indices[rank]))}
+        rank0_node: str | None = None
 
-        if placement_group is not None:
-            addr, port = self._wait(ray.remote(_node_address).options(num_cpus=0, **placed(0)).remote())
-        else:
-            addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-            port = free_port()
+        def placed(rank: int) -> dict[str, Any]:
+            if placement_group is not None:
+                return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group, placement_group_bundle_index=int(bundle_indices[rank]))}
+            if rank == 0 and rank0_node is not None:
+                return {"scheduling_strategy": NodeAffinitySchedulingStrategy(rank0_node, soft=False)}
+            return {}
+
+        # Rank 0 binds the rendezvous port, so the address must be on rank 0's node: in a placement group
+        # ask in its bundle; else ask on a node with room for a rank and pin rank 0 there.
+        probe = {"num_cpus": 0} if placement_group is not None else {
+            k: opts[k] for k in ("num_cpus", "num_gpus", "resources") if k in opts}
+        addr, port, rank0_node = self._wait(ray.remote(_node_address).options(**probe, **placed(0)).remote())
         init_method = f"tcp://{addr}:{port}"
         actor = ray.remote(RankLearner)
         self.ranks = [
