@@ -10,12 +10,14 @@ episode is only ever extended by ids: the sampled ids, then the ids of the text 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rollout_workers.chat import ChatFormat
 from rollout_workers.engine import Engine, TurnOutput, TurnRequest, request_seed
@@ -27,6 +29,7 @@ from rollout_workers.tool_runner import ToolLane, ToolRunner, bound
 from rollout_workers.trajectory import Step, ToolCall, Trajectory, TrajectoryStatus
 
 MAX_TOOL_RESULT_CHARS = 4000
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,6 +48,44 @@ class _Episode:
     context: list[int] = field(default_factory=list)
     done: bool = False
     lane: ToolLane | None = None
+
+
+class _ResultRelay:
+    """Hands engine results to the agent loop's event loop: one wake-up for all the results that are
+    ready, not one per turn (each wake-up is a cross-thread write that makes the engine thread give up
+    the GIL and wait to get it back)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ready: list[tuple[asyncio.Future[Any], concurrent.futures.Future[Any]]] = []
+        self._scheduled = False
+
+    def watch(self, done: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+        waiter: asyncio.Future[T] = self._loop.create_future()
+        done.add_done_callback(lambda f: self._arrived(waiter, f))
+        return waiter
+
+    def _arrived(self, waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._ready.append((waiter, done))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            ready, self._ready, self._scheduled = self._ready, [], False
+        for waiter, done in ready:
+            if waiter.cancelled():
+                continue
+            if done.cancelled():
+                waiter.cancel()
+            elif (error := done.exception()) is not None:
+                waiter.set_exception(error)
+            else:
+                waiter.set_result(done.result())
 
 
 class AgentLoop:
@@ -80,6 +121,7 @@ class AgentLoop:
     async def run(self, specs: list[EpisodeSpec]) -> list[Trajectory]:
         started = time.monotonic()
         engine_before = self.engine.counters()
+        self._relay = _ResultRelay(asyncio.get_running_loop())
         episodes = [self._new_episode(s) for s in specs]
         tasks = [asyncio.create_task(self._run_episode(e)) for e in episodes]
         try:
@@ -110,7 +152,7 @@ class AgentLoop:
                 self.sampling.seed, ep.traj.task_id, ep.spec.sample_index, len(ep.traj.steps), self.train_step
             ),
         )
-        out = await asyncio.wrap_future(self.engine.submit(request, self.sampling, self.chat.stop_token_ids))
+        out = await self._relay.watch(self.engine.submit(request, self.sampling, self.chat.stop_token_ids))
         self.stats.record_generate(len(out.token_ids))
         return out
 

@@ -43,6 +43,11 @@ class ChatFormat:
         )
 
     def encode(self, text: str) -> list[int]:
+        # A fast tokenizer's own backend gives the same ids without the wrapper's batch path, which
+        # drops and retakes the GIL: under a busy engine thread each retake waited milliseconds.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None) if self.tokenizer.is_fast else None
+        if backend is not None:
+            return list(backend.encode(text, add_special_tokens=False).ids)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
