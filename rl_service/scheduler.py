@@ -66,26 +66,7 @@ def pg_name(job_id: str) -> str:
     return f"taper-pg-{job_id}"
 
 
-HEARTBEAT_TTL_S = 24 * 3600
 MAX_DRIVER_CPUS = 1.0  # a data-parallel job's driver only holds a copy of the weights for pushes and checkpoints
-
-
-def heartbeat_key(store: Store, job_id: str) -> str:
-    return f"{store.prefix}:job:{job_id}:heartbeat"
-
-
-def write_heartbeat(store: Store, job_id: str) -> None:
-    sec, usec = store.r.time()
-    store.r.set(heartbeat_key(store, job_id), f"{sec}.{usec:06d}", ex=HEARTBEAT_TTL_S)
-
-
-def heartbeat_age(store: Store, job_id: str) -> float | None:
-    """Seconds since the job's driver last beat (by Redis's clock); None when it never did."""
-    raw = store.r.get(heartbeat_key(store, job_id))
-    if raw is None:
-        return None
-    sec, usec = store.r.time()
-    return sec + usec / 1e6 - float(raw)
 
 
 def driver_cpus(spec: JobSpec) -> float:
@@ -150,7 +131,7 @@ class DriverHooks(RedisHooks):
         if now - self._last < self.every_s:
             return
         try:
-            write_heartbeat(self.store, self.job_id)
+            self.store.write_heartbeat(self.job_id)
             self._last = now
         except Exception:  # Redis briefly away: the job goes on; the next call retries
             log.warning("job %s: heartbeat not written", self.job_id, exc_info=True)
@@ -389,14 +370,14 @@ class Scheduler:
         It is killed (with the actors it owns: learner ranks, rollout workers) and replaced like a lost one."""
         if job.state != JobState.RUNNING:
             return False
-        age = heartbeat_age(self.store, job.id)
+        age = self.store.heartbeat_age(job.id)
         if age is None or age <= self.heartbeat_timeout_s:
             return False  # no heartbeat at all: a driver from before heartbeats, judged by liveness only
         log.warning("driver of %s silent for %.1f s; killing it", job.id, age)
         self.store.add_event(job.id, "driver_hung", {"silent_s": round(age, 3), "timeout_s": self.heartbeat_timeout_s,
                                                      "attempt": job.attempts, "step": job.step})
         ray.kill(driver, no_restart=True)
-        self.store.r.delete(heartbeat_key(self.store, job.id))
+        self.store.r.delete(self.store.k_heartbeat(job.id))
         self._driver_started.pop(job.id, None)
         return True
 

@@ -7,6 +7,7 @@ Key layout (the one place it is written down; ``P`` is the key prefix, ``taper``
     P:job:{id}:metrics           STREAM  per-step metrics: step, data (JSON), ts
     P:job:{id}:schedule          STRING  the job's ScheduleHistory (JSON)
     P:job:{id}:checkpoints       ZSET    score = step, member = {"step", "uri", "ts"} (JSON)
+    P:job:{id}:heartbeat         STRING  the driver's last sign of progress, Redis time "sec.usec" (expires)
     P:jobs                       ZSET    every job id, score = creation time (ms)
     P:state:{state}              ZSET    job ids in that state, score = creation time (ms)
     P:tenant:{t}:jobs            ZSET    the tenant's job ids, score = creation time (ms)
@@ -245,6 +246,21 @@ class Store:
 
     def k_checkpoints(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}:checkpoints"
+
+    def k_heartbeat(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}:heartbeat"
+
+    def write_heartbeat(self, job_id: str, ttl_s: int = 24 * 3600) -> None:
+        sec, usec = self.r.time()
+        self.r.set(self.k_heartbeat(job_id), f"{sec}.{usec:06d}", ex=ttl_s)
+
+    def heartbeat_age(self, job_id: str) -> float | None:
+        """Seconds since the job's driver last beat (by Redis's clock); None when it never did."""
+        raw = self.r.get(self.k_heartbeat(job_id))
+        if raw is None:
+            return None
+        sec, usec = self.r.time()
+        return sec + usec / 1e6 - float(raw)
 
     def k_state(self, state: JobState | str, tenant: str | None = None) -> str:
         s = JobState(state).value

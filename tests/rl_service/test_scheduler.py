@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from rl_service.job_states import JobState
-from rl_service.scheduler import Scheduler, driver_name, heartbeat_age, job_bundles, learner_bundle_indices
+from rl_service.scheduler import Scheduler, driver_name, job_bundles, learner_bundle_indices
 from rl_service.spec import JobSpec
 from rl_service.store import Store
 
@@ -147,7 +147,7 @@ def test_a_hung_driver_is_killed_and_its_job_resumed(store: Store, scheduler: Sc
     its heartbeat goes stale, the scheduler kills it and a second driver resumes from the last checkpoint."""
     job = store.submit_job("t", _spec(name="hang", total_steps=4), str(tmp_path))[0]
     wait_for(lambda: store.get_job(job.id).step == 2, what="two steps")
-    wait_for(lambda: (heartbeat_age(store, job.id) or 0) > 1.0, what="the heartbeat going stale")
+    wait_for(lambda: (store.heartbeat_age(job.id) or 0) > 1.0, what="the heartbeat going stale")
     assert _state(store, job.id) == JobState.RUNNING  # alive: the ordinary liveness check sees nothing wrong
     wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success after the hang")
     events = store.events(job.id, limit=1000)
