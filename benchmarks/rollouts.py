@@ -273,7 +273,8 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "load_average_1m_at_end": os.getloadavg()[0]},
-        "model": "tiny Llama (hidden 128, 2 layers), SFT on calculator demonstrations" if args.model_dir is None else args.model_dir,
+        "model": "tiny Llama (hidden 128, 2 layers), SFT on calculator demonstrations"
+                 + ("" if args.model_dir is None else f" (reused with --model-dir, folder {Path(args.model_dir).name!r})"),
         "tool_latency_ms": args.tool_latency_ms,
         "sampling": sampling.model_dump(),
         "single_worker": rows,
