@@ -15,6 +15,7 @@ import json
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -112,6 +113,7 @@ class AgentLoop:
         self._owns_runner = tool_runner is None
         self.tool_runner = tool_runner or ToolRunner()
         self._prompts: dict[str, tuple[str, list[int]]] = {}
+        self._relays: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _ResultRelay] = weakref.WeakKeyDictionary()
 
     def close(self) -> None:
         if self._owns_runner:
@@ -121,7 +123,6 @@ class AgentLoop:
     async def run(self, specs: list[EpisodeSpec]) -> list[Trajectory]:
         started = time.monotonic()
         engine_before = self.engine.counters()
-        self._relay = _ResultRelay(asyncio.get_running_loop())
         episodes = [self._new_episode(s) for s in specs]
         tasks = [asyncio.create_task(self._run_episode(e)) for e in episodes]
         try:
@@ -152,7 +153,11 @@ class AgentLoop:
                 self.sampling.seed, ep.traj.task_id, ep.spec.sample_index, len(ep.traj.steps), self.train_step
             ),
         )
-        out = await self._relay.watch(self.engine.submit(request, self.sampling, self.chat.stop_token_ids))
+        loop = asyncio.get_running_loop()
+        relay = self._relays.get(loop)
+        if relay is None:
+            relay = self._relays[loop] = _ResultRelay(loop)
+        out = await relay.watch(self.engine.submit(request, self.sampling, self.chat.stop_token_ids))
         self.stats.record_generate(len(out.token_ids))
         return out
 

@@ -103,3 +103,18 @@ def test_bad_request_fails_alone_and_close_fails_the_rest(tokenizer: Any) -> Non
         slow.result(timeout=10)
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(TurnRequest(prompt_ids=ok_ids, max_tokens=2), SAMPLING, [])
+
+
+def test_an_engine_error_reaches_the_caller_of_the_loop(tokenizer: Any) -> None:
+    class Broken(ScriptedEngine):
+        def _add(self, request_id: str, request: TurnRequest, sampling: SamplingConfig, stop: list[int]) -> None:
+            raise RuntimeError("engine refused the request")
+
+    engine = Broken(tokenizer, answer_script)
+    loop = AgentLoop(engine, ToyEnv, SAMPLING, env_name="toy")
+    try:
+        with pytest.raises(RuntimeError, match="engine refused"):
+            run_groups(loop, _specs([["The answer is 7."]] * 3))
+    finally:
+        loop.close()
+        engine.close()
