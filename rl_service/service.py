@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,11 @@ class Forbidden(ServiceError):
     status, code = 403, "forbidden"
 
 
+def job_not_found(job_id: str) -> NotFound:
+    # the same answer for another tenant's job as for a missing one: ids do not leak across tenants
+    return NotFound(f"job {job_id!r} not found", field="job_id")
+
+
 class RateLimited(ServiceError):
     status, code = 429, "rate_limited"
 
@@ -73,6 +79,9 @@ def _model_field_names(model: type[BaseModel], out: set[str] | None = None) -> s
             _model_field_names(ann, out)
     return out
 
+
+# How often cancel/pause/resume re-read a job that changed state under them before giving up with a 409.
+CONTROL_ATTEMPTS = 5
 
 _KNOWN_FIELDS = _model_field_names(JobSpec) | _model_field_names(RewardSchedule)
 
@@ -152,7 +161,7 @@ class TaperService:
         try:
             return self.store.get_job(job_id, tenant=p.tenant)
         except JobNotFound:
-            raise NotFound(f"job {job_id!r} not found", field="job_id") from None
+            raise job_not_found(job_id) from None
 
     def submit(self, p: Principal, spec: JobSpec, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         if idempotency_key is not None and not (1 <= len(idempotency_key) <= 255 and idempotency_key.isprintable()):
@@ -191,87 +200,74 @@ class TaperService:
             try:
                 job = await self.store.aget_job(job_id)
             except JobNotFound:
-                raise NotFound(f"job {job_id!r} not found", field="job_id") from None
+                raise job_not_found(job_id) from None
             if len(self._status_cache) > 10_000:
                 self._status_cache.clear()
             self._status_cache[job_id] = (now + self.status_cache_s, job)
         if job.tenant != p.tenant:
-            raise NotFound(f"job {job_id!r} not found", field="job_id")
+            raise job_not_found(job_id)
         return job
 
     def _changed(self, job_id: str) -> None:
         self._status_cache.pop(job_id, None)
 
-    def cancel(self, p: Principal, job_id: str) -> JobRecord:
+    def _control(self, p: Principal, job_id: str, act: Callable[[JobRecord], JobRecord | None]) -> JobRecord:
+        """Run ``act`` on a fresh read of the job, again on a new read when the store's conditional write
+        found the job in another state (InvalidTransition). ``act`` answers a record to return as it is, or
+        None after it wrote: the job is then read back. Drops the job's cached status either way."""
         try:
-            return self._cancel(p, job_id)
+            for _ in range(CONTROL_ATTEMPTS):
+                job = self._job(p, job_id)
+                try:
+                    answer = act(job)
+                    return answer if answer is not None else self._job(p, job_id)
+                except InvalidTransition:
+                    continue
+            raise Conflict("job kept changing state; try again", field="state")
         finally:
             self._changed(job_id)
 
-    def _cancel(self, p: Principal, job_id: str) -> JobRecord:
-        for _ in range(5):  # retry when the job changed state under us
-            job = self._job(p, job_id)
-            try:
-                if job.state in (JobState.QUEUED, JobState.PAUSED):
-                    self.store.transition(job_id, JobState.CANCELLED, expect=[job.state], reason="cancelled by user")
-                elif job.state.has_driver:
-                    self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
-                                          fields={"control": CONTROL_CANCEL}, event="cancel_requested")
-                else:
-                    raise Conflict(f"job is already {job.state.value}", field="state")
-                return self._job(p, job_id)
-            except InvalidTransition:
-                continue
-        raise Conflict("job kept changing state; try again", field="state")
+    def cancel(self, p: Principal, job_id: str) -> JobRecord:
+        def act(job: JobRecord) -> None:
+            if job.state in (JobState.QUEUED, JobState.PAUSED):
+                self.store.transition(job_id, JobState.CANCELLED, expect=[job.state], reason="cancelled by user")
+            elif job.state.has_driver:
+                self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
+                                      fields={"control": CONTROL_CANCEL}, event="cancel_requested")
+            else:
+                raise Conflict(f"job is already {job.state.value}", field="state")
+
+        return self._control(p, job_id, act)
 
     def pause(self, p: Principal, job_id: str) -> JobRecord:
-        try:
-            return self._pause(p, job_id)
-        finally:
-            self._changed(job_id)
-
-    def _pause(self, p: Principal, job_id: str) -> JobRecord:
-        for _ in range(5):
-            job = self._job(p, job_id)
+        def act(job: JobRecord) -> JobRecord | None:
             if job.state == JobState.PAUSED:
                 return job
             if not job.state.has_driver:
                 raise Conflict(f"only a starting or running job can be paused (job is {job.state.value})", field="state")
             if job.control == CONTROL_CANCEL:
                 raise Conflict("job is being cancelled", field="state")
-            try:
-                self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
-                                      fields={"control": CONTROL_PAUSE}, event="pause_requested")
-                return self._job(p, job_id)
-            except InvalidTransition:
-                continue
-        raise Conflict("job kept changing state; try again", field="state")
+            self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
+                                  fields={"control": CONTROL_PAUSE}, event="pause_requested")
+            return None
+
+        return self._control(p, job_id, act)
 
     def resume(self, p: Principal, job_id: str) -> JobRecord:
-        try:
-            return self._resume(p, job_id)
-        finally:
-            self._changed(job_id)
+        def act(job: JobRecord) -> None:
+            if job.state == JobState.PAUSED:
+                self.store.transition(job_id, JobState.QUEUED, expect=[JobState.PAUSED],
+                                      fields={"control": CONTROL_RUN}, reason="resumed by user")
+            elif job.state.has_driver and job.control == CONTROL_PAUSE:
+                self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
+                                      fields={"control": CONTROL_RUN}, event="pause_withdrawn")
+            elif job.state.has_driver or job.state == JobState.QUEUED:
+                if job.control == CONTROL_CANCEL:
+                    raise Conflict("job is being cancelled", field="state")
+            else:
+                raise Conflict(f"job is already {job.state.value}", field="state")
 
-    def _resume(self, p: Principal, job_id: str) -> JobRecord:
-        for _ in range(5):
-            job = self._job(p, job_id)
-            try:
-                if job.state == JobState.PAUSED:
-                    self.store.transition(job_id, JobState.QUEUED, expect=[JobState.PAUSED],
-                                          fields={"control": CONTROL_RUN}, reason="resumed by user")
-                elif job.state.has_driver and job.control == CONTROL_PAUSE:
-                    self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
-                                          fields={"control": CONTROL_RUN}, event="pause_withdrawn")
-                elif job.state.has_driver or job.state == JobState.QUEUED:
-                    if job.control == CONTROL_CANCEL:
-                        raise Conflict("job is being cancelled", field="state")
-                else:
-                    raise Conflict(f"job is already {job.state.value}", field="state")
-                return self._job(p, job_id)
-            except InvalidTransition:
-                continue
-        raise Conflict("job kept changing state; try again", field="state")
+        return self._control(p, job_id, act)
 
     def events(self, p: Principal, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         self._job(p, job_id)
@@ -311,7 +307,7 @@ class TaperService:
         try:
             return self.store.patch_schedule(job_id, patch)
         except JobNotFound:
-            raise NotFound(f"job {job_id!r} not found", field="job_id") from None
+            raise job_not_found(job_id) from None
         except InvalidTransition as exc:
             raise Conflict(f"job is already {exc.current.value}; its schedule is final", field="state") from None
         except ValidationError as exc:
