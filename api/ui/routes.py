@@ -1,6 +1,6 @@
-"""Routes of the dashboard: the pages (static HTML shells), their JavaScript/CSS, plotly.js from the installed
-`plotly` package, and one read-only helper endpoint (the schedule preview). Every piece of job data the pages
-show comes from the /v1 API, called by the browser with the user's key."""
+"""Routes of the dashboard: the pages (static HTML shells assembled by layout.py), their JavaScript/CSS,
+plotly.js from the installed `plotly` package, and one read-only helper endpoint (the schedule preview). Every
+piece of job data the pages show comes from the /v1 API, called by the browser with the user's key."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from api.auth import get_service, principal
+from api.ui.layout import render_page
 from api.ui.preview import schedule_preview
 from api.ui.tokens import token_pieces
 from rl_service.service import (
@@ -27,13 +28,7 @@ from rl_service.service import (
     invalid_from,
 )
 
-HERE = Path(__file__).resolve().parent
-PAGES = HERE / "pages"
-STATIC = HERE / "static"
-
-# Page name -> file. The job page serves every /ui/jobs/{id}: its script reads the id from the location.
-PAGE_FILES = {"jobs": "jobs.html", "job": "job.html", "submit": "submit.html",
-              "environments": "environments.html", "login": "login.html"}
+STATIC = Path(__file__).resolve().parent / "static"
 STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
 
 # Scripts only from this origin (no inline script, no eval); plotly injects <style> elements, hence
@@ -58,7 +53,7 @@ class VendorMissing(ServiceError):
 
 
 def _page(name: str) -> Response:
-    return FileResponse(PAGES / PAGE_FILES[name], media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
+    return Response(render_page(name), media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
 
 @router.get("", response_class=RedirectResponse)
@@ -71,6 +66,7 @@ def jobs_page() -> Response:
     return _page("jobs")
 
 
+# The job page serves every /ui/jobs/{id}: its script reads the id from the location.
 @router.get("/jobs/{job_id}")
 def job_page(job_id: JobId) -> Response:
     return _page("job")
