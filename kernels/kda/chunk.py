@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kda.chunk_torch import chunk_kda_torch
-from kernels.kda.common import check_inputs, preprocess
+from kernels.kda.common import check_inputs, default_scale, preprocess, work_dtype
 
 
 def chunk_kda(
@@ -40,7 +40,7 @@ def chunk_kda(
     shp = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, lower_bound, A_log, dt_bias)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
-    scale = shp.K**-0.5 if scale is None else float(scale)
+    scale = default_scale(scale, shp.K)
     if q.is_cuda:
         from kernels.kda.triton_chunk import chunk_kda_triton
 
@@ -50,12 +50,11 @@ def chunk_kda(
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound, A_log=A_log,
             dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         )
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = work_dtype(q.dtype)
     qe, ke, ve, ge, be = preprocess(
         q, k, v, g, beta, dtype=dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
     )
     o, final = chunk_kda_torch(qe, ke, ve, ge, be, scale, initial_state, cu_seqlens, chunk_size)
-    final_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return o.to(q.dtype), (final.to(final_dtype) if output_final_state else None)
+    return o.to(q.dtype), (final.to(dtype) if output_final_state else None)

@@ -16,6 +16,16 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the torch paths compute in and return states in: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_scale(scale: float | None, K: int) -> float:
+    """The attention scale: K**-0.5 unless given."""
+    return K**-0.5 if scale is None else float(scale)
+
+
 @dataclass(frozen=True)
 class Shapes:
     B: int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda.common import check_inputs, preprocess
+from kernels.kda.common import check_inputs, default_scale, preprocess, work_dtype
 from kernels.kda.recurrent_torch import recurrent_kda_torch
 
 
@@ -55,7 +55,7 @@ def fused_recurrent_kda(
             raise ValueError(f"ssm_state_indices must be [N={shp.N}], got {tuple(ssm_state_indices.shape)}")
         if ssm_state_indices.device.type == "cpu" and int(ssm_state_indices.max()) >= initial_state.shape[0]:
             raise ValueError(f"ssm_state_indices has a slot >= the pool size {initial_state.shape[0]}")
-    scale = shp.K**-0.5 if scale is None else float(scale)
+    scale = default_scale(scale, shp.K)
     if q.is_cuda:
         from kernels.kda.triton_recurrent import fused_recurrent_kda_triton
 
@@ -67,7 +67,7 @@ def fused_recurrent_kda(
             inplace_final_state=inplace_final_state,
         )
     with torch.no_grad():
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dtype = work_dtype(q.dtype)
         qe, ke, ve, ge, be = preprocess(
             q, k, v, g, beta, dtype=dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -99,5 +99,5 @@ def fused_recurrent_kda(
                 initial_state.copy_(new_states.to(initial_state.dtype))
             return o, initial_state
         if output_final_state or ssm_state_indices is not None:
-            return o, new_states.to(torch.float64 if dtype == torch.float64 else torch.float32)
+            return o, new_states.to(dtype)
         return o, None
