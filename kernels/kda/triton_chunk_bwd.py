@@ -15,7 +15,14 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import gate_grad_fn
-from kernels.kda.triton_chunk_fwd import _chunk_coords
+from kernels.kda.triton_chunk_fwd import (
+    _block_reference,
+    _chunk_head_coords,
+    _gate_at_chunk_end,
+    _right_factor,
+    _start_state,
+    _state_program,
+)
 
 
 @triton.jit
@@ -24,20 +31,9 @@ def bwd_state_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    NT = tl.cdiv(T, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
     o_t = tl.arange(0, BT)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    s_off = o_k[:, None] * V + o_v[None, :]
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        b_dh += tl.load(dht + (i_n * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+    b_dh = _start_state(dht, i_n, i_hv, s_off, m_kv, HV, K, V, BK, BV, HAS_DHT)
     for it_rev in range(0, NT):
         it = NT - 1 - it_rev
         tl.store(dh + ((c0 + it) * HV + i_hv) * K * V + s_off, b_dh.to(dh.dtype.element_ty), mask=m_kv)
@@ -47,8 +43,7 @@ def bwd_state_kernel(
         m_tv = ok[:, None] & (o_v < V)[None, :]
         b_do = tl.load(do + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
         b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)
-        last = tl.minimum(it * BT + BT, T) - 1
-        g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+        g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
         tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
         b_kg = tl.load(kg + tk_off, mask=m_tk, other=0.0)
         b_qg = tl.load(qg + tk_off, mask=m_tk, other=0.0)
@@ -68,9 +63,7 @@ def bwd_inter_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    i_c, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     rows = i_t * BT + tl.arange(0, BT)
     ok = rows < T
     o_t = tl.arange(0, BT)
@@ -121,8 +114,7 @@ def bwd_inter_kernel(
     d_beta += tl.sum(d_L * b_Akk, 1)
     tl.store(dAkk + a_off, d_L * b_beta[:, None], mask=m_tt)
     tl.store(dAqk + a_off, tl.where(o_t[:, None] >= o_t[None, :], d_P, 0.0), mask=m_tt)
-    last = tl.minimum(i_t * BT + BT, T) - 1
-    g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+    g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
     b_g = tl.load(gcum + tk_off, mask=m_tk, other=0.0)
     b_q = tl.load(q + qk_off, mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + qk_off, mask=m_tk, other=0.0).to(tl.float32)
@@ -171,9 +163,7 @@ def bwd_intra_kernel(
 ):
     """dq, dk (per value head) and, in `dgate`, df for the bounded in-kernel gate, else dg (the host
     applies the unbounded gate's derivative, which also feeds A_log)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    i_c, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     o_i = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -195,10 +185,7 @@ def bwd_intra_kernel(
             b_q_i = tl.load(q + qk_i, mask=m_i, other=0.0).to(tl.float32) * scale
             b_k_i = tl.load(k + qk_i, mask=m_i, other=0.0).to(tl.float32)
             # rows of block i against columns j <= i: reference just before block i
-            if i > 0:
-                ref = tl.load(gcum + (bos + i_t * BT + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
-            else:
-                ref = tl.zeros([BK], dtype=tl.float32)
+            ref = _block_reference(gcum, bos, i_t * BT, i_hv, o_k, m_k, i, HV, K, BC, BK)
             da_P = tl.zeros([BC, BK], dtype=tl.float32)
             da_A = tl.zeros([BC, BK], dtype=tl.float32)
             db_P = tl.zeros([BC, BK], dtype=tl.float32)
@@ -207,11 +194,8 @@ def bwd_intra_kernel(
             m_a_i = ok_i[:, None] & (o_i < BC)[None, :]
             for j in tl.static_range(NB):
                 if j < i:
-                    rows_j = i_t * BT + j * BC + o_i
-                    m_j = (rows_j < T)[:, None] & m_k[None, :]
-                    b_gj = tl.load(gcum + (bos + rows_j)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_j, other=0.0)
-                    b_kj = tl.load(k + (bos + rows_j)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_j, other=0.0)
-                    k_right = (b_kj.to(tl.float32) * tl.where(m_j, tl.exp(ref[None, :] - b_gj), 0.0)).to(dt)
+                    k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
+                                            H, HV, K).to(dt)
                     dP_ij = tl.load(dAqk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
                     dA_ij = tl.load(dAkk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
                     da_P += _mm(dP_ij, k_right, FP32_DOTS)

@@ -32,6 +32,75 @@ def _chunk_coords(cu_seqlens, chunk_indices, i_c):
 
 
 @triton.jit
+def _chunk_head_coords(cu_seqlens, chunk_indices, H: tl.constexpr, HV: tl.constexpr):
+    """Of a (chunk, value head) program: chunk i_c, value head i_hv, its q/k head i_h, the chunk's index
+    i_t in its sequence, the sequence's first token bos and length T."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    return i_c, i_hv, i_h, i_t, bos, T
+
+
+@triton.jit
+def _state_program(cu_seqlens, chunk_offsets, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Of a (V tile, sequence x value head) program of the sequential state kernels: sequence i_n, value
+    head i_hv, bos, T, the sequence's first chunk c0 and chunk count NT, and the [BK, BV] state tile's
+    k/v offsets, mask and offset within one [K, V] state."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    NT = tl.cdiv(T, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    s_off = o_k[:, None] * V + o_v[None, :]
+    return i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off
+
+
+@triton.jit
+def _start_state(state, i_n, i_hv, s_off, m_kv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr):
+    """Tile of sequence i_n's given [N, HV, K, V] state in fp32, zeros without one."""
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_STATE:
+        b_s += tl.load(state + (i_n * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+    return b_s
+
+
+@triton.jit
+def _gate_at_chunk_end(gcum, bos, chunk_start, T, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr,
+                       BT: tl.constexpr):
+    """Gam at the last token of the chunk starting at chunk_start (its last valid token for a short one)."""
+    last = tl.minimum(chunk_start + BT, T) - 1
+    return tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+
+
+@triton.jit
+def _block_reference(gcum, bos, chunk_start, i_hv, o_k, m_k, i: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Gam just before sub-block i of the chunk starting at chunk_start (zeros for the first sub-block):
+    the reference point of that block's factorised scores."""
+    if i > 0:
+        ref = tl.load(gcum + (bos + chunk_start + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
+    else:
+        ref = tl.zeros([BK], dtype=tl.float32)
+    return ref
+
+
+@triton.jit
+def _right_factor(k, gcum, bos, rows, T, ref, i_h, i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr):
+    """k_s e^(ref - Gam_s) in fp32 for the rows of an earlier sub-block (zero outside the sequence)."""
+    m = (rows < T)[:, None] & m_k[None, :]
+    b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m, other=0.0)
+    b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.0)
+    return b_k.to(tl.float32) * tl.where(m, tl.exp(ref[None, :] - b_g), 0.0)
+
+
+@triton.jit
 def gate_cumsum_kernel(
     f, dt_bias, a_log, gcum, cu_seqlens, chunk_indices, lower_bound,
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -83,9 +152,7 @@ def intra_scores_kernel(
 ):
     """Aqk (incl. diagonal, times scale) and Akk (strictly lower) for one chunk and value head; q and k
     have H heads, value head i_hv reads head i_hv // (HV // H)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     o_i = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -97,10 +164,7 @@ def intra_scores_kernel(
         qk_off_i = (bos + rows_i)[:, None] * (H * K) + i_h * K + o_k[None, :]
         g_off_i = (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
         b_g_i = tl.load(gcum + g_off_i, mask=m_i, other=0.0)
-        if i > 0:
-            ref = tl.load(gcum + (bos + i_t * BT + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
-        else:
-            ref = tl.zeros([BK], dtype=tl.float32)
+        ref = _block_reference(gcum, bos, i_t * BT, i_hv, o_k, m_k, i, HV, K, BC, BK)
         e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
         b_q = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
         b_k = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
@@ -110,11 +174,8 @@ def intra_scores_kernel(
         m_a = ok_i[:, None] & (o_i < BC)[None, :]
         for j in tl.static_range(NB):
             if j < i:
-                rows_j = i_t * BT + j * BC + o_i
-                m_j = (rows_j < T)[:, None] & m_k[None, :]
-                b_gj = tl.load(gcum + (bos + rows_j)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_j, other=0.0)
-                b_kj = tl.load(k + (bos + rows_j)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_j, other=0.0)
-                k_right = (b_kj.to(tl.float32) * tl.where(m_j, tl.exp(ref[None, :] - b_gj), 0.0)).to(k.dtype.element_ty)
+                k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
+                                        H, HV, K).to(k.dtype.element_ty)
                 s_qk = tl.dot(q_left, tl.trans(k_right))
                 s_kk = tl.dot(k_left, tl.trans(k_right))
             elif j == i:
@@ -145,9 +206,7 @@ def solve_wu_kernel(
     """Ai = (I + diag(beta) Akk)^-1 by block forward substitution, then w and u, and the gated
     qg = scale q e^Gam and kg = k e^(Gam_last - Gam) that the sequential state kernels consume (so
     their loop carries no exponentials and no fp32 gate loads)."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     o_i = tl.arange(0, BC)
     NB: tl.constexpr = BT // BC
     eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
@@ -197,8 +256,7 @@ def solve_wu_kernel(
     kb = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * b_b[:, None]).to(dt)
     tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     tl.store(w + tk_off, tl.dot(b_M, kb).to(w.dtype.element_ty), mask=m_tk)
-    last = tl.minimum(i_t * BT + BT, T) - 1
-    g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+    g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
     tl.store(kg + tk_off, (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(kg.dtype.element_ty),
              mask=m_tk)
     b_q = tl.load(q + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
@@ -219,20 +277,9 @@ def fwd_state_kernel(
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
 ):
     """Sequential over a sequence's chunks; one program per (V tile, sequence, value head)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    NT = tl.cdiv(T, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
     o_t = tl.arange(0, BT)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    s_off = o_k[:, None] * V + o_v[None, :]
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + (i_n * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+    b_h = _start_state(h0, i_n, i_hv, s_off, m_kv, HV, K, V, BK, BV, HAS_H0)
     for it in range(0, NT):
         tl.store(h + ((c0 + it) * HV + i_hv) * K * V + s_off, b_h.to(h.dtype.element_ty), mask=m_kv)
         rows = it * BT + o_t
@@ -243,8 +290,7 @@ def fwd_state_kernel(
         b_u = tl.load(u + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(kg.dtype.element_ty), b_h.to(kg.dtype.element_ty))
         tl.store(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
-        last = tl.minimum(it * BT + BT, T) - 1
-        g_last = tl.load(gcum + (bos + last) * (HV * K) + i_hv * K + o_k, mask=o_k < K, other=0.0)
+        g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
         b_kg = tl.load(kg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype))
     if STORE_FINAL:
