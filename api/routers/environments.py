@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Response
 
-from fastapi import APIRouter, Depends, Path, Response
-
-from api.auth import get_service, principal
+from api.routers.params import EnvName, Svc, Who
 from api.schemas import EnvironmentOut
-from rl_service.service import Principal, TaperService
 from rollout_workers.environments.registry import EnvironmentRegistration
 
 router = APIRouter(prefix="/v1/environments", tags=["environments"])
 
-Svc = Annotated[TaperService, Depends(get_service)]
-Who = Annotated[Principal, Depends(principal)]
-EnvName = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
 @router.post("", status_code=201, response_model=EnvironmentOut, summary="Register an environment")

@@ -8,10 +8,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Body, Header, Query, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
-from api.auth import get_service, principal
+from api.routers.params import JobId, Svc, Who
 from api.schemas import (
     CheckpointOut,
     EventOut,
@@ -24,14 +24,11 @@ from api.schemas import (
     TrajectoryPage,
 )
 from rl_service.job_states import JobState
-from rl_service.service import Principal, TaperService
+from rl_service.service import TaperService
 from rl_service.spec import JobSpec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-Svc = Annotated[TaperService, Depends(get_service)]
-Who = Annotated[Principal, Depends(principal)]
-JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 Cursor = Annotated[str | None, Query(pattern=r"^\d{1,19}-\d{1,19}$", description="Return items after this id.")]
 Offset = Annotated[int, Query(ge=0, le=1_000_000)]
 

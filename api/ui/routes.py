@@ -9,12 +9,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Query
+from fastapi import APIRouter, Body, Query
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from api.auth import get_service, principal
+from api.routers.params import JobId, Svc, Who
 from api.ui.layout import render_page
 from api.ui.preview import schedule_preview
 from api.ui.tokens import token_pieces
@@ -22,9 +22,7 @@ from rl_service.service import (
     Conflict,
     InvalidInput,
     NotFound,
-    Principal,
     ServiceError,
-    TaperService,
     invalid_from,
 )
 
@@ -43,9 +41,6 @@ SECURITY_HEADERS = {
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 
-Svc = Annotated[TaperService, Depends(get_service)]
-Who = Annotated[Principal, Depends(principal)]
-JobId = Annotated[str, PathParam(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
 class VendorMissing(ServiceError):
