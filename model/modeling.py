@@ -198,6 +198,8 @@ class TaperForCausalLM(TaperPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: TaperConfig) -> None:
+        # Before any tensor work, so the CPU thread pool inherits it: see kernels.kda.chunk_torch
+        torch.set_flush_denormal(True)
         super().__init__(config)
         self.model = TaperModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

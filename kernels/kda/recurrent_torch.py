@@ -16,6 +16,7 @@ def recurrent_kda_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Preprocessed inputs in one float dtype (q,k expanded to HV heads); `states` [N,HV,K,V] in that
     dtype. Returns o [B,T,HV,V] and the new states [N,HV,K,V]."""
+    torch.set_flush_denormal(True)  # see chunk_kda_torch
     B, T, HV, K = q.shape
     bounds = sequence_bounds(T, B, cu_seqlens)
     Lmax = max(e - s for _, s, e in bounds)

@@ -88,6 +88,7 @@ class TaperModel(nn.Module):
 
 class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        torch.set_flush_denormal(True)  # see kernels.kda.chunk_torch
         super().__init__()
         config = vllm_config.model_config.hf_config
         if not isinstance(config, TaperConfig):
