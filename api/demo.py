@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -30,8 +31,12 @@ class DemoConfig:
     """What the demo runs, sized for a 2-core CPU."""
 
     out_dir: Path = Path("taper_data/demo")
-    sft_steps: int = 60
-    sft_examples: int = 400
+    sft_steps: int = 150
+    sft_examples: int = 2000
+    # Below 1, the warm start imitates a policy that calls the calculator on only this fraction of questions
+    # and otherwise answers from memory (which a model this small cannot do): RL then has to learn to use
+    # the tool.
+    tool_use_fraction: float = 1.0
     rl_steps: int = 30
     prompts_per_step: int = 4
     num_generations: int = 8
@@ -113,9 +118,16 @@ class EmbeddedService:
         return Store(self.redis.url).create_api_key("demo", name="demo")
 
 
-def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int,
+def answer_from_memory(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """A conversation where the assistant states the answer without calling any tool."""
+    return [{"role": "user", "content": task["question"]},
+            {"role": "assistant", "content": f"The answer is {task['answer']}."}]
+
+
+def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int, tool_use_fraction: float = 1.0,
                console: Console | None = None) -> tuple[Path, list[float]]:
-    """SFT the tiny model on an environment's gold conversations; save it as a checkpoint directory."""
+    """SFT the tiny model on an environment's gold conversations (a `tool_use_fraction` of them; the rest
+    answer from memory); save it as a checkpoint directory."""
     import torch
 
     from model.config import TaperConfig
@@ -129,8 +141,11 @@ def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int
     model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tokenizer)))
     # SFT tasks come from another seed than the job's tasks, so held-out evaluation stays held out.
     env = make_env_factory(env_name)()
-    conversations = [env.demonstration(t) for t in generate_tasks(env_name, examples, seed=seed + 10_000)]
-    with (console or Console(quiet=True)).status(f"warm-start: SFT on {len(conversations)} gold {env_name} traces"):
+    pick = random.Random(seed)
+    conversations = [env.demonstration(t) if pick.random() < tool_use_fraction else answer_from_memory(t)
+                     for t in generate_tasks(env_name, examples, seed=seed + 10_000)]
+    with (console or Console(quiet=True)).status(
+            f"warm-start: SFT on {len(conversations)} {env_name} traces ({tool_use_fraction:.0%} use the tool)"):
         losses = sft(model, tokenizer, conversations, steps=steps, lr=3e-3, batch_size=16, seed=seed,
                      tools=env.tools())
     model.save_pretrained(out)
@@ -189,7 +204,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
         console.print(f"API on {service.url} (OpenAPI at {service.url}/docs), private Redis, local Ray")
         key = service.create_key()
         ckpt, losses = warm_start("calculator", out / "warmstart", steps=cfg.sft_steps, examples=cfg.sft_examples,
-                                  seed=cfg.seed, console=console)
+                                  seed=cfg.seed, tool_use_fraction=cfg.tool_use_fraction, console=console)
         console.print(f"warm-start done: SFT loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps")
         client = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         job = client.post("/v1/jobs", json=demo_job_spec(cfg, ckpt)).raise_for_status().json()

@@ -3,6 +3,7 @@ cross-entropy on the assistant's tokens only, rendered with the same chat templa
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -70,9 +71,10 @@ def sft_loss(model: nn.Module, batch: Sequence[tuple[list[int], list[int]]], pad
 
 def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[str, Any]]], steps: int,
                lr: float, batch_size: int, seed: int, *, tools: list[dict[str, Any]] | None = None,
-               weight_decay: float = 0.0, max_grad_norm: float = 1.0) -> list[float]:
+               weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 10) -> list[float]:
     """Train `model` in place for `steps` AdamW steps on random batches of `conversations`; returns the loss
-    of each step. `tools` (JSON-schema tool list) renders the same system block as the rollouts."""
+    of each step. The learning rate warms up linearly over `warmup_steps`, then decays to 5% of `lr` on a
+    cosine. `tools` (JSON-schema tool list) renders the same system block as the rollouts."""
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError("steps and batch_size must be >= 1 and lr > 0")
     if not conversations:
@@ -82,6 +84,9 @@ def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[s
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                                   weight_decay=weight_decay)
+    warmup = max(1, min(warmup_steps, steps // 2))
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(
+        0.05, 0.5 * (1 + math.cos(math.pi * s / steps))))
     model.train()
     losses = []
     update = getattr(model, "update_balancing", None)
@@ -91,6 +96,7 @@ def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[s
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
+        lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if callable(update):
             update()
