@@ -18,8 +18,9 @@ def test_each_role_gets_its_own_custom_resources() -> None:
     spec = spec_with({"learner_cpus": 2, "learner_gpus": 1, "num_learners": 2, "learner_custom": {"learner": 1},
                       "rollout_cpus": 0.5, "rollout_gpus": 1, "rollout_custom": {"rollout": 1}}, num_workers=3)
     bundles = job_bundles(spec)
-    assert bundles[:2] == [{"CPU": 2.0, "GPU": 1.0, "learner": 1.0}] * 2
-    assert bundles[2:] == [{"CPU": 0.5, "GPU": 1.0, "rollout": 1.0}] * 3
+    assert bundles[0] == {"CPU": 1.0}  # the driver of a data-parallel job: CPU only
+    assert bundles[1:3] == [{"CPU": 2.0, "GPU": 1.0, "learner": 1.0}] * 2
+    assert bundles[3:] == [{"CPU": 0.5, "GPU": 1.0, "rollout": 1.0}] * 3
 
 
 def test_custom_is_the_older_name_of_rollout_custom() -> None:

@@ -208,16 +208,16 @@ def test_from_algorithm_spec() -> None:
     assert (cfg.mode, cfg.scale_rewards, cfg.gamma, cfg.process_scale) == ("summed", "none", 0.5, "batch")
 
 
-rewards = st.floats(0.0, 1.0, allow_nan=False)
+rewards = st.floats(0.0, 1.0, allow_nan=False, allow_subnormal=False)
 
 
 @settings(max_examples=80, deadline=None)
 @given(
     groups=st.lists(st.lists(rewards, min_size=1, max_size=6), min_size=1, max_size=5),
     process=st.lists(st.lists(rewards, min_size=0, max_size=3), min_size=30, max_size=30),
-    w=st.floats(0.0, 10.0),
+    w=st.floats(0.0, 10.0, allow_subnormal=False),
     scale=st.sampled_from(["group", "batch", "none"]),
-    gamma=st.none() | st.floats(0.0, 1.0),
+    gamma=st.none() | st.floats(0.0, 1.0, allow_subnormal=False),
 )
 def test_property_finite_and_group_normalised(
     b: Any, groups: list[list[float]], process: list[list[float]], w: float, scale: str, gamma: float | None

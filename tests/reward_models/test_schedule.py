@@ -63,8 +63,8 @@ def test_exponential_halves_every_half_life() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     kind=st.sampled_from(["constant", "linear", "cosine", "exponential", "step"]),
-    w_start=st.floats(0, 5),
-    w_end=st.floats(0, 5),
+    w_start=st.floats(0, 5, allow_subnormal=False),
+    w_end=st.floats(0, 5, allow_subnormal=False),
     warmup=st.integers(0, 20),
     horizon=st.integers(1, 50),
 )
