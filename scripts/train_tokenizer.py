@@ -28,21 +28,29 @@ SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 # Tool-call markup: single ids, but kept in decoded text so tool parsers can see them.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-# Qwen-style ChatML. Tools (JSON schemas) go into the system prompt; assistant tool calls render
+# ChatML. Tools go into the system prompt as one-line signatures (`name(arg: type, opt?: type): description`,
+# short enough for the tiny model's context); assistant tool calls render
 # as <tool_call>{"name": ..., "arguments": {...}}</tool_call>; tool results as role "tool".
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{{- '# Tools' }}"
     "{%- for tool in tools %}"
     "{%- if tool.function is defined %}{%- set tool = tool.function %}{%- endif %}"
-    "{{- '\\n' + (tool | tojson) }}"
+    "{%- set params = tool.parameters.properties if tool.parameters is defined and tool.parameters.properties "
+    "is defined else {} %}"
+    "{%- set required = tool.parameters.required if tool.parameters is defined and tool.parameters.required "
+    "is defined else [] %}"
+    "{{- '\\n' + tool.name + '(' }}"
+    "{%- for name, schema in params.items() %}"
+    "{{- (', ' if not loop.first else '') ~ name ~ ('' if name in required else '?') ~ ': ' "
+    "~ ('any' if schema.type is not defined else schema.type if schema.type is string "
+    "else schema.type | join('|')) }}"
     "{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>{\"name\": <function-name>, "
-    "\"arguments\": <args-json-object>}</tool_call><|im_end|>\\n' }}"
+    "{{- ')' ~ (': ' ~ tool.description if tool.description is defined else '') }}"
+    "{%- endfor %}"
+    "{{- '\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}"
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"

@@ -71,13 +71,20 @@ def test_chat_template_renders_tools_and_tool_calls(tokenizer):
     ]
     rendered = tokenizer.apply_chat_template(messages, tools=[CALCULATOR], tokenize=False)
     assert rendered.startswith(f"{IM_START}system\nBe brief.\n\n# Tools")
-    assert json.dumps(CALCULATOR["function"]) in rendered
+    assert "\ncalculator(expression: string): Evaluate an arithmetic expression.\n" in rendered
     assert (f'{IM_START}assistant\n{TOOL_CALL_START}{{"name": "calculator", "arguments": {{"expression": "17*23"}}}}'
             f"{TOOL_CALL_END}{IM_END}\n") in rendered
     assert f"{IM_START}tool\n{TOOL_RESPONSE_START}391{TOOL_RESPONSE_END}{IM_END}\n" in rendered
     assert rendered.endswith(f"{IM_START}assistant\nThe answer is 391.{IM_END}\n")
     prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt == f"{IM_START}system\nBe brief.{IM_END}\n{IM_START}user\nWhat is 17*23?{IM_END}\n{IM_START}assistant\n"
+
+
+def test_tool_signatures_mark_optional_parameters_and_odd_types(tokenizer):
+    tool = {"name": "fetch", "parameters": {"type": "object", "required": ["url"], "properties": {
+        "url": {"type": "string"}, "retries": {"type": ["integer", "null"]}, "body": {}}}}
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool], tokenize=False)
+    assert "\nfetch(url: string, retries?: integer|null, body?: any)\n" in rendered
 
 
 def test_string_arguments_are_rendered_verbatim(tokenizer):
