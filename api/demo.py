@@ -8,10 +8,7 @@ process-reward decay, follows it, patches the schedule once mid-run, and writes 
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rl_service.embedded import RedisServer, free_port, start_private_redis
+from api.launcher import ApiServerProcess
+from rl_service.embedded import RedisServer, start_private_redis
 from rl_service.settings import TaperSettings
 
 
@@ -75,39 +73,24 @@ class EmbeddedService:
         self.data_dir = data_dir.resolve()
         self.console = console
         self.redis: RedisServer | None = None
-        self.api: subprocess.Popen | None = None
+        self.api: ApiServerProcess | None = None
         self.url = ""
 
     def __enter__(self) -> EmbeddedService:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.redis = start_private_redis(self.data_dir / "redis", persist=True)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, TAPER_REDIS_URL=self.redis.url, TAPER_DATA_DIR=str(self.data_dir))
-        log = open(self.data_dir / "api.log", "w")  # noqa: SIM115 - lives as long as the server
-        self.api = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.api.poll() is not None:
-                raise RuntimeError(f"the API server exited; see {self.data_dir / 'api.log'}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the API server did not come up; see {self.data_dir / 'api.log'}")
+        try:
+            self.api = ApiServerProcess(self.data_dir / "api.log", env={
+                "TAPER_REDIS_URL": self.redis.url, "TAPER_DATA_DIR": str(self.data_dir)}).start()
+        except RuntimeError:
+            self.redis.stop()
+            raise
+        self.url = self.api.url
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.api is not None and self.api.poll() is None:
-            self.api.terminate()
-            try:
-                self.api.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.api.kill()
+        if self.api is not None:
+            self.api.stop()
         if self.redis is not None:
             self.redis.stop()
 

@@ -22,8 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +29,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from api.launcher import ApiServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 # The job that trains in the background during the measurement (tiny model, vLLM on CPU, many steps).
@@ -182,35 +182,20 @@ class EmbeddedServer:
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.proc: subprocess.Popen | None = None
+        self.api: ApiServerProcess | None = None
         self.redis = None
         self.url = ""
 
     def __enter__(self) -> EmbeddedServer:
-        from rl_service.embedded import free_port, start_private_redis
+        from rl_service.embedded import start_private_redis
 
         self.redis = start_private_redis(self.data_dir / "redis", persist=False)
         ray_address = self._start_ray()
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, TAPER_REDIS_URL=self.redis.url, TAPER_DATA_DIR=str(self.data_dir),
-                   TAPER_SUBMIT_RATE_PER_MINUTE="100000", PYTHONPATH=str(ROOT), RAY_ADDRESS=ray_address)
-        self.log = open(self.data_dir / "api.log", "w")  # noqa: SIM115 - closed in __exit__
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"API server exited:\n{(self.data_dir / 'api.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("API server did not come up")
+        env = {"TAPER_REDIS_URL": self.redis.url, "TAPER_DATA_DIR": str(self.data_dir),
+               "TAPER_SUBMIT_RATE_PER_MINUTE": "100000", "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_address}
+        self.api = ApiServerProcess(self.data_dir / "api.log", env=env, cwd=ROOT).start()
+        self.url = self.api.url
+        return self
 
     @staticmethod
     def _start_ray(attempts: int = 3) -> str:
@@ -236,13 +221,8 @@ class EmbeddedServer:
         return Store(self.redis.url).create_api_key("bench", name="bench")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+        if self.api is not None:
+            self.api.stop()
         if self.redis is not None:
             self.redis.stop()
         import ray

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_proc import ApiProcess
 
+from api.launcher import ApiServerProcess
 from rl_service.store import Store
 
 STANDIN_DIR = Path(__file__).resolve().parent.parent / "rl_service"
@@ -29,12 +29,18 @@ def ray_address(ray_local) -> str:
     return ray_local.get_runtime_context().gcs_address
 
 
+def api_process(redis_url: str, ray_address: str, data_dir: Path, runner: str) -> ApiServerProcess:
+    env = {"TAPER_REDIS_URL": redis_url, "RAY_ADDRESS": ray_address, "TAPER_DATA_DIR": str(data_dir),
+           "TAPER_JOB_RUNNER": runner}
+    return ApiServerProcess(data_dir / f"api-{time.monotonic_ns()}.log", env=env, cwd=STANDIN_DIR)
+
+
 def test_api_crash_and_restart_mid_job_loses_nothing(redis_url: str, ray_address: str, tmp_path: Path) -> None:
     key = Store(redis_url).create_api_key("restart")
     h = {"Authorization": f"Bearer {key}"}
     # The stand-in runner (0.4 s per step) is imported by the driver from the server's working directory.
-    env = {"TAPER_JOB_RUNNER": "standin_runner:StandInRunner"}
-    first = ApiProcess(redis_url, ray_address, tmp_path, cwd=STANDIN_DIR, extra_env=env).start()
+    runner = "standin_runner:StandInRunner"
+    first = api_process(redis_url, ray_address, tmp_path, runner).start()
     try:
         job = httpx.post(f"{first.url}/v1/jobs", json={"name": "survivor", "total_steps": 12, "seed": 400},
                          headers=h).json()
@@ -47,7 +53,7 @@ def test_api_crash_and_restart_mid_job_loses_nothing(redis_url: str, ray_address
     time.sleep(1.0)
     # with no API at all, the job keeps training
     assert wait_for(lambda: Store(redis_url).get_job(job["id"]).step > step_at_kill, 30, "progress without API")
-    second = ApiProcess(redis_url, ray_address, tmp_path, cwd=STANDIN_DIR, extra_env=env).start()
+    second = api_process(redis_url, ray_address, tmp_path, runner).start()
     try:
         final = wait_for(lambda: (j := httpx.get(f"{second.url}/v1/jobs/{job['id']}", headers=h).json())["state"]
                          in ("succeeded", "failed") and j, 120, "the job to finish")
