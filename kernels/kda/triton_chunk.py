@@ -147,6 +147,7 @@ def kda_bwd(
         q, k, v, beta, gcum, saved["Akk"], saved["Ai"], saved["w"], saved["u"], saved["vn"], h, dh, do, dvn,
         dv, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dbeta, cu, chunk_indices, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=cfg.num_warps_bwd,
+        num_stages=cfg.num_stages_bwd_inter,
     )
     dq, dk, dgate = (torch.empty(T, HV, K, **f32) for _ in range(3))
     bounded = lower_bound is not None
@@ -217,6 +218,7 @@ def chunk_kda_triton(
     interpreter under TRITON_INTERPRET=1)."""
     cfg = config or (DEFAULT_CONFIG if chunk_size == DEFAULT_CONFIG.chunk_size else
                      KDAKernelConfig(chunk_size=chunk_size))
+    cfg = cfg.for_inputs(q.dtype)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     if use_beta_sigmoid_in_kernel:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,12 +22,22 @@ class KDAKernelConfig:
     bwd_fp32_dots: bool = True  # 3xTF32 dots for the score-matrix gradients (dg accuracy; see _mm)
     num_stages_state: int = 3  # software pipelining of the sequential state loops (shared memory bound)
     num_stages_bwd_state: int = 2  # 3 stages need ~271 KB of shared memory on Triton 3.6 / H200
+    num_stages_bwd_inter: int = 3
     decode_block_v: int = 32
     decode_num_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of sub_chunk {self.sub_chunk} >= 16")
+
+    def for_inputs(self, dtype: torch.dtype) -> KDAKernelConfig:
+        """fp32 inputs double every pipelined tile: at K=128 the bf16 settings need more shared memory than
+        an H200 has (fwd_state at 3 stages ~312 KB on Triton 3.6; bwd_inter ~344 KB). Compiled for sm_90,
+        these fit in under 90 KB: no pipelining of the state and backward-inter loops, BV=32 there."""
+        if dtype != torch.float32:
+            return self
+        return replace(self, num_stages_state=1, num_stages_bwd_state=1, num_stages_bwd_inter=1,
+                       block_v=min(self.block_v, 32))
 
 
 DEFAULT_CONFIG = KDAKernelConfig()
