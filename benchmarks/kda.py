@@ -58,7 +58,14 @@ def make(B: int, T: int, H: int, HV: int, K: int, V: int, dtype=torch.bfloat16, 
     )
 
 
-def ours(x, h0=None, out_state=False, cu=None, lower_bound=LB, A_log=None):
+def ours(x, h0=None, out_state=False, cu=None, lower_bound=LB, A_log=None, config=None):
+    if config is not None:  # a kernel-config variant: the Triton entry point directly
+        from kernels.kda.triton_chunk import chunk_kda_triton
+
+        return chunk_kda_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["q"].shape[-1] ** -0.5,
+                                initial_state=h0, output_final_state=out_state, use_qk_l2norm_in_kernel=True,
+                                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
+                                A_log=A_log, dt_bias=x["dt_bias"], cu_seqlens=cu, chunk_size=64, config=config)
     return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=out_state,
                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                      lower_bound=lower_bound, A_log=A_log, dt_bias=x["dt_bias"], cu_seqlens=cu)
@@ -200,6 +207,50 @@ def time_decode(N: int) -> dict:
     return res
 
 
+VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
+    "default": {},
+    "bwd_score_tf32": dict(bwd_score_precision="tf32"),
+    "bwd_score_bf16": dict(bwd_fp32_dots=False),
+    "warps_intra_8": dict(num_warps_intra=8),
+    "warps_bwd_4": dict(num_warps_bwd=4),
+}
+
+
+def time_variants(T: int = 32768) -> dict:
+    """Each config variant: relative errors vs fp64 naive (H=32, T=300, bf16) and fwd / fwd+bwd ms at T."""
+    from kernels.kda.triton_config import KDAKernelConfig
+
+    xc = make(1, 300, 32, 32, 128, 128, seed=0)
+    h0 = torch.randn(1, 32, 128, 128, device=DEV) * 0.5
+    do_c = torch.randn(1, 300, 32, 128, device=DEV)
+    dht = torch.randn(1, 32, 128, 128, device=DEV)
+    o_r, s_r, g_r = grads(lambda xx, h: naive(xx, h), xc, h0, do_c, dht)
+    x = make(1, T, 32, 32, 128, 128, seed=2)
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in GRAD_KEYS}
+    xx = dict(x, **leaves)
+    do = torch.randn(1, T, 32, 128, device=DEV, dtype=torch.bfloat16)
+    out = {}
+    for name, overrides in VARIANTS.items():
+        cfg = KDAKernelConfig(**overrides)
+        try:
+            o, s, g = grads(lambda xx_, h, cfg=cfg: ours(xx_, h, True, config=cfg), xc, h0, do_c, dht)
+            r = {"o": rel(o, o_r), "final_state": rel(s, s_r)}
+            r.update({f"d{n}": rel(g[n], g_r[n]) for n in g})
+            with torch.no_grad():
+                r["fwd_ms"] = bench(lambda cfg=cfg: ours(x, config=cfg))
+
+            def fwd_bwd(cfg=cfg):
+                ours(xx, config=cfg)[0].backward(do)
+
+            r["fwdbwd_ms"] = bench(fwd_bwd, grad_to_none=list(leaves.values()))
+        except Exception as exc:  # noqa: BLE001 - the other variants still run
+            r = {"error": repr(exc)[:300]}
+        out[name] = r
+        print(f"  variant {name}: " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in r.items()), flush=True)
+    return out
+
+
 def profile_32k() -> list[tuple[str, float]]:
     x = make(1, 32768, 32, 32, 128, 128, seed=5)
     leaves = {n: x[n].detach().clone().requires_grad_(True) for n in GRAD_KEYS}
@@ -263,6 +314,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/kda.json")
     ap.add_argument("--quick", action="store_true", help="T=8K and 32K only")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="only: kernel-config variants at 32K (errors, ms)")
     ap.add_argument("--all-checks", action="store_true",
                     help="also check other shapes/options vs naive (each new shape compiles every kernel again)")
     args = ap.parse_args()
@@ -287,6 +339,11 @@ def main() -> None:
     def save() -> None:
         dest.write_text(json.dumps(out, indent=1, default=str))
 
+    if args.variants:
+        out["variants_32k"] = time_variants()
+        save()
+        print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
+        return
     # timing first (the speed bar), all at the benchmark head shape so the kernels compile once
     for T in [8192, 32768] if args.quick else [8192, 32768, 131072]:
         out["chunk"][T] = r = attempt(time_chunk, T)

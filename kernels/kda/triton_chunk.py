@@ -66,6 +66,7 @@ def kda_fwd(
     BV = min(cfg.block_v, triton.next_power_of_2(V))
     NC = chunk_indices.shape[0]
     dev = q.device
+    prec = cfg.dot_precision(q.dtype)
     gcum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
     safe = lower_bound is not None
     gate_cumsum_kernel[(NC, HV)](
@@ -77,7 +78,7 @@ def kda_fwd(
     Akk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
     intra_scores_kernel[(NC, HV)](
         q, k, gcum, Aqk, Akk, cu, chunk_indices, scale,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, num_warps=cfg.num_warps_intra,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, num_warps=cfg.num_warps_intra,
     )
     Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
     work_dtype = cfg.work_dtype or v.dtype
@@ -87,7 +88,7 @@ def kda_fwd(
     kg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
     solve_wu_kernel[(NC, HV)](
         q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), num_warps=cfg.num_warps_intra,
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), DOT_PREC=prec, num_warps=cfg.num_warps_intra,
     )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
     h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
@@ -97,13 +98,13 @@ def kda_fwd(
     BVS = min(cfg.state_block_v, triton.next_power_of_2(V))
     fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         kg, gcum, w, u, vn, h, h0, ht, cu, chunk_offsets,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, DOT_PREC=prec,
         num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
     fwd_out_kernel[(triton.cdiv(V, BV), NC, HV)](
         qg, Aqk, vn, h, o, cu, chunk_indices,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=cfg.num_warps_out,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, num_warps=cfg.num_warps_out,
     )
     return dict(o=o, ht=ht, gcum=gcum, Aqk=Aqk, Akk=Akk, Ai=Ai, w=w, u=u, h=h, vn=vn, qg=qg, kg=kg,
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
@@ -126,6 +127,7 @@ def kda_bwd(
     chunk_indices, chunk_offsets = saved["chunk_indices"], saved["chunk_offsets"]
     NC = chunk_indices.shape[0]
     dev = q.device
+    prec = cfg.dot_precision(q.dtype)
     gcum, h = saved["gcum"], saved["h"]
     do = do.contiguous()
     dh = torch.empty_like(h)
@@ -134,7 +136,7 @@ def kda_bwd(
     BVS = min(cfg.state_block_v, triton.next_power_of_2(V))
     bwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         saved["qg"], saved["kg"], gcum, saved["w"], saved["Aqk"], do, dht, dh, dh0, dvn, cu, chunk_offsets,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, DOT_PREC=prec,
         num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_bwd_state,
     )
     f32 = dict(dtype=torch.float32, device=dev)
@@ -146,7 +148,7 @@ def kda_bwd(
     bwd_inter_kernel[(NC, HV)](
         q, k, v, beta, gcum, saved["Akk"], saved["Ai"], saved["w"], saved["u"], saved["vn"], h, dh, do, dvn,
         dv, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dbeta, cu, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, num_warps=cfg.num_warps_bwd,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, num_warps=cfg.num_warps_bwd,
         num_stages=cfg.num_stages_bwd_inter,
     )
     dq, dk, dgate = (torch.empty(T, HV, K, **f32) for _ in range(3))
@@ -155,7 +157,9 @@ def kda_bwd(
         q, k, gcum, f, dt_bias, A_log, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dq, dk, dgate,
         cu, chunk_indices, scale, lower_bound if bounded else 0.0,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, SAFE=bounded, USE_GATE=use_gate, BOUNDED=bounded,
-        HAS_BIAS=dt_bias is not None, FP32_DOTS=cfg.bwd_fp32_dots, num_warps=cfg.num_warps_bwd,
+        HAS_BIAS=dt_bias is not None, FP32_DOTS=cfg.bwd_fp32_dots,
+        DOT_PREC=cfg.bwd_score_precision if cfg.bwd_fp32_dots else prec,
+        num_warps=cfg.num_warps_bwd,
     )
     return dq, dk, dv, dgate, dbeta, dh0
 

@@ -29,7 +29,7 @@ from kernels.kda.triton_chunk_fwd import (
 def bwd_state_kernel(
     qg, kg, gcum, w, Aqk, do, dht, dh, dh0, dvn, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
     o_t = tl.arange(0, BT)
@@ -49,9 +49,9 @@ def bwd_state_kernel(
         b_qg = tl.load(qg + tk_off, mask=m_tk, other=0.0)
         b_w = tl.load(w + tk_off, mask=m_tk, other=0.0)
         dt = b_kg.dtype
-        b_dvn = tl.dot(tl.trans(b_A.to(dt)), b_do.to(dt)) + tl.dot(b_kg, b_dh.to(dt))
+        b_dvn = tl.dot(tl.trans(b_A.to(dt)), b_do.to(dt), input_precision=DOT_PREC) + tl.dot(b_kg, b_dh.to(dt), input_precision=DOT_PREC)
         tl.store(dvn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_dvn.to(dvn.dtype.element_ty), mask=m_tv)
-        b_dh = b_dh * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(dt)) - tl.dot(tl.trans(b_w.to(dt)), b_dvn.to(dt))
+        b_dh = b_dh * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_qg), b_do.to(dt), input_precision=DOT_PREC) - tl.dot(tl.trans(b_w.to(dt)), b_dvn.to(dt), input_precision=DOT_PREC)
     if STORE_DH0:
         tl.store(dh0 + (i_n * HV + i_hv) * K * V + s_off, b_dh, mask=m_kv)
 
@@ -61,7 +61,7 @@ def bwd_inter_kernel(
     q, k, v, beta, gcum, Akk, Ai, w, u, vn, h, dh, do, dvn,
     dv, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dbeta, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_c, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     rows = i_t * BT + tl.arange(0, BT)
@@ -95,20 +95,20 @@ def bwd_inter_kernel(
         b_v = tl.load(v + tv_off, mask=m_tv, other=0.0).to(tl.float32)
         b_h = tl.load(h + s_off, mask=m_kv, other=0.0)
         b_dh = tl.load(dh + s_off, mask=m_kv, other=0.0)
-        d_P += tl.dot(b_do, tl.trans(b_vn))
-        d_QE += tl.dot(b_do, tl.trans(b_h.to(dt)))
-        d_Kd += tl.dot(b_vn, tl.trans(b_dh.to(dt)))
-        d_W -= tl.dot(b_dvn, tl.trans(b_h.to(dt)))
+        d_P += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PREC)
+        d_QE += tl.dot(b_do, tl.trans(b_h.to(dt)), input_precision=DOT_PREC)
+        d_Kd += tl.dot(b_vn, tl.trans(b_dh.to(dt)), input_precision=DOT_PREC)
+        d_W -= tl.dot(b_dvn, tl.trans(b_h.to(dt)), input_precision=DOT_PREC)
         d_gam_h += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), 1)
-        b_dBv = tl.dot(b_Mt, b_dvn)
+        b_dBv = tl.dot(b_Mt, b_dvn, input_precision=DOT_PREC)
         tl.store(dv + tv_off, (b_dBv * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         d_beta += tl.sum(b_dBv * b_v, 1)
-        d_Lv += tl.dot(b_dBv.to(dt), tl.trans(b_u))
+        d_Lv += tl.dot(b_dBv.to(dt), tl.trans(b_u), input_precision=DOT_PREC)
     tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     qk_off = (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_w = tl.load(w + tk_off, mask=m_tk, other=0.0).to(dt)
-    d_Bk = tl.dot(b_Mt, d_W.to(dt))
-    d_L = -(d_Lv + tl.dot(d_Bk.to(dt), tl.trans(b_w)))
+    d_Bk = tl.dot(b_Mt, d_W.to(dt), input_precision=DOT_PREC)
+    d_L = -(d_Lv + tl.dot(d_Bk.to(dt), tl.trans(b_w), input_precision=DOT_PREC))
     d_L = tl.where(o_t[:, None] > o_t[None, :], d_L, 0.0)
     b_Akk = tl.load(Akk + a_off, mask=m_tt, other=0.0)
     d_beta += tl.sum(d_L * b_Akk, 1)
@@ -144,13 +144,14 @@ def _pairwise_grads(dX, a, b, g_i, R: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, FP32: tl.constexpr):
-    """Dot of the score-gradient blocks. FP32 (3xTF32, ~fp32 accuracy): dg = a*da - b*db cancels, and
-    bf16 operands here left dg ~3x less accurate than dq/dk (bf16-rounding emulation on CPU)."""
+def _mm(a, b, FP32: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Dot of the score-gradient blocks. FP32: fp32 operands at DOT_PREC (the config's
+    `bwd_score_precision`): dg = a*da - b*db cancels, and bf16 operands here left dg ~3x less accurate
+    than dq/dk (bf16-rounding emulation on CPU; 1.2e-2 vs fp64 on an H200)."""
     if FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
     else:
-        return tl.dot(a, b)
+        return tl.dot(a, b, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -159,7 +160,7 @@ def bwd_intra_kernel(
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, SAFE: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP32_DOTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP32_DOTS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dq, dk (per value head) and, in `dgate`, df for the bounded in-kernel gate, else dg (the host
     applies the unbounded gate's derivative, which also feeds A_log)."""
@@ -198,8 +199,8 @@ def bwd_intra_kernel(
                                             H, HV, K).to(dt)
                     dP_ij = tl.load(dAqk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
                     dA_ij = tl.load(dAkk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
-                    da_P += _mm(dP_ij, k_right, FP32_DOTS)
-                    da_A += _mm(dA_ij, k_right, FP32_DOTS)
+                    da_P += _mm(dP_ij, k_right, FP32_DOTS, DOT_PREC)
+                    da_A += _mm(dA_ij, k_right, FP32_DOTS, DOT_PREC)
             e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
             da_P *= e_left
             da_A *= e_left
@@ -219,8 +220,8 @@ def bwd_intra_kernel(
                     m_a_m = ok_m[:, None] & (o_i < BC)[None, :]
                     dP_mi = tl.load(dAqk + a_col, mask=m_a_m, other=0.0).to(dt)
                     dA_mi = tl.load(dAkk + a_col, mask=m_a_m, other=0.0).to(dt)
-                    db_P += _mm(tl.trans(dP_mi), (b_qm.to(tl.float32) * e_m * scale).to(dt), FP32_DOTS)
-                    db_A += _mm(tl.trans(dA_mi), (b_km.to(tl.float32) * e_m).to(dt), FP32_DOTS)
+                    db_P += _mm(tl.trans(dP_mi), (b_qm.to(tl.float32) * e_m * scale).to(dt), FP32_DOTS, DOT_PREC)
+                    db_A += _mm(tl.trans(dA_mi), (b_km.to(tl.float32) * e_m).to(dt), FP32_DOTS, DOT_PREC)
             e_right2 = tl.where(m_i, tl.exp(ref2[None, :] - b_g_i), 0.0)
             db_P *= e_right2
             db_A *= e_right2
@@ -229,11 +230,11 @@ def bwd_intra_kernel(
             dA_ii = tl.load(dAkk + a_row + i * BC, mask=m_a_i, other=0.0)
             if SAFE:
                 k_r = (b_k_i * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(dt)
-                da_P += _mm(dP_ii.to(dt), k_r, FP32_DOTS) * e_left
-                da_A += _mm(dA_ii.to(dt), k_r, FP32_DOTS) * e_left
+                da_P += _mm(dP_ii.to(dt), k_r, FP32_DOTS, DOT_PREC) * e_left
+                da_A += _mm(dA_ii.to(dt), k_r, FP32_DOTS, DOT_PREC) * e_left
                 e_l2 = tl.where(m_i, tl.exp(b_g_i - ref2[None, :]), 0.0)
-                db_P += _mm(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt), FP32_DOTS) * e_right2
-                db_A += _mm(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt), FP32_DOTS) * e_right2
+                db_P += _mm(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt), FP32_DOTS, DOT_PREC) * e_right2
+                db_A += _mm(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt), FP32_DOTS, DOT_PREC) * e_right2
             else:
                 R = (o_i[:, None] >= o_i[None, :]) & ok_i[:, None] & ok_i[None, :]
                 t_da, t_db = _pairwise_grads(dP_ii, b_q_i, b_k_i, b_g_i, R)

@@ -148,7 +148,7 @@ def _diag_block_pairwise(x, k, g, rows, row_ok, xk_head, xk_stride, g_head, g_st
 def intra_scores_kernel(
     q, k, gcum, Aqk, Akk, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr,
+    BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Aqk (incl. diagonal, times scale) and Akk (strictly lower) for one chunk and value head; q and k
     have H heads, value head i_hv reads head i_hv // (HV // H)."""
@@ -176,13 +176,13 @@ def intra_scores_kernel(
             if j < i:
                 k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
                                         H, HV, K).to(k.dtype.element_ty)
-                s_qk = tl.dot(q_left, tl.trans(k_right))
-                s_kk = tl.dot(k_left, tl.trans(k_right))
+                s_qk = tl.dot(q_left, tl.trans(k_right), input_precision=DOT_PREC)
+                s_kk = tl.dot(k_left, tl.trans(k_right), input_precision=DOT_PREC)
             elif j == i:
                 if SAFE:
                     k_right = (b_k * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(k.dtype.element_ty)
-                    s_qk = tl.dot(q_left, tl.trans(k_right))
-                    s_kk = tl.dot(k_left, tl.trans(k_right))
+                    s_qk = tl.dot(q_left, tl.trans(k_right), input_precision=DOT_PREC)
+                    s_kk = tl.dot(k_left, tl.trans(k_right), input_precision=DOT_PREC)
                     s_qk = tl.where(o_i[:, None] >= o_i[None, :], s_qk, 0.0)
                 else:
                     s_qk = _diag_block_pairwise(q, k, gcum, bos + rows_i, ok_i, i_h * K, H * K, i_hv * K, HV * K,
@@ -201,7 +201,7 @@ def intra_scores_kernel(
 def solve_wu_kernel(
     q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Ai = (I + diag(beta) Akk)^-1 by block forward substitution, then w and u, and the gated
     qg = scale q e^Gam and kg = k e^(Gam_last - Gam) that the sequential state kernels consume (so
@@ -255,7 +255,7 @@ def solve_wu_kernel(
     b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
     kb = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * b_b[:, None]).to(dt)
     tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    tl.store(w + tk_off, tl.dot(b_M, kb).to(w.dtype.element_ty), mask=m_tk)
+    tl.store(w + tk_off, tl.dot(b_M, kb, input_precision=DOT_PREC).to(w.dtype.element_ty), mask=m_tk)
     g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
     tl.store(kg + tk_off, (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(kg.dtype.element_ty),
              mask=m_tk)
@@ -267,14 +267,14 @@ def solve_wu_kernel(
         tv_off = (bos + rows)[:, None] * (HV * V) + i_hv * V + v0 + o_v[None, :]
         b_v = tl.load(v + tv_off, mask=m_tv, other=0.0)
         vb = (b_v.to(tl.float32) * b_b[:, None]).to(dt)
-        tl.store(u + tv_off, tl.dot(b_M, vb).to(u.dtype.element_ty), mask=m_tv)
+        tl.store(u + tv_off, tl.dot(b_M, vb, input_precision=DOT_PREC).to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
 def fwd_state_kernel(
     kg, gcum, w, u, vn, h, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Sequential over a sequence's chunks; one program per (V tile, sequence, value head)."""
     i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
@@ -288,11 +288,11 @@ def fwd_state_kernel(
         m_tv = ok[:, None] & (o_v < V)[None, :]
         b_w = tl.load(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_u = tl.load(u + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(kg.dtype.element_ty), b_h.to(kg.dtype.element_ty))
+        b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(kg.dtype.element_ty), b_h.to(kg.dtype.element_ty), input_precision=DOT_PREC)
         tl.store(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
         g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
         b_kg = tl.load(kg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype))
+        b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PREC)
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
 
@@ -301,7 +301,7 @@ def fwd_state_kernel(
 def fwd_out_kernel(
     qg, Aqk, vn, h, o, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v, i_c, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
@@ -316,8 +316,8 @@ def fwd_out_kernel(
     b_qg = tl.load(qg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
     b_h = tl.load(h + (i_c * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0).to(dt)
-    acc = tl.dot(b_qg, b_h)
+    acc = tl.dot(b_qg, b_h, input_precision=DOT_PREC)
     b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_s[None, :], mask=ok[:, None], other=0.0)
     b_vn = tl.load(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
-    acc += tl.dot(b_A.to(dt), b_vn.to(dt))
+    acc += tl.dot(b_A.to(dt), b_vn.to(dt), input_precision=DOT_PREC)
     tl.store(o + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_tv)

@@ -19,16 +19,27 @@ class KDAKernelConfig:
     num_warps_state: int = 4
     num_warps_out: int = 4
     num_warps_bwd: int = 8
-    bwd_fp32_dots: bool = True  # 3xTF32 dots for the score-matrix gradients (dg accuracy; see _mm)
+    bwd_fp32_dots: bool = True  # fp32-operand dots for the score-matrix gradients (dg accuracy; see _mm)
+    bwd_score_precision: str = "tf32x3"  # their input_precision: tf32x3 ~fp32, tf32 one pass
     num_stages_state: int = 3  # software pipelining of the sequential state loops (shared memory bound)
     num_stages_bwd_state: int = 2  # 3 stages need ~271 KB of shared memory on Triton 3.6 / H200
     num_stages_bwd_inter: int = 3
+    # Dots whose operands stay fp32 (fp32 inputs): "ieee" keeps fp32 accuracy; "tf32" (Triton's default) is
+    # faster but its ~1e-3 error flips near-tied MoE routes of a whole fp32 model (measured on an H200).
+    fp32_dot_precision: str = "ieee"
     decode_block_v: int = 32
     decode_num_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of sub_chunk {self.sub_chunk} >= 16")
+        for name in ("fp32_dot_precision", "bwd_score_precision"):
+            if getattr(self, name) not in ("ieee", "tf32x3", "tf32"):
+                raise ValueError(f"{name} must be 'ieee', 'tf32x3' or 'tf32', got {getattr(self, name)!r}")
+
+    def dot_precision(self, dtype: torch.dtype) -> str:
+        """`input_precision` of the kernels' dots: it only acts on fp32 operands, which bf16 inputs never give."""
+        return self.fp32_dot_precision if dtype == torch.float32 else "tf32"
 
     def for_inputs(self, dtype: torch.dtype) -> KDAKernelConfig:
         """fp32 inputs double every pipelined tile: at K=128 the bf16 settings need more shared memory than
@@ -36,8 +47,9 @@ class KDAKernelConfig:
         these fit in under 90 KB: no pipelining of the state and backward-inter loops, BV=32 there."""
         if dtype != torch.float32:
             return self
+        score = "tf32" if self.fp32_dot_precision == "tf32" else "tf32x3"  # tf32x3: fp32 error, measured
         return replace(self, num_stages_state=1, num_stages_bwd_state=1, num_stages_bwd_inter=1,
-                       block_v=min(self.block_v, 32))
+                       block_v=min(self.block_v, 32), bwd_score_precision=score)
 
 
 DEFAULT_CONFIG = KDAKernelConfig()
