@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import sys
 import time
@@ -184,7 +183,9 @@ def cuda_checks(preset: str, device: str = "cuda") -> dict:
     guarded("model_fp32", lambda: whole_model(config))
     dense = TaperConfig.preset(preset, first_k_dense=config.num_hidden_layers)
     guarded("model_fp32_dense", lambda: whole_model(dense))
-    results["triton_fp32_dots"] = os.environ.get("TRITON_F32_DEFAULT", "tf32")
+    from kernels.kda.triton_config import DEFAULT_CONFIG
+
+    results["kda_fp32_dot_precision"] = DEFAULT_CONFIG.fp32_dot_precision
     return results
 
 
@@ -292,6 +293,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--checks-only", action="store_true", help="CUDA: run the correctness checks only")
+    parser.add_argument("--no-checks", action="store_true", help="CUDA: skip the correctness checks")
+    parser.add_argument("--backends", default="kernels,torch", help="CUDA: KDA backends to time (comma-separated)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
     if args.threads:
@@ -304,12 +307,13 @@ def main() -> None:
                     "gpu": torch.cuda.get_device_name() if cuda else None, "cpu_threads": torch.get_num_threads()}
 
     if cuda:
-        report["checks"] = cuda_checks(preset)
-        print(json.dumps(report["checks"], indent=2))
+        if not args.no_checks:
+            report["checks"] = cuda_checks(preset)
+            print(json.dumps(report["checks"], indent=2))
         if args.checks_only:
             return
         shapes = [(1, 2048)] if args.quick else [(1, 8192), (4, 8192)]
-        backends = ["kernels", "torch"]
+        backends = args.backends.split(",")
     else:
         shapes = [(1, 256)] if args.quick else [(1, 512), (4, 512)]
         backends = ["kernels"]  # on CPU chunk_kda is the torch path

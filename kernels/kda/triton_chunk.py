@@ -159,6 +159,7 @@ def kda_bwd(
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, SAFE=bounded, USE_GATE=use_gate, BOUNDED=bounded,
         HAS_BIAS=dt_bias is not None, FP32_DOTS=cfg.bwd_fp32_dots,
         DOT_PREC=cfg.bwd_score_precision if cfg.bwd_fp32_dots else prec,
+        DIAG_PREC=(cfg.bwd_score_precision_diag or cfg.bwd_score_precision) if cfg.bwd_fp32_dots else prec,
         num_warps=cfg.num_warps_bwd,
     )
     return dq, dk, dv, dgate, dbeta, dh0

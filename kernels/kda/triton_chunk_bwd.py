@@ -160,7 +160,7 @@ def bwd_intra_kernel(
     cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, SAFE: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP32_DOTS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP32_DOTS: tl.constexpr, DOT_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
 ):
     """dq, dk (per value head) and, in `dgate`, df for the bounded in-kernel gate, else dg (the host
     applies the unbounded gate's derivative, which also feeds A_log)."""
@@ -230,11 +230,11 @@ def bwd_intra_kernel(
             dA_ii = tl.load(dAkk + a_row + i * BC, mask=m_a_i, other=0.0)
             if SAFE:
                 k_r = (b_k_i * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(dt)
-                da_P += _mm(dP_ii.to(dt), k_r, FP32_DOTS, DOT_PREC) * e_left
-                da_A += _mm(dA_ii.to(dt), k_r, FP32_DOTS, DOT_PREC) * e_left
+                da_P += _mm(dP_ii.to(dt), k_r, FP32_DOTS, DIAG_PREC) * e_left
+                da_A += _mm(dA_ii.to(dt), k_r, FP32_DOTS, DIAG_PREC) * e_left
                 e_l2 = tl.where(m_i, tl.exp(b_g_i - ref2[None, :]), 0.0)
-                db_P += _mm(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt), FP32_DOTS, DOT_PREC) * e_right2
-                db_A += _mm(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt), FP32_DOTS, DOT_PREC) * e_right2
+                db_P += _mm(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt), FP32_DOTS, DIAG_PREC) * e_right2
+                db_A += _mm(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt), FP32_DOTS, DIAG_PREC) * e_right2
             else:
                 R = (o_i[:, None] >= o_i[None, :]) & ok_i[:, None] & ok_i[None, :]
                 t_da, t_db = _pairwise_grads(dP_ii, b_q_i, b_k_i, b_g_i, R)

@@ -21,6 +21,7 @@ class KDAKernelConfig:
     num_warps_bwd: int = 8
     bwd_fp32_dots: bool = True  # fp32-operand dots for the score-matrix gradients (dg accuracy; see _mm)
     bwd_score_precision: str = "tf32x3"  # their input_precision: tf32x3 ~fp32, tf32 one pass
+    bwd_score_precision_diag: str | None = None  # the diagonal blocks' (None: bwd_score_precision)
     num_stages_state: int = 3  # software pipelining of the sequential state loops (shared memory bound)
     num_stages_bwd_state: int = 2  # 3 stages need ~271 KB of shared memory on Triton 3.6 / H200
     num_stages_bwd_inter: int = 3
@@ -33,8 +34,8 @@ class KDAKernelConfig:
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of sub_chunk {self.sub_chunk} >= 16")
-        for name in ("fp32_dot_precision", "bwd_score_precision"):
-            if getattr(self, name) not in ("ieee", "tf32x3", "tf32"):
+        for name in ("fp32_dot_precision", "bwd_score_precision", "bwd_score_precision_diag"):
+            if getattr(self, name) not in ("ieee", "tf32x3", "tf32") and getattr(self, name) is not None:
                 raise ValueError(f"{name} must be 'ieee', 'tf32x3' or 'tf32', got {getattr(self, name)!r}")
 
     def dot_precision(self, dtype: torch.dtype) -> str:
@@ -49,7 +50,8 @@ class KDAKernelConfig:
             return self
         score = "tf32" if self.fp32_dot_precision == "tf32" else "tf32x3"  # tf32x3: fp32 error, measured
         return replace(self, num_stages_state=1, num_stages_bwd_state=1, num_stages_bwd_inter=1,
-                       block_v=min(self.block_v, 32), bwd_score_precision=score)
+                       block_v=min(self.block_v, 32), bwd_score_precision=score,
+                       bwd_score_precision_diag=None)
 
 
 DEFAULT_CONFIG = KDAKernelConfig()
