@@ -209,9 +209,9 @@ def time_decode(N: int) -> dict:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "default": {},
-    "bwd_score_tf32": dict(bwd_score_precision="tf32"),
-    "bwd_score_tf32_diag_tf32x3": dict(bwd_score_precision="tf32", bwd_score_precision_diag="tf32x3"),
-    "bwd_score_tf32x3_diag_tf32": dict(bwd_score_precision="tf32x3", bwd_score_precision_diag="tf32"),
+    "score_all_tf32x3": dict(bwd_score_precision="tf32x3", bwd_score_precision_diag=None),
+    "score_all_tf32": dict(bwd_score_precision="tf32", bwd_score_precision_diag=None),
+    "score_bf16": dict(bwd_fp32_dots=False),
 }
 
 

@@ -20,8 +20,8 @@ class KDAKernelConfig:
     num_warps_out: int = 4
     num_warps_bwd: int = 8
     bwd_fp32_dots: bool = True  # fp32-operand dots for the score-matrix gradients (dg accuracy; see _mm)
-    bwd_score_precision: str = "tf32x3"  # their input_precision: tf32x3 ~fp32, tf32 one pass
-    bwd_score_precision_diag: str | None = None  # the diagonal blocks' (None: bwd_score_precision)
+    bwd_score_precision: str = "tf32"  # their input_precision (tf32: one pass; tf32x3: ~fp32, three)
+    bwd_score_precision_diag: str | None = "tf32x3"  # the diagonal blocks (e^+-80 factors cancel in dg); None: as above
     num_stages_state: int = 3  # software pipelining of the sequential state loops (shared memory bound)
     num_stages_bwd_state: int = 2  # 3 stages need ~271 KB of shared memory on Triton 3.6 / H200
     num_stages_bwd_inter: int = 3
