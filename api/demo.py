@@ -29,12 +29,15 @@ class DemoConfig:
     """What the demo runs, sized for a 2-core CPU."""
 
     out_dir: Path = Path("taper_data/demo")
+    # Warm start, phase 1: gold traces (every question answered through the calculator) until the model can
+    # copy the expression into a call and the tool's result into the answer.
     sft_steps: int = 150
     sft_examples: int = 2000
-    # Below 1, the warm start imitates a policy that calls the calculator on only this fraction of questions
-    # and otherwise answers from memory (which a model this small cannot do): RL then has to learn to use
-    # the tool.
-    tool_use_fraction: float = 1.0
+    # Phase 2: a short fine-tune on a mix where only `tool_use_fraction` of the traces use the tool and the
+    # rest answer from memory (which a model this small cannot do). The warm start then calls the calculator
+    # on about that fraction of questions; RL has to learn that calling it pays.
+    mixed_sft_steps: int = 40
+    tool_use_fraction: float = 0.25
     rl_steps: int = 30
     prompts_per_step: int = 4
     num_generations: int = 8
@@ -49,15 +52,15 @@ def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
         "model": {"preset": "tiny", "checkpoint": str(checkpoint)},
         "environment": {"name": "calculator"},
         "tasks": {"seed": cfg.seed, "num_train": 5000, "num_eval": cfg.eval_tasks},
-        "algorithm": {"loss_type": "dapo", "learning_rate": 2e-3, "beta": 0.0, "scale_rewards": "group"},
+        "algorithm": {"loss_type": "dapo", "learning_rate": 5e-4, "beta": 0.0, "scale_rewards": "group"},
         "rollout": {
             "num_workers": 1,
             "prompts_per_step": cfg.prompts_per_step,
             "num_generations": cfg.num_generations,
             "max_turns": 3,
             "max_tokens_per_turn": 48,
-            "max_total_tokens": 384,
-            "temperature": 0.6,  # at 1.0 the warm start never copies all digits right: no outcome signal
+            "max_total_tokens": 256,
+            "temperature": 0.6,
         },
         "reward_schedule": {"kind": "linear", "w_start": 0.5, "w_end": 0.0, "horizon": cfg.rl_steps},
         "total_steps": cfg.rl_steps,
@@ -107,10 +110,11 @@ def answer_from_memory(task: dict[str, Any]) -> list[dict[str, Any]]:
             {"role": "assistant", "content": f"The answer is {task['answer']}."}]
 
 
-def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int, tool_use_fraction: float = 1.0,
-               console: Console | None = None) -> tuple[Path, list[float]]:
-    """SFT the tiny model on an environment's gold conversations (a `tool_use_fraction` of them; the rest
-    answer from memory); save it as a checkpoint directory."""
+def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int, mixed_steps: int = 0,
+               tool_use_fraction: float = 1.0, console: Console | None = None) -> tuple[Path, list[float]]:
+    """SFT the tiny model on an environment's gold conversations for `steps`, then (if `mixed_steps`) on a
+    mix where only `tool_use_fraction` of them use the tools and the rest answer from memory; save it as a
+    checkpoint directory. Returns the directory and the loss of every step."""
     import torch
 
     from model.config import TaperConfig
@@ -124,13 +128,22 @@ def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int
     model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tokenizer)))
     # SFT tasks come from another seed than the job's tasks, so held-out evaluation stays held out.
     env = make_env_factory(env_name)()
+    tasks = generate_tasks(env_name, examples, seed=seed + 10_000)
+    gold = [env.demonstration(t) for t in tasks]
     pick = random.Random(seed)
-    conversations = [env.demonstration(t) if pick.random() < tool_use_fraction else answer_from_memory(t)
-                     for t in generate_tasks(env_name, examples, seed=seed + 10_000)]
-    with (console or Console(quiet=True)).status(
-            f"warm-start: SFT on {len(conversations)} {env_name} traces ({tool_use_fraction:.0%} use the tool)"):
-        losses = sft(model, tokenizer, conversations, steps=steps, lr=3e-3, batch_size=16, seed=seed,
-                     tools=env.tools())
+    mixed = [g if pick.random() < tool_use_fraction else answer_from_memory(t) for g, t in zip(gold, tasks, strict=True)]
+    phases = [(f"gold {env_name} traces", gold, steps, 3e-3),
+              (f"traces of which {tool_use_fraction:.0%} use the tool", mixed, mixed_steps, 1e-3)]
+    losses: list[float] = []
+    with Progress(TextColumn("[bold]warm start"), BarColumn(), TextColumn("{task.description}  {task.fields[loss]}"),
+                  TimeElapsedColumn(), console=console or Console(quiet=True)) as progress:
+        for what, conversations, n, lr in phases:
+            if n < 1:
+                continue
+            bar = progress.add_task(f"SFT on {len(conversations)} {what}", total=n, loss="")
+            losses += sft(model, tokenizer, conversations, steps=n, lr=lr, batch_size=16, seed=seed + len(losses),
+                          tools=env.tools(), on_step=lambda loss, bar=bar: progress.update(
+                              bar, advance=1, loss=f"loss {loss:.3f}"))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out, losses
@@ -187,7 +200,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
         console.print(f"API on {service.url} (OpenAPI at {service.url}/docs), private Redis, local Ray")
         key = service.create_key()
         ckpt, losses = warm_start("calculator", out / "warmstart", steps=cfg.sft_steps, examples=cfg.sft_examples,
-                                  seed=cfg.seed, tool_use_fraction=cfg.tool_use_fraction, console=console)
+                                  seed=cfg.seed, mixed_steps=cfg.mixed_sft_steps,
+                                  tool_use_fraction=cfg.tool_use_fraction, console=console)
         console.print(f"warm-start done: SFT loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps")
         client = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         job = client.post("/v1/jobs", json=demo_job_spec(cfg, ckpt)).raise_for_status().json()

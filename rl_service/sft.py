@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -71,10 +71,12 @@ def sft_loss(model: nn.Module, batch: Sequence[tuple[list[int], list[int]]], pad
 
 def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[str, Any]]], steps: int,
                lr: float, batch_size: int, seed: int, *, tools: list[dict[str, Any]] | None = None,
-               weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 10) -> list[float]:
+               weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 10,
+               on_step: Callable[[float], None] | None = None) -> list[float]:
     """Train `model` in place for `steps` AdamW steps on random batches of `conversations`; returns the loss
     of each step. The learning rate warms up linearly over `warmup_steps`, then decays to 5% of `lr` on a
-    cosine. `tools` (JSON-schema tool list) renders the same system block as the rollouts."""
+    cosine. `tools` (JSON-schema tool list) renders the same system block as the rollouts. `on_step` is
+    called with each step's loss (progress display)."""
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError("steps and batch_size must be >= 1 and lr > 0")
     if not conversations:
@@ -101,4 +103,6 @@ def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[s
         if callable(update):
             update()
         losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(losses[-1])
     return losses

@@ -20,6 +20,6 @@ for group in "tests/kernels tests/reward_models tests/deploy" "tests/model" "tes
              "tests/rl_service tests/api" "tests/ui tests/test_demo.py tests/test_foundation.py"; do
   echo "==> pytest $group"
   # shellcheck disable=SC2086
-  .venv/bin/python -m pytest $group "$@" || status=1
+  .venv/bin/python -m pytest $group --durations=8 "$@" || status=1
 done
 exit $status

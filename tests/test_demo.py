@@ -12,8 +12,8 @@ from reward_models.schedule import RewardSchedule
 
 @pytest.mark.slow
 def test_short_demo_end_to_end(tmp_path) -> None:
-    cfg = DemoConfig(out_dir=tmp_path / "demo", sft_steps=4, sft_examples=32, rl_steps=5, prompts_per_step=2,
-                     num_generations=2, eval_tasks=4, patch_at_step=2)
+    cfg = DemoConfig(out_dir=tmp_path / "demo", sft_steps=4, mixed_sft_steps=2, sft_examples=32, rl_steps=5,
+                     prompts_per_step=2, num_generations=2, eval_tasks=4, patch_at_step=2)
     result = run_demo(cfg)
 
     # artifacts
