@@ -88,7 +88,8 @@ def kda_fwd(
     kg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
     solve_wu_kernel[(NC, HV)](
         q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), DOT_PREC=prec, num_warps=cfg.num_warps_intra,
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), DOT_PREC=prec,
+        INTERLEAVED=cfg.solve_interleaved, num_warps=cfg.num_warps_intra,
     )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
     h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)

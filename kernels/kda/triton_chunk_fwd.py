@@ -198,10 +198,37 @@ def intra_scores_kernel(
 
 
 @triton.jit
+def _diag_inverses_interleaved(beta, Akk, Ai, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr,
+                               BC: tl.constexpr, NB: tl.constexpr):
+    """(I + L_bb)^-1 of all NB diagonal blocks of one chunk at once, L = diag(beta) Akk, written into Ai:
+    the NB forward substitutions are independent, so step r of every block runs together (one chain of
+    BC-2 steps instead of NB such chains one after another), and row r of L is read from memory rather than
+    extracted from the tile by a masked reduction."""
+    o_b = tl.arange(0, NB)
+    o_i = tl.arange(0, BC)
+    rows = i_t * BT + o_b[:, None, None] * BC + o_i[None, :, None]  # [NB, BC, 1]
+    cols = o_b[:, None, None] * BC + o_i[None, None, :]  # [NB, 1, BC]
+    ok = (rows < T) & (cols >= 0)
+    b_beta = tl.load(beta + (bos + rows) * HV + i_hv, mask=rows < T, other=0.0).to(tl.float32)
+    off = (bos + rows) * (HV * BT) + i_hv * BT + cols
+    Y = -tl.load(Akk + off, mask=ok, other=0.0) * b_beta  # rows of (I + L)^-1 - I, built row by row
+    for r in tl.static_range(2, BC):
+        row_r = i_t * BT + o_b[:, None] * BC + r  # [NB, 1]
+        ok_r = (row_r < T) & (o_i[None, :] >= 0)
+        beta_r = tl.load(beta + (bos + row_r) * HV + i_hv, mask=row_r < T, other=0.0).to(tl.float32)
+        a = -tl.load(Akk + (bos + row_r) * (HV * BT) + i_hv * BT + o_b[:, None] * BC + o_i[None, :], mask=ok_r,
+                     other=0.0) * beta_r  # [NB, BC]
+        a = a + tl.sum(a[:, :, None] * Y, 1)
+        Y = tl.where((o_i == r)[None, :, None], a[:, None, :], Y)
+    eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    tl.store(Ai + off, Y + eye[None, :, :], mask=ok)
+
+
+@triton.jit
 def solve_wu_kernel(
     q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     """Ai = (I + diag(beta) Akk)^-1 by block forward substitution, then w and u, and the gated
     qg = scale q e^Gam and kg = k e^(Gam_last - Gam) that the sequential state kernels consume (so
@@ -210,21 +237,27 @@ def solve_wu_kernel(
     o_i = tl.arange(0, BC)
     NB: tl.constexpr = BT // BC
     eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    if INTERLEAVED:
+        _diag_inverses_interleaved(beta, Akk, Ai, bos, i_t, T, i_hv, HV, BT, BC, NB)
+        tl.debug_barrier()
     for i in tl.static_range(NB):
         rows_i = i_t * BT + i * BC + o_i
         ok_i = rows_i < T
         m_a = ok_i[:, None] & (o_i < BC)[None, :]
         a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
         b_beta = tl.load(beta + (bos + rows_i) * HV + i_hv, mask=ok_i, other=0.0).to(tl.float32)
-        L_ii = tl.load(Akk + a_off + i * BC, mask=m_a, other=0.0) * b_beta[:, None]
-        # rows of Y = (I + L)^-1 - I: Y_r = -L_r - sum_{j<r} L_rj Y_j
-        Y = -L_ii
-        for r in tl.static_range(2, BC):
-            a = tl.sum(tl.where((o_i == r)[:, None], -L_ii, 0.0), 0)
-            a = a + tl.sum(a[:, None] * Y, 0)
-            Y = tl.where((o_i == r)[:, None], a[None, :], Y)
-        M_ii = Y + eye
-        tl.store(Ai + a_off + i * BC, M_ii, mask=m_a)
+        if INTERLEAVED:
+            M_ii = tl.load(Ai + a_off + i * BC, mask=m_a, other=0.0)
+        else:
+            L_ii = tl.load(Akk + a_off + i * BC, mask=m_a, other=0.0) * b_beta[:, None]
+            # rows of Y = (I + L)^-1 - I: Y_r = -L_r - sum_{j<r} L_rj Y_j
+            Y = -L_ii
+            for r in tl.static_range(2, BC):
+                a = tl.sum(tl.where((o_i == r)[:, None], -L_ii, 0.0), 0)
+                a = a + tl.sum(a[:, None] * Y, 0)
+                Y = tl.where((o_i == r)[:, None], a[None, :], Y)
+            M_ii = Y + eye
+            tl.store(Ai + a_off + i * BC, M_ii, mask=m_a)
         for j in tl.static_range(NB):
             if j < i:
                 acc = tl.zeros([BC, BC], dtype=tl.float32)

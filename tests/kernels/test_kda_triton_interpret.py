@@ -28,7 +28,8 @@ def results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["bounded", "unbounded_varlen", "precomputed", "at_bound_chunk64"])
+@pytest.mark.parametrize("case", ["bounded", "unbounded_varlen", "precomputed", "at_bound_chunk64",
+                                  "solve_interleaved_varlen"])
 def test_triton_chunk_forward_and_gradients(results, case):
     r = results[case]
     assert r.pop("finite")

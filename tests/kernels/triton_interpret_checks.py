@@ -15,12 +15,13 @@ from kda_inputs import make_inputs, rel_err  # noqa: E402
 
 from kernels.kda import naive_recurrent_kda  # noqa: E402
 from kernels.kda.triton_chunk import chunk_kda_triton  # noqa: E402
+from kernels.kda.triton_config import KDAKernelConfig  # noqa: E402
 from kernels.kda.triton_recurrent import fused_recurrent_kda_triton  # noqa: E402
 
 GRAD_NAMES = ["q", "k", "v", "g", "beta", "initial_state", "dt_bias", "A_log"]
 
 
-def chunk_case(B, T, H, HV, K, V, chunk, seed, **opts):
+def chunk_case(B, T, H, HV, K, V, chunk, seed, config=None, **opts):
     x = make_inputs(B, T, H, HV, K, V, initial_state=True, seed=seed, **opts)
     kw = x.kwargs
     names = [n for n in GRAD_NAMES[:6]] + [n for n in GRAD_NAMES[6:] if n in kw]
@@ -35,6 +36,7 @@ def chunk_case(B, T, H, HV, K, V, chunk, seed, **opts):
         use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"], use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
         use_beta_sigmoid_in_kernel=kw.get("use_beta_sigmoid_in_kernel", False), lower_bound=kw.get("lower_bound"),
         A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"), cu_seqlens=kw.get("cu_seqlens"), chunk_size=chunk,
+        config=config,
     )
     got = torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves)
     o_ref, s_ref = naive_recurrent_kda(*x.args(), output_final_state=True, **kw)
@@ -88,6 +90,10 @@ def main() -> None:
         "precomputed": chunk_case(1, 40, 2, 2, 16, 32, 32, 3, gate="precomputed", l2norm=False),
         # every gate at the bound: the diagonal-block factors reach e^75..e^80, still finite
         "at_bound_chunk64": chunk_case(1, 64, 1, 1, 16, 16, 64, 4, gate="bounded", f_shift=30.0),
+        # the diagonal blocks' inverses as one interleaved substitution, short last chunks of varlen sequences
+        "solve_interleaved_varlen": chunk_case(1, 150, 1, 2, 32, 16, 64, 7, gate="bounded",
+                                               cu_seqlens=[0, 37, 130, 150],
+                                               config=KDAKernelConfig(solve_interleaved=True)),
         "decode_slots": decode_case(5),
         "decode_varlen": decode_varlen_case(6),
     }
