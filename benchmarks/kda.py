@@ -212,7 +212,7 @@ VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "score_all_tf32x3": dict(bwd_score_precision="tf32x3", bwd_score_precision_diag=None),
     "score_all_tf32": dict(bwd_score_precision="tf32", bwd_score_precision_diag=None),
     "score_bf16": dict(bwd_fp32_dots=False),
-    "solve_interleaved": dict(solve_interleaved=True),
+    "solve_sequential": dict(solve_interleaved=False),
 }
 
 

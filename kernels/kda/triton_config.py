@@ -16,7 +16,7 @@ class KDAKernelConfig:
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
     work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
     num_warps_intra: int = 4
-    solve_interleaved: bool = False  # the diagonal blocks' inverses as one interleaved substitution
+    solve_interleaved: bool = True  # the diagonal blocks' inverses as one interleaved substitution (H200: fwd -0.9 ms at 32K)
     num_warps_state: int = 4
     num_warps_out: int = 4
     num_warps_bwd: int = 8
