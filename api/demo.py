@@ -30,15 +30,18 @@ class DemoConfig:
 
     out_dir: Path = Path("taper_data/demo")
     # Warm start, phase 1: gold traces (every question answered through the calculator) until the model can
-    # copy the expression into a call and the tool's result into the answer.
-    sft_steps: int = 150
+    # copy the expression into a call and the tool's result into the answer: the loss falls steeply once it
+    # can (after ~100-200 steps, depending on the seed), so this phase runs until the loss (mean of the last
+    # 10 steps) is under `sft_target_loss`, `sft_steps` at most.
+    sft_steps: int = 400
+    sft_target_loss: float = 0.05
     sft_examples: int = 2000
     # Phase 2: a short fine-tune on a mix where only `tool_use_fraction` of the traces use the tool and the
     # rest answer from memory (which a model this small cannot do). The warm start then calls the calculator
     # on about that fraction of questions; RL has to learn that calling it pays.
     mixed_sft_steps: int = 40
     tool_use_fraction: float = 0.25
-    rl_steps: int = 30
+    rl_steps: int = 20
     prompts_per_step: int = 4
     num_generations: int = 8
     eval_tasks: int = 50
@@ -65,6 +68,7 @@ def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
         "reward_schedule": {"kind": "linear", "w_start": 0.5, "w_end": 0.0, "horizon": cfg.rl_steps},
         "total_steps": cfg.rl_steps,
         "checkpoint_every": max(cfg.rl_steps // 3, 1),
+        "eval_every": max(cfg.rl_steps // 4, 1),
         "seed": cfg.seed,
     }
 
@@ -110,11 +114,13 @@ def answer_from_memory(task: dict[str, Any]) -> list[dict[str, Any]]:
             {"role": "assistant", "content": f"The answer is {task['answer']}."}]
 
 
-def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int, mixed_steps: int = 0,
-               tool_use_fraction: float = 1.0, console: Console | None = None) -> tuple[Path, list[float]]:
-    """SFT the tiny model on an environment's gold conversations for `steps`, then (if `mixed_steps`) on a
-    mix where only `tool_use_fraction` of them use the tools and the rest answer from memory; save it as a
-    checkpoint directory. Returns the directory and the loss of every step."""
+def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int, target_loss: float | None = None,
+               mixed_steps: int = 0, tool_use_fraction: float = 1.0,
+               console: Console | None = None) -> tuple[Path, list[float]]:
+    """SFT the tiny model on an environment's gold conversations for `steps` (fewer if the loss reaches
+    `target_loss`), then (if `mixed_steps`) on a mix where only `tool_use_fraction` of them use the tools
+    and the rest answer from memory; save it as a checkpoint directory. Returns the directory and the loss
+    of every step."""
     import torch
 
     from model.config import TaperConfig
@@ -132,18 +138,20 @@ def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int
     gold = [env.demonstration(t) for t in tasks]
     pick = random.Random(seed)
     mixed = [g if pick.random() < tool_use_fraction else answer_from_memory(t) for g, t in zip(gold, tasks, strict=True)]
-    phases = [(f"gold {env_name} traces", gold, steps, 3e-3),
-              (f"traces of which {tool_use_fraction:.0%} use the tool", mixed, mixed_steps, 1e-3)]
+    phases = [(f"gold {env_name} traces", gold, steps, 3e-3, target_loss),
+              (f"traces of which {tool_use_fraction:.0%} use the tool", mixed, mixed_steps, 1e-3, None)]
     losses: list[float] = []
     with Progress(TextColumn("[bold]warm start"), BarColumn(), TextColumn("{task.description}  {task.fields[loss]}"),
                   TimeElapsedColumn(), console=console or Console(quiet=True)) as progress:
-        for what, conversations, n, lr in phases:
+        for what, conversations, n, lr, stop_at_loss in phases:
             if n < 1:
                 continue
             bar = progress.add_task(f"SFT on {len(conversations)} {what}", total=n, loss="")
-            losses += sft(model, tokenizer, conversations, steps=n, lr=lr, batch_size=16, seed=seed + len(losses),
-                          tools=env.tools(), on_step=lambda loss, bar=bar: progress.update(
-                              bar, advance=1, loss=f"loss {loss:.3f}"))
+            done = sft(model, tokenizer, conversations, steps=n, lr=lr, batch_size=16, seed=seed + len(losses),
+                       tools=env.tools(), stop_at_loss=stop_at_loss,
+                       on_step=lambda loss, bar=bar: progress.update(bar, advance=1, loss=f"loss {loss:.3f}"))
+            progress.update(bar, total=len(done), completed=len(done))  # an early stop fills the bar
+            losses += done
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out, losses
@@ -200,7 +208,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
         console.print(f"API on {service.url} (OpenAPI at {service.url}/docs), private Redis, local Ray")
         key = service.create_key()
         ckpt, losses = warm_start("calculator", out / "warmstart", steps=cfg.sft_steps, examples=cfg.sft_examples,
-                                  seed=cfg.seed, mixed_steps=cfg.mixed_sft_steps,
+                                  seed=cfg.seed, target_loss=cfg.sft_target_loss, mixed_steps=cfg.mixed_sft_steps,
                                   tool_use_fraction=cfg.tool_use_fraction, console=console)
         console.print(f"warm-start done: SFT loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps")
         client = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)

@@ -13,6 +13,7 @@ Training: call `update_balancing()` after each optimizer step; `gradient_checkpo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -204,6 +205,15 @@ class TaperForCausalLM(TaperPreTrainedModel, GenerationMixin):
         self.model = TaperModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        model = super().from_pretrained(*args, **kwargs)
+        loaded = model[0] if isinstance(model, tuple) else model  # output_loading_info=True gives a tuple
+        for module in loaded.modules():
+            if isinstance(module, KimiDeltaAttention):
+                module.freeze_unused_parameters()
+        return model
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

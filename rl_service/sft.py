@@ -72,11 +72,13 @@ def sft_loss(model: nn.Module, batch: Sequence[tuple[list[int], list[int]]], pad
 def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[str, Any]]], steps: int,
                lr: float, batch_size: int, seed: int, *, tools: list[dict[str, Any]] | None = None,
                weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 10,
-               on_step: Callable[[float], None] | None = None) -> list[float]:
+               on_step: Callable[[float], None] | None = None, stop_at_loss: float | None = None,
+               stop_window: int = 10) -> list[float]:
     """Train `model` in place for `steps` AdamW steps on random batches of `conversations`; returns the loss
     of each step. The learning rate warms up linearly over `warmup_steps`, then decays to 5% of `lr` on a
     cosine. `tools` (JSON-schema tool list) renders the same system block as the rollouts. `on_step` is
-    called with each step's loss (progress display)."""
+    called with each step's loss (progress display). With `stop_at_loss`, training ends early once the mean
+    loss of the last `stop_window` steps is below it (`steps` is then the cap)."""
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError("steps and batch_size must be >= 1 and lr > 0")
     if not conversations:
@@ -105,4 +107,6 @@ def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[s
         losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(losses[-1])
+        if stop_at_loss is not None and len(losses) >= stop_window and sum(losses[-stop_window:]) < stop_at_loss * stop_window:
+            break
     return losses

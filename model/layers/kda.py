@@ -70,12 +70,18 @@ class KimiDeltaAttention(nn.Module):
         self.f_b_proj = nn.Linear(K, HV * K, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(HV * K))
         # Always present (one name for both gate forms), but frozen when the bounded gate ignores it.
-        self.A_log = nn.Parameter(torch.zeros(HV), requires_grad=not self.bounded_gate)
+        self.A_log = nn.Parameter(torch.zeros(HV))
+        self.freeze_unused_parameters()
         self.b_proj = nn.Linear(d, HV, bias=False)
         self.g_a_proj = nn.Linear(d, V, bias=False)
         self.g_b_proj = nn.Linear(V, HV * V, bias=False)
         self.o_norm = GatedRMSNorm(V, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(HV * V, d, bias=False)
+
+    def freeze_unused_parameters(self) -> None:
+        """The bounded gate ignores A_log: no gradient, no optimizer state for it. Checkpoint loading creates
+        fresh (trainable) parameters, so the model calls this again after loading."""
+        self.A_log.requires_grad_(not self.bounded_gate)
 
     def _conv(self, channels: int) -> nn.Conv1d:
         return nn.Conv1d(channels, channels, self.conv_size, groups=channels, bias=False)

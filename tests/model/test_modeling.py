@@ -132,6 +132,9 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert original.keys() == reloaded.keys()
     for name, tensor in original.items():
         assert torch.equal(tensor, reloaded[name]), name
+    # which parameters train survives loading (the bounded gate's A_log stays frozen)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and frozen == {n for n, p in loaded.named_parameters() if not p.requires_grad}
     ids = torch.randint(0, 1536, (1, 7))
     with torch.no_grad():
         assert torch.equal(model(ids, use_cache=False).logits, loaded(ids, use_cache=False).logits)

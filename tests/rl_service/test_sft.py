@@ -50,3 +50,20 @@ def test_warm_start_lowers_the_assistant_loss(tokenizer) -> None:
     with torch.no_grad():
         after = float(sft_loss(model, batch))
     assert len(losses) == 8 and after < before - 1.0
+
+
+def test_warm_start_stops_once_the_recent_loss_is_under_the_target(tokenizer) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                         head_dim=24))
+    convs, tools = _demos(4)
+    first = warm_start(model, tokenizer, convs, steps=6, lr=5e-3, batch_size=2, seed=0, tools=tools)
+    target = 0.5 * sum(first[-3:]) / 3  # reachable: the loss keeps falling on these four conversations
+    losses = warm_start(model, tokenizer, convs, steps=200, lr=5e-3, batch_size=2, seed=1, tools=tools,
+                        stop_at_loss=target, stop_window=3)
+    assert 3 < len(losses) < 200
+    windows = [sum(losses[i - 3:i]) / 3 for i in range(3, len(losses) + 1)]
+    assert windows[-1] < target <= min(windows[:-1])
