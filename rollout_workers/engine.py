@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+class EngineFailed(RuntimeError):
+    """The engine's step loop broke: this engine serves nothing more (its worker must be replaced)."""
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -225,7 +229,7 @@ class ContinuousBatchingEngine(ABC):
     # ---------------------------------------------------------------- engine thread
     def _send(self, command: _Command) -> None:
         if self._failure is not None:
-            raise RuntimeError(f"the engine failed earlier: {self._failure!r}") from self._failure
+            raise EngineFailed(f"the engine failed earlier: {self._failure!r}") from self._failure
         with self._start_lock:
             if self._closed:
                 raise RuntimeError("the engine was closed")
@@ -255,7 +259,9 @@ class ContinuousBatchingEngine(ABC):
                     self._run_step()
                 except BaseException as e:  # the engine is broken: fail everything, accept nothing more
                     self._failure = e
-                    self._fail_all(e)
+                    failed = EngineFailed(f"an engine step failed: {e!r}")
+                    failed.__cause__ = e
+                    self._fail_all(failed)
                     return
 
     def _admit(self) -> _Stop | None:

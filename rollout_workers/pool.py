@@ -1,8 +1,9 @@
 """A pool of rollout workers (Ray actors) that spreads groups of rollouts over them.
 
 Groups (n samples of one task) are cut into chunks; each idle worker takes the next chunk and runs
-all its episodes concurrently. A worker that dies is replaced by a fresh one (which first loads the
-latest pushed weights) and its in-flight chunk goes back to the queue, so no group is lost.
+all its episodes concurrently. A worker that dies, or whose engine broke (`EngineFailed`), is replaced by a
+fresh one (which first loads the latest pushed weights) and its in-flight chunk goes back to the queue,
+so no group is lost.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from rollout_workers.agent import EpisodeSpec, make_group_specs
-from rollout_workers.engine import EngineConfig
+from rollout_workers.engine import EngineConfig, EngineFailed
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.trajectory import Trajectory
 from rollout_workers.worker import EngineFactory, EnvSource, RolloutWorker
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-_DEAD = (RayActorError, ActorUnavailableError)
+# Ray re-raises a task's exception as an instance of its class too, so `except EngineFailed` sees it.
+_DEAD = (RayActorError, ActorUnavailableError, EngineFailed)
 
 
 _Chunk = tuple[int, list[list[EpisodeSpec]], int]  # (first group index, groups, attempts so far)
@@ -89,7 +91,7 @@ class RolloutPool:
 
     def _replace(self, slot: int, dead: Any) -> None:
         if self._workers[slot] is dead:
-            log.warning("rollout worker %d died; starting a replacement", slot)
+            log.warning("rollout worker %d died or its engine failed; starting a replacement", slot)
             try:
                 ray.kill(dead, no_restart=True)
             except Exception:  # already gone

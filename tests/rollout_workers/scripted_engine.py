@@ -76,3 +76,31 @@ def make_slow_engine(tokenizer_dir: str, step_delay_s: float) -> ScriptedEngine:
     from transformers import AutoTokenizer
 
     return ScriptedEngine(AutoTokenizer.from_pretrained(tokenizer_dir), answer_script, step_delay_s)
+
+
+class _BreakingEngine(ScriptedEngine):
+    """Its step loop raises at step `break_at` (as a crashed model forward would)."""
+
+    def __init__(self, tokenizer: Any, break_at: int) -> None:
+        super().__init__(tokenizer, answer_script, 0.02)
+        self.break_at = break_at
+
+    def _step(self) -> list[FinishedTurn]:
+        if len(self.step_log) == self.break_at:
+            raise RuntimeError("injected engine failure")
+        return super()._step()
+
+
+def make_engine_breaking_once(tokenizer_dir: str, marker: str, break_at: int) -> ScriptedEngine:
+    """A picklable engine factory: the first engine built (across processes: `marker` is a file path that
+    does not exist yet) breaks at step `break_at`; every later one works."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return ScriptedEngine(tokenizer, answer_script, 0.02)
+    return _BreakingEngine(tokenizer, break_at)

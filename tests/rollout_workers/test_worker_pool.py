@@ -1,5 +1,5 @@
 """Ray rollout workers and the pool, on a real local Ray: a real vLLM worker keeps going past a crashing
-environment and takes weight pushes; a worker killed mid-batch loses no group."""
+environment and takes weight pushes; a worker killed mid-batch, or whose engine broke, loses no group."""
 
 from __future__ import annotations
 
@@ -92,5 +92,24 @@ def test_killing_a_worker_mid_batch_loses_no_group(by_value: Any, tokenizer_dir:
         assert pool.restarts == 1 and pool.workers[0] is not victim
         # the replacement loaded the latest weights before its first batch
         assert all(t.weight_versions() == [5] for g in groups for t in g)
+    finally:
+        pool.shutdown()
+
+
+def test_a_worker_whose_engine_broke_is_replaced_and_its_groups_rerun(by_value: Any, tokenizer_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    import functools
+
+    factory = functools.partial(scripted_engine.make_engine_breaking_once, str(tokenizer_dir),
+                                str(tmp_path / "broken-once"), 3)
+    pool = RolloutPool(factory, helper_envs.ToyEnv, num_workers=1, num_cpus_per_worker=0.5)
+    try:
+        pool.push_weights({}, version=2)
+        tasks = [{"id": f"t{i}", "question": "[]"} for i in range(4)]
+        groups = pool.generate(tasks, n=2, sampling=SamplingConfig(max_total_tokens=2048))
+        assert [[t.task_id for t in g] for g in groups] == [[f"t{i}"] * 2 for i in range(4)]
+        assert all(t.status == TrajectoryStatus.OK for g in groups for t in g)
+        assert pool.restarts == 1
+        assert all(t.weight_versions() == [2] for g in groups for t in g)
     finally:
         pool.shutdown()
