@@ -69,7 +69,7 @@ def run_one(env: str, variant: str, seed: int, steps: int, work: Path, checkpoin
     hooks = InMemoryHooks(spec.reward_schedule)
     started = time.monotonic()
     state = JobRunner(f"{env}-{variant}-{seed}", spec, hooks, work / f"{env}-{variant}-{seed}").run()
-    metrics = hooks.metrics
+    metrics = [m for _, m in hooks.metrics]
     evals = [m for m in metrics if "eval/success_rate" in m]
     train = [m for m in metrics if "success_rate" in m]
     return {
@@ -111,8 +111,10 @@ def main() -> None:
     results = [r for r in (json.loads(json_path.read_text()) if json_path.exists() else []) if r["env"] not in args.envs]
     for env in args.envs:
         gold_steps, target_loss, mixed_steps, fraction = WARM_START[env]
-        ckpt, _ = warm_start(env, args.work / f"warm-{env}", steps=gold_steps, target_loss=target_loss,
-                             mixed_steps=mixed_steps, tool_use_fraction=fraction, examples=2000, seed=0)
+        ckpt = args.work / f"warm-{env}"
+        if not (ckpt / "config.json").exists():  # a warm start from an earlier invocation is reused
+            warm_start(env, ckpt, steps=gold_steps, target_loss=target_loss, mixed_steps=mixed_steps,
+                       tool_use_fraction=fraction, examples=2000, seed=0)
         for seed in range(args.seeds):
             for variant in args.variants:
                 r = run_one(env, variant, seed, args.steps, args.work, ckpt)
