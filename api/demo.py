@@ -68,7 +68,7 @@ def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
         "reward_schedule": {"kind": "linear", "w_start": 0.5, "w_end": 0.0, "horizon": cfg.rl_steps},
         "total_steps": cfg.rl_steps,
         "checkpoint_every": max(cfg.rl_steps // 3, 1),
-        "eval_every": max(cfg.rl_steps // 4, 1),
+        "eval_every": max(cfg.rl_steps // 4, 5),
         "seed": cfg.seed,
     }
 
