@@ -35,13 +35,17 @@ def test_mask_covers_exactly_the_assistant_turns(tokenizer) -> None:
         encode_conversation(tokenizer, [{"role": "user", "content": "hi"}])
 
 
-def test_warm_start_lowers_the_assistant_loss(tokenizer) -> None:
+def _small_llama(tokenizer) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                         head_dim=24))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                        head_dim=24))
+
+
+def test_warm_start_lowers_the_assistant_loss(tokenizer) -> None:
+    model = _small_llama(tokenizer)
     convs, tools = _demos(4)
     batch = [encode_conversation(tokenizer, c, tools) for c in convs]
     with torch.no_grad():
@@ -53,12 +57,7 @@ def test_warm_start_lowers_the_assistant_loss(tokenizer) -> None:
 
 
 def test_warm_start_stops_once_the_recent_loss_is_under_the_target(tokenizer) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                         head_dim=24))
+    model = _small_llama(tokenizer)
     convs, tools = _demos(4)
     first = warm_start(model, tokenizer, convs, steps=6, lr=5e-3, batch_size=2, seed=0, tools=tools)
     target = 0.5 * sum(first[-3:]) / 3  # reachable: the loss keeps falling on these four conversations
