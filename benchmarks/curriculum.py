@@ -13,7 +13,7 @@ the real job runner (rollouts in vLLM, rewards, learner) offline, the seed setti
 sampling. Reports the held-out success rate before and after and the first step whose training success
 (moving average) reaches the threshold; prints a table, writes JSON and a plot.
 
-    python -m benchmarks.curriculum --seeds 3 --steps 20   (from the repository root)
+    python -m benchmarks.curriculum --seeds 3 --steps 10   (from the repository root)
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--envs", nargs="+", default=list(ENV_ROLLOUT))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--work", type=Path, default=Path("taper_data/curriculum"))
