@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # Ray re-raises a task's exception as an instance of its class too, so `except EngineFailed` sees it.
-_DEAD = (RayActorError, ActorUnavailableError, EngineFailed)
+_WORKER_LOST = (RayActorError, ActorUnavailableError, EngineFailed)
 
 
 _Chunk = tuple[int, list[list[EpisodeSpec]], int]  # (first group index, groups, attempts so far)
@@ -162,7 +162,7 @@ class RolloutPool:
                 slot, worker, chunk = batch.in_flight.pop(ref)
                 try:
                     out = ray.get(ref)
-                except _DEAD as e:
+                except _WORKER_LOST as e:
                     start, chunk_groups, attempts = chunk
                     if attempts >= self.max_retries:
                         raise RuntimeError(f"rollout chunk failed on {attempts + 1} workers: {e}") from e
@@ -185,7 +185,7 @@ class RolloutPool:
         for r, (slot, w) in pending.items():
             try:
                 ray.get(r)
-            except _DEAD:
+            except _WORKER_LOST:
                 self._replace(slot, w)  # the replacement loads these weights on start
         return time.monotonic() - t0
 
@@ -194,7 +194,7 @@ class RolloutPool:
         for slot, w in enumerate(self._workers):
             try:
                 per_worker.append(ray.get(w.stats.remote(), timeout=60))
-            except _DEAD:
+            except _WORKER_LOST:
                 self._replace(slot, w)
         out: dict[str, float] = {"workers": float(len(self._workers)), "worker_restarts": float(self.restarts)}
         if not per_worker:
