@@ -22,15 +22,17 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
 
-from api.launcher import ApiServerProcess
+if TYPE_CHECKING:
+    from api.launcher import ApiServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 # The job that trains in the background during the measurement (tiny model, vLLM on CPU, many steps).
@@ -187,6 +189,7 @@ class EmbeddedServer:
         self.url = ""
 
     def __enter__(self) -> EmbeddedServer:
+        from api.launcher import ApiServerProcess
         from rl_service.embedded import start_private_redis
 
         self.redis = start_private_redis(self.data_dir / "redis", persist=False)
@@ -282,6 +285,8 @@ async def run_benchmark(url: str, key: str, args: argparse.Namespace) -> dict[st
 
 
 def main() -> None:
+    if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        sys.path[0] = str(ROOT)  # run as a script: this file would shadow the `api` package
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url")
     p.add_argument("--key")
