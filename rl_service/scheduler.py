@@ -322,6 +322,8 @@ class Scheduler:
         started = self._driver_started.get(job.id)
         if started is not None and time.monotonic() - started < self.driver_grace_s:
             return  # a driver we just created may not be visible yet
+        if self.store.job_field(job.id, "state") != job.state.value:
+            return  # the job moved on (e.g. its driver finished it) after `job` was read
         if job.state == JobState.RUNNING:
             self.store.add_event(job.id, "driver_lost", {"attempt": job.attempts, "step": job.step})
             if self._finish_without_driver(job):
@@ -359,6 +361,8 @@ class Scheduler:
         except Exception:
             return False  # busy or just starting: not evidence of a problem
         if status["finished"] and not status["running"]:
+            if self.store.job_field(job.id, "state") != job.state.value:
+                return False  # it recorded the outcome after `job` was read: cleanup releases it
             log.warning("driver of %s finished but the job is still %s; restarting it", job.id, job.state.value)
             ray.kill(driver, no_restart=True)
             self._driver_started.pop(job.id, None)

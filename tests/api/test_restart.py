@@ -63,7 +63,7 @@ def test_api_crash_and_restart_mid_job_loses_nothing(redis_url: str, ray_address
         assert [m["step"] for m in metrics] == list(range(1, 13))
         assert max(m["metrics"]["schedule_version"] for m in metrics) == 2
         events = [e["kind"] for e in httpx.get(f"{second.url}/v1/jobs/{job['id']}/events", headers=h).json()["items"]]
-        assert events.count("schedule_patched") == 1 and "driver_lost" not in events
+        assert events.count("schedule_patched") == 1 and "driver_lost" not in events, events
         assert len(httpx.get(f"{second.url}/v1/jobs/{job['id']}/checkpoints", headers=h).json()) == 12
         # the scheduler frees the job's placement on its next tick after the job ends
         store = Store(redis_url)

@@ -60,28 +60,30 @@ def _make_handler(state: ToolServerState) -> type[BaseHTTPRequestHandler]:
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
             try:
-                self._handle(body)
+                code, answer = self._answer(body)
             finally:
+                # leave the count before the client can see the answer and send its next request
                 with state.lock:
                     state.in_flight -= 1
+            self._send(code, answer)
 
-        def _handle(self, body: dict[str, Any]) -> None:
+        def _answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             if self.path == "/call":
                 tool, args = body["tool"], body["arguments"]
                 if tool == "add":
-                    return self._send(200, {"result": str(args["a"] + args["b"])})
+                    return 200, {"result": str(args["a"] + args["b"])}
                 if tool == "slow":
                     time.sleep(float(args.get("seconds", 0.05)))
-                    return self._send(200, {"result": "done"})
+                    return 200, {"result": "done"}
                 if tool == "flaky":
                     with state.lock:
                         fail = state.flaky_failures_left > 0
                         state.flaky_failures_left -= 1
-                    return self._send(503, {}) if fail else self._send(200, {"result": "ok"})
-                return self._send(200, {"error": f"no tool {tool}"})
+                    return (503, {}) if fail else (200, {"result": "ok"})
+                return 200, {"error": f"no tool {tool}"}
             if self.path == "/outcome":
-                return self._send(200, {"reward": 1.0 if body.get("final_answer") == "7" else 0.0})
-            return self._send(404, {})
+                return 200, {"reward": 1.0 if body.get("final_answer") == "7" else 0.0}
+            return 404, {}
 
     return Handler
 
