@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,9 @@ def test_dockerfiles_install_like_the_setup_script() -> None:
         assert "/etc/profile.d/" in text and "wget" in text  # KubeRay's `bash -l` start and its probes
     assert len(bases) == 1, "CPU and CUDA images must share a Python base: Ray needs one Python on all nodes"
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    assert "torchvision torchaudio torchcodec" in setup and "torch==" in setup
+    assert "torchvision torchaudio torchcodec" in setup
+    assert f"torch=={TORCH_VERSION}" in setup, "scripts/setup.sh pins another torch than pyproject.toml"
+    assert '-e ".[$EXTRAS]"' in setup
 
 
 def test_compose_images_build_from_the_dockerfiles() -> None:
@@ -314,30 +317,82 @@ def test_redis_is_persistent_and_password_protected() -> None:
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
-def test_rayjob_runs_the_job_main_entry_on_a_valid_spec() -> None:
+class _StopAfterParsing(Exception):
+    pass
+
+
+def test_rayjob_entrypoint_is_accepted_by_job_main(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The entrypoint goes through job_main's real argument parser and spec loader (the spec read from the
+    ConfigMap it mounts); it stops where job_main would connect to Ray."""
+    from rl_service import embedded, job_main
+
+    job = find("RayJob")
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", "rl_service.job_main"], argv
+    args = dict(zip(argv[3::2], argv[4::2], strict=True))
+    # the spec file is the mounted ConfigMap
+    spec_path = Path(args["--spec"])
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    mount = next(vm for vm in head["containers"][0]["volumeMounts"] if vm["mountPath"] == str(spec_path.parent))
+    volume = next(v for v in head["volumes"] if v["name"] == mount["name"])
+    local_spec = tmp_path / spec_path.name
+    local_spec.write_text(find("ConfigMap", volume["configMap"]["name"])["data"][spec_path.name])
+    # checkpoints (and the resume after a retry) live on the shared volume
+    assert Path(args["--work-dir"]).is_relative_to("/data/taper"), args
+    # inside a Ray job the entrypoint joins the job's cluster instead of starting a local Ray
+    assert args.get("--ray-address") == "auto", args
+
+    seen: dict[str, object] = {}
+
+    def stop(address: str | None, num_cpus: int | None = None) -> None:
+        seen["address"] = address
+        raise _StopAfterParsing
+
+    monkeypatch.setattr(embedded, "ensure_ray", stop)
+    with pytest.raises(_StopAfterParsing):
+        job_main.main([a if a != args["--spec"] else str(local_spec) for a in argv[3:]])
+    assert seen["address"] == "auto"
+
+
+def test_rayjob_entrypoint_is_the_learner_and_the_cluster_fits_the_job() -> None:
     from rl_service.spec import JobSpec
 
     job = find("RayJob")
-    m = re.fullmatch(r"python -m rl_service\.job_main --spec (\S+)", job["spec"]["entrypoint"])
-    assert m, job["spec"]["entrypoint"]
-    spec_path = Path(m.group(1))
-    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
-    mount = next(
-        vm for vm in head["containers"][0]["volumeMounts"] if vm["mountPath"] == str(spec_path.parent)
-    )
-    volume = next(v for v in head["volumes"] if v["name"] == mount["name"])
-    cm = find("ConfigMap", volume["configMap"]["name"])
-    spec = JobSpec.model_validate(yaml.safe_load(cm["data"][spec_path.name]))
-    # the job's resources fit the RayJob's cluster: rollout bundles need `rollout`, and GPUs suffice
-    groups = [g for n, g in ray_groups(job) if n != "head"]
-    rollout_units = sum(custom_resources(g).get("rollout", 0) * g["replicas"] for g in groups)
-    gpus = sum(int(g["rayStartParams"].get("num-gpus", "0")) * g["replicas"] for g in groups)
-    need_rollout = spec.resources.custom.get("rollout", 0) * spec.rollout.num_workers
-    need_gpus = (
-        spec.resources.rollout_gpus * spec.rollout.num_workers
-        + spec.resources.learner_gpus * spec.resources.num_learners
-    )
-    assert rollout_units >= need_rollout and gpus >= need_gpus
+    argv = shlex.split(job["spec"]["entrypoint"])
+    spec_name = Path(argv[argv.index("--spec") + 1]).name
+    spec = JobSpec.model_validate(yaml.safe_load(find("ConfigMap", "taper-job-spec")["data"][spec_name]))
+    res = spec.resources
+    # one learner trains inside the entrypoint process: the entrypoint reserves the learner's resources
+    assert res.num_learners == 1
+    entry_cpus = float(job["spec"]["entrypointNumCpus"])
+    entry_gpus = float(job["spec"].get("entrypointNumGpus", 0))
+    entry_custom = json.loads(job["spec"].get("entrypointResources", "{}"))
+    assert (entry_cpus, entry_gpus, entry_custom) == (res.learner_cpus, res.learner_gpus, res.learner_resources)
+    groups = [(n, g) for n, g in ray_groups(job)]
+
+    def offers(group: dict[str, Any]) -> dict[str, float]:
+        params = group["rayStartParams"]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        cpus = float(params.get("num-cpus", quantity_bytes(limits["cpu"])))
+        return {"CPU": cpus, "GPU": float(params.get("num-gpus", "0")), **custom_resources(group)}
+
+    def fits(need: dict[str, float], have: dict[str, float]) -> bool:
+        return all(have.get(k, 0.0) >= v for k, v in need.items())
+
+    # the entrypoint fits on one pod, and that pod is not the CPU-only head when it asks for a GPU
+    entry_need = {"CPU": entry_cpus, "GPU": entry_gpus, **entry_custom}
+    homes = [n for n, g in groups if fits(entry_need, offers(g))]
+    assert homes and (entry_gpus == 0 or "head" not in homes), homes
+    # every rollout worker's bundle fits on a pod, and the whole job fits in the cluster
+    rollout_need = {"CPU": res.rollout_cpus, "GPU": res.rollout_gpus, **res.rollout_resources}
+    assert any(fits(rollout_need, offers(g)) for _, g in groups)
+    total: dict[str, float] = {}
+    for _, g in groups:
+        for k, v in offers(g).items():
+            total[k] = total.get(k, 0.0) + v * g.get("replicas", 1)
+    need = {k: entry_need.get(k, 0) + rollout_need.get(k, 0) * spec.rollout.num_workers
+            for k in set(entry_need) | set(rollout_need)}
+    assert fits(need, total), (need, total)
     assert job["spec"]["shutdownAfterJobFinishes"] is True
 
 
