@@ -265,3 +265,63 @@ def test_schedule_density_drives_node_sampling_in_credit(b: Any) -> None:
         assert abs(kept / total - expected) <= 4 * math.sqrt(0.25 / total) + 1e-12
         if expected == 0.0:
             assert all(a == 0.0 for pa in batch.process_advantages for a in pa)
+
+
+def test_decoupled_is_the_default_and_summed_only_by_its_name() -> None:
+    from rl_service.spec import AlgorithmSpec
+
+    assert CreditConfig().mode == "decoupled"
+    assert CreditConfig.from_algorithm(AlgorithmSpec()).mode == "decoupled"
+    with pytest.raises(ValueError, match="mode"):
+        CreditConfig(mode="sum")
+
+
+def test_a_step_process_reward_moves_only_the_tokens_of_its_own_step_index(b: Any) -> None:
+    """With a fixed scale the only coupling between nodes is the baseline of their step index: changing one
+    node's process reward changes the advantages of step-index k tokens only, never observations or
+    other steps, and leaves every outcome advantage alone."""
+    rng = random.Random(7)
+    trajs = random_batch(b, rng, n_groups=3, size=4)
+    cfg = CreditConfig(process_scale="fixed", fixed_scale=1.0)
+    t0 = next(t for t in trajs if any(s.process_rewards for s in t.steps))
+    k = next(i for i, s in enumerate(t0.steps) if s.process_rewards)
+    before = compute_advantages(trajs, 0.7, cfg)
+    t0.steps[k].process_rewards = {
+        c: 1.0 - v if v != 0.5 else 0.0 for c, v in t0.steps[k].process_rewards.items()
+    }
+    after = compute_advantages(trajs, 0.7, cfg)
+    assert after.outcome_advantages == before.outcome_advantages
+    changed = False
+    for t, adv_b, adv_a in zip(trajs, before.advantages, after.advantages, strict=True):
+        for j, (act, obs) in enumerate(step_slices(t)):
+            assert adv_a[obs] == adv_b[obs] == [0.0] * (obs.stop - obs.start)
+            if j != k or not t.steps[j].process_rewards:
+                assert adv_a[act] == adv_b[act], (t.id, j)
+            elif t is t0:
+                changed |= adv_a[act] != adv_b[act]
+    assert changed
+
+
+finite_rewards = st.floats(-1e4, 1e4, allow_nan=False, allow_subnormal=False)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    groups=st.lists(st.lists(finite_rewards, min_size=1, max_size=6), min_size=1, max_size=5),
+    scale=st.sampled_from(["group", "batch", "none"]),
+)
+def test_property_w_zero_matches_the_grpo_reference_for_arbitrary_outcomes(
+    b: Any, groups: list[list[float]], scale: str
+) -> None:
+    trajs = [
+        b.traj(f"g{g}", r, [b.step(process={"c": 0.5 + 0.5 * math.sin(i)})])
+        for g, outcomes in enumerate(groups)
+        for i, r in enumerate(outcomes)
+    ]
+    batch = compute_advantages(trajs, 0.0, CreditConfig(scale_rewards=scale))
+    ref = grpo_reference([t.outcome_reward for t in trajs], [t.group_id for t in trajs], scale)
+    # float64 on both sides; the slack covers a mean of equal values that is off by an ulp, divided by eps
+    np.testing.assert_allclose(batch.outcome_advantages, ref, rtol=1e-9, atol=1e-6)
+    assert all(math.isfinite(a) for adv in batch.advantages for a in adv)
+    for adv, t, a in zip(batch.advantages, trajs, batch.outcome_advantages, strict=True):
+        assert adv == [a if m else 0.0 for m in t.loss_mask()]

@@ -90,3 +90,33 @@ def test_pluggable_into_scoring_and_picklable_without_weights(b: Any, calc_env: 
 def test_bad_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a scorer checkpoint"):
         build_component({"kind": "model_scorer", "path": str(tmp_path)})
+
+
+def test_max_tokens_scores_from_the_last_window_and_skips_steps_before_it(
+    b: Any, calc_env: Any, scorer_dir: Any
+) -> None:
+    path, model, weight, bias = scorer_dir
+    comp = ModelScorerComponent(str(path), max_tokens=6)
+    steps = [
+        b.step(n_action=3, n_obs=2, start_id=30),
+        b.step(n_action=2, n_obs=1),
+        b.step(n_action=3, n_obs=0),
+    ]
+    t = b.traj("g", None, steps)
+    scores = comp.score(t, calc_env)
+    ids = t.prompt_ids + t.completion_ids()  # prompt 3, step 0 ends at 5, step 1 at 9, step 2 at 13
+    offset = 14 - 6
+    assert scores[0] == {}  # its last token is before the window
+    for k, end in {1: 9, 2: 13}.items():
+        with torch.no_grad():
+            h = model.base_model(input_ids=torch.tensor([ids[offset : end + 1]]), use_cache=False)
+        expected = float(torch.sigmoid(h.last_hidden_state[0, -1] @ weight + bias))
+        assert scores[k]["judge"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+def test_head_of_the_wrong_size_is_rejected(b: Any, calc_env: Any, tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    path = save_scorer(model, torch.zeros(model.config.hidden_size + 1), torch.tensor(0.0), tmp_path)
+    comp = ModelScorerComponent(str(path))
+    with pytest.raises(ValueError, match="head weight has 33 entries, model hidden_size is 32"):
+        comp.score(b.traj("g", None, [b.step()]), calc_env)
