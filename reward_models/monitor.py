@@ -10,6 +10,7 @@ once per episode and re-arms after the condition clears.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -48,6 +49,9 @@ class HackingMonitor:
 
     def update(self, step: int, weighted_process: float, success: float) -> dict[str, Any] | None:
         """Record one step; a warning event dict when the hacking condition starts to hold, else None."""
+        for field, value in (("weighted_process", weighted_process), ("success", success)):
+            if not math.isfinite(value):
+                raise ValueError(f"{field} must be a finite number (got {value} at step {step})")
         if len(self._baseline) < self.config.baseline_steps:
             self._baseline.append(float(success))
             return None

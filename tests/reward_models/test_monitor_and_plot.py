@@ -72,3 +72,23 @@ def test_effective_curve_follows_versions_and_png_is_written(tmp_path: Path) -> 
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     single = plot_schedule(RewardSchedule(kind="step", milestones=[5, 10]), tmp_path / "s.png")
     assert single.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_non_finite_points_are_rejected_with_the_field_named() -> None:
+    mon = HackingMonitor(window=4, baseline_steps=1)
+    with pytest.raises(ValueError, match="success must be a finite number"):
+        mon.update(0, 0.1, float("nan"))
+    with pytest.raises(ValueError, match="weighted_process must be a finite number"):
+        mon.update(0, float("inf"), 0.5)
+
+
+def test_history_plot_draws_the_later_versions(tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    first = RewardSchedule(kind="linear", horizon=40)
+    h = ScheduleHistory.start(first)
+    h.apply_patch({"kind": "constant", "w_start": 0.8}, at_step=10)
+    steps = range(0, 40)
+    only_first = imread(plot_schedule(first, tmp_path / "v1.png", steps=steps))
+    with_history = imread(plot_schedule(h, tmp_path / "h.png", steps=steps))
+    assert only_first.shape == with_history.shape and (only_first != with_history).any()
