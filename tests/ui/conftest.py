@@ -51,5 +51,8 @@ def page(browser: Any) -> Iterator[Any]:
     pg.on("console", lambda m: m.type == "error" and "status of 422" not in m.text  # type: ignore[attr-defined]
           and pg.console_errors.append(m.text))
     pg.on("pageerror", lambda e: pg.console_errors.append(str(e)))  # type: ignore[attr-defined]
+    # every URL the page asks for (documents, scripts, API calls, the event stream): no key may appear in one
+    pg.request_urls = []  # type: ignore[attr-defined]
+    pg.on("request", lambda r: pg.request_urls.append(r.url))  # type: ignore[attr-defined]
     yield pg
     context.close()

@@ -48,6 +48,8 @@ def test_login_rejects_a_bad_key_then_lists_jobs(ui_server: UiServer, page) -> N
     page.click("#logout")
     page.wait_for_url("**/ui/login")
     assert page.evaluate("sessionStorage.getItem('taper.apiKey')") is None
+    assert any("/v1/jobs" in u for u in page.request_urls)
+    assert not [u for u in page.request_urls if ui_server.key in u or "tpr_not-a-key" in u]
 
 
 def test_job_page_live_curves_schedule_edit_and_trajectory(ui_server: UiServer, page) -> None:
@@ -164,6 +166,8 @@ def test_job_page_live_curves_schedule_edit_and_trajectory(ui_server: UiServer, 
     store.transition(job.id, "succeeded", reason="done")
     page.wait_for_selector("#job-state[data-state=succeeded]")
     page.wait_for_selector("#stream-status[data-status=ended]")
+    assert any(u.endswith("/events") for u in page.request_urls)  # the stream, authorised by header only
+    assert not [u for u in page.request_urls if ui_server.key in u]
     assert page.console_errors == []
 
 

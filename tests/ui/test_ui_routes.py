@@ -3,6 +3,7 @@ two helper endpoints (schedule preview, token text) with auth and field-named er
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,3 +124,43 @@ def test_preview_and_tokens_endpoints_need_a_key_and_name_the_bad_field(client) 
     assert c.post(turl, json={"ids": [1, 1, 2]}, headers=h).json() == {"pieces": {"1": "<|im_start|>", "2": "<|im_end|>"}}
     bad = c.post(turl, json={"ids": [10**9]}, headers=h)
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "ids"
+
+
+REPO = Path(__file__).resolve().parents[2]
+SKIP_DIRS = {".venv", ".git", "node_modules", "test-artifacts", "taper_data", ".pytest_cache", ".ruff_cache"}
+UI_DIR = REPO / "api" / "ui"
+
+
+def _repo_files(suffix: str) -> list[Path]:
+    out = []
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        out += [Path(root) / f for f in files if f.endswith(suffix)]
+    return out
+
+
+def test_front_end_code_is_our_own_and_loads_nothing_from_elsewhere() -> None:
+    # no JavaScript library copied into the repository: the only .js files are the dashboard's own scripts
+    js = _repo_files(".js")
+    assert js and all(p.parent == UI_DIR / "static" for p in js), [str(p) for p in js]
+    for path in js:
+        text = path.read_text(encoding="utf-8")
+        assert len(text) < 30_000 and not path.name.endswith(".min.js"), f"{path.name} looks like a bundled library"
+        assert text.startswith(("//", '"use strict"')), f"{path.name}: not one of the dashboard's scripts"
+    # no CDN or other origin anywhere in the pages, scripts or styles (the CSP would block it anyway)
+    for path in [*js, *UI_DIR.rglob("*.html"), *UI_DIR.rglob("*.css")]:
+        text = path.read_text(encoding="utf-8")
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text, path.name
+
+
+def test_the_api_never_takes_a_key_from_the_url(client) -> None:
+    c, service, h = client
+    job = start_job(service, "ui", total_steps=2)
+    key = h["Authorization"].removeprefix("Bearer ")
+    assert c.get("/v1/jobs", headers=h).status_code == 200
+    for name in ("api_key", "key", "token", "access_token", "authorization"):
+        for path in ("/v1/jobs", f"/v1/jobs/{job.id}/events?limit=1", f"/v1/jobs/{job.id}/metrics"):
+            sep = "&" if "?" in path else "?"
+            r = c.get(f"{path}{sep}{name}={key}")
+            assert r.status_code == 401, (path, name, r.status_code)
+            assert r.json()["error"]["field"] == "Authorization"
