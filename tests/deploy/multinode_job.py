@@ -57,6 +57,26 @@ def actor_node(actor: Any) -> str | None:
     return (info.get("Address") or {}).get("NodeID") or None
 
 
+def place_like_the_scheduler(spec: JobSpec, timeout_s: float = 120) -> dict[str, Any]:
+    """Reserve the job's bundles as the API's scheduler does (one placement group, PACK) and report the node
+    of each role's bundles: learner bundles must land on `learner` nodes, rollout bundles on `rollout` ones."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    from rl_service.scheduler import job_bundles, learner_bundle_indices
+
+    bundles = job_bundles(spec)
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+        nodes = placement_group_table(pg)["bundles_to_node_id"]
+        learners = learner_bundle_indices(spec)
+        first_rollout = len(bundles) - spec.rollout.num_workers
+        return {"learner_nodes": [nodes[i] for i in learners],
+                "rollout_nodes": [nodes[i] for i in range(first_rollout, len(bundles))]}
+    finally:
+        remove_placement_group(pg)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--address", required=True)
@@ -104,6 +124,7 @@ def main(argv: list[str]) -> int:
         "outcome": outcome, "error": error, "events": [k for k, _ in hooks.events],
         "steps": [s for s, m in hooks.metrics if "trajectories/num" in m],
         "head_node": ray.get_runtime_context().get_node_id(),
+        "placement": place_like_the_scheduler(spec) if error is None else None,
     }))
     ray.shutdown()
     return 0

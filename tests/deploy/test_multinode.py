@@ -112,7 +112,8 @@ class RayNode:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
 
 
 @pytest.fixture
@@ -183,6 +184,7 @@ def test_rollout_node_lost_mid_job_is_replaced_and_no_group_is_lost(cluster_dir:
         out = json.loads(result.read_text())
         assert out["error"] is None and out["outcome"] == "succeeded", out
         assert out["steps"] == list(range(1, TOTAL_STEPS + 1))
+        assert node_a != out["head_node"], "rollout workers ran on the head, which has no `rollout` resource"
 
         lines = progress_lines(progress)
         # step 2 ran its rollouts after the kill: its groups went to replacement workers on the new node
@@ -197,6 +199,15 @@ def test_rollout_node_lost_mid_job_is_replaced_and_no_group_is_lost(cluster_dir:
             sizes = Counter(tj.group_id for tj in trajs)
             assert len(sizes) == PROMPTS and set(sizes.values()) == {GENERATIONS}, (t, sizes)
             assert not [tj.id for tj in trajs if tj.status.is_infra_failure], t
+        # the scheduler's bundles of the same spec: the learner on the `learner` node (the head), each
+        # rollout worker on the `rollout` node (the replacement)
+        node_b = lines[-1]["worker_nodes"][0]
+        assert out["placement"] == {"learner_nodes": [out["head_node"]], "rollout_nodes": [node_b] * NUM_WORKERS}
+
+        # teardown: nothing of the cluster is left running
+        for node in reversed(nodes):
+            node.kill()
+        assert not [pid for node in nodes for pid in session_pids(node.proc.pid)], "ray processes left behind"
     finally:
         if job is not None and job.poll() is None:
             job.kill()
