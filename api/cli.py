@@ -103,6 +103,19 @@ def serve(
     if fresh:
         console.print(f"A first API key (tenant 'default') will be written to {key_file} if the store has none.")
     uvicorn.run(app_, host=host or s.api_host, port=port or s.api_port, log_level="info", access_log=False)
+    if not (s.redis_url and s.ray_address):
+        console.print("The API stopped; jobs keep running in the local Ray head. "
+                      "[bold]taper down[/bold] stops it and the private Redis.")
+
+
+@app.command()
+def down() -> None:
+    """Stop the local Ray head and private Redis that `serve` started for DATA_DIR (running jobs stop too;
+    they resume from their last checkpoints at the next `serve`)."""
+    from rl_service.embedded import stop_embedded
+
+    stopped = stop_embedded(Path(_settings().data_dir))
+    console.print("\n".join(f"stopped the {what}" for what in stopped) or "nothing was running")
 
 
 # ---- jobs ----
@@ -290,21 +303,17 @@ def env_list() -> None:
 
 # ---- keys ----
 def _admin_store():
-    """The Store `serve` uses: TAPER_REDIS_URL, or the private Redis of DATA_DIR (started if not running)."""
-    from rl_service.embedded import start_private_redis
+    """The Store `serve` uses: TAPER_REDIS_URL, or the data dir's embedded Redis (started for this command,
+    and stopped after it, if it is not running)."""
+    from rl_service.embedded import embedded_redis, start_private_redis
     from rl_service.store import Store
 
     s = _settings()
     if s.redis_url:
         return Store(s.redis_url), None
-    url_file = Path(s.data_dir) / "redis-url"
-    if url_file.exists():
-        store = Store(url_file.read_text().strip())
-        try:
-            store.ping()
-            return store, None
-        except Exception:
-            pass
+    running = embedded_redis(Path(s.data_dir))
+    if running is not None:
+        return Store(running.url), None
     server = start_private_redis(Path(s.data_dir) / "redis", binary=s.redis_server_bin)
     return Store(server.url), server
 

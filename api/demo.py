@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from api.launcher import ApiServerProcess
-from rl_service.embedded import RedisServer, start_private_redis
+from rl_service.embedded import RedisServer, ensure_embedded_redis, stop_embedded
 from rl_service.settings import TaperSettings
 
 
@@ -74,7 +74,8 @@ def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
 
 
 class EmbeddedService:
-    """A private Redis and the API server as a subprocess (which starts a local Ray)."""
+    """The embedded defaults of a data dir (a private Redis and a local Ray head) and the API server as a
+    subprocess; all of them are stopped on exit."""
 
     def __init__(self, data_dir: Path, console: Console) -> None:
         self.data_dir = data_dir.resolve()
@@ -85,12 +86,13 @@ class EmbeddedService:
 
     def __enter__(self) -> EmbeddedService:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = start_private_redis(self.data_dir / "redis", persist=True)
         try:
+            self.redis = ensure_embedded_redis(self.data_dir)
+            # the server starts (or finds) the data dir's Ray head
             self.api = ApiServerProcess(self.data_dir / "api.log", env={
-                "TAPER_REDIS_URL": self.redis.url, "TAPER_DATA_DIR": str(self.data_dir)}).start()
-        except RuntimeError:
-            self.redis.stop()
+                "TAPER_DATA_DIR": str(self.data_dir), "TAPER_REDIS_URL": self.redis.url}).start()
+        except BaseException:
+            stop_embedded(self.data_dir)
             raise
         self.url = self.api.url
         return self
@@ -98,8 +100,7 @@ class EmbeddedService:
     def __exit__(self, *exc: object) -> None:
         if self.api is not None:
             self.api.stop()
-        if self.redis is not None:
-            self.redis.stop()
+        stop_embedded(self.data_dir)
 
     def create_key(self) -> str:
         from rl_service.store import Store

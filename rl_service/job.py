@@ -360,7 +360,7 @@ class JobRunner:
             self.history = ScheduleHistory.start(schedule)
             self.hooks_schedule_version = version
             self.version_map = {1: version}
-            self.monitor = HackingMonitor()
+            self.monitor = HackingMonitor(spec.hacking_monitor)
             engine_dir = self.initial_dir
             self.hooks.emit_event("started", {"step": 0, "total_steps": spec.total_steps})
         return start, engine_dir

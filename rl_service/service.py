@@ -395,51 +395,41 @@ def validate_tenant(tenant: str) -> None:
 
 @dataclass
 class ServiceRuntime:
-    """What a running control plane holds: the service, its scheduler loop and an embedded Redis if any."""
+    """What a running control plane holds: the service and its scheduler loop."""
 
     service: TaperService
     scheduler: Any = None
-    redis_server: Any = None
 
     def stop(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
         self.service.store.close()
-        if self.redis_server is not None:
-            self.redis_server.stop()
 
 
 def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | type | None = None) -> ServiceRuntime:
-    """Connect to (or start) Redis, join (or start) Ray and run the scheduler loop (embedded defaults,
-    DESIGN.md section 8). Writes a first API key for tenant ``default`` to ``data_dir/api-key`` when the store
-    has none, so a fresh single-machine install can be used at once."""
-    from rl_service.embedded import ensure_ray, start_private_redis
+    """Connect to Redis and join Ray, or use the data dir's embedded ones (a private Redis and a local Ray
+    head, each started once in its own session so that jobs keep running through an API restart; `taper down`
+    stops them), then run the scheduler loop (DESIGN.md section 8). Writes a first API key for tenant
+    ``default`` to ``data_dir/api-key`` when the store has none, so a fresh single-machine install can be used
+    at once."""
+    from rl_service.embedded import ensure_embedded_ray_head, ensure_embedded_redis, ensure_ray
     from rl_service.scheduler import Scheduler
 
     data_dir = Path(settings.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    redis_server = None
-    url = settings.redis_url
-    if url is None:
-        redis_server = start_private_redis(data_dir / "redis", binary=settings.redis_server_bin)
-        url = redis_server.url
-        (data_dir / "redis-url").write_text(url)
-    try:
-        store = Store(url)
-        service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute)
-        service.builtin_environments()  # import the environment registry now, not in the first submission
-        if not store.has_api_keys():
-            key_file = data_dir / "api-key"
-            key = store.create_api_key("default", name="bootstrap", admin=True)
-            key_file.write_text(key + "\n")
-            key_file.chmod(0o600)
-        scheduler = None
-        if run_scheduler:
-            ensure_ray(settings.ray_address, num_cpus=settings.local_cpus)
-            scheduler = Scheduler(store, runner=runner or settings.job_runner)
-            scheduler.start()
-    except BaseException:
-        if redis_server is not None:  # do not leave a private redis-server behind a failed start
-            redis_server.stop()
-        raise
-    return ServiceRuntime(service=service, scheduler=scheduler, redis_server=redis_server)
+    url = settings.redis_url or ensure_embedded_redis(data_dir, binary=settings.redis_server_bin).url
+    store = Store(url)
+    service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute)
+    service.builtin_environments()  # import the environment registry now, not in the first submission
+    if not store.has_api_keys():
+        key_file = data_dir / "api-key"
+        key = store.create_api_key("default", name="bootstrap", admin=True)
+        key_file.write_text(key + "\n")
+        key_file.chmod(0o600)
+    scheduler = None
+    if run_scheduler:
+        address = settings.ray_address or ensure_embedded_ray_head(data_dir, num_cpus=settings.local_cpus).address
+        ensure_ray(address)
+        scheduler = Scheduler(store, runner=runner or settings.job_runner)
+        scheduler.start()
+    return ServiceRuntime(service=service, scheduler=scheduler)

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from reward_models.monitor import HackingMonitorConfig
 from reward_models.schedule import RewardSchedule
 
 
@@ -123,6 +124,9 @@ class JobSpec(_Strict):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     reward_schedule: RewardSchedule = Field(default_factory=RewardSchedule)
+    hacking_monitor: HackingMonitorConfig = Field(
+        default_factory=HackingMonitorConfig,
+        description="When to warn that the weighted process reward rises while success falls below its start.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     total_steps: int = Field(100, ge=1, le=1_000_000)
     eval_every: int = Field(0, ge=0, description="Evaluate on held-out tasks every N steps (0 = start and end only).")

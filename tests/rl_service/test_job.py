@@ -159,6 +159,39 @@ def test_infra_failures_and_stale_trajectories_never_reach_the_loss(tiny_llama_d
     assert metrics["staleness/max"] == 2
 
 
+def test_process_reward_rising_while_success_falls_emits_a_warning_event(tiny_llama_dir, tmp_path) -> None:
+    from rollout_workers.trajectory import Step, ToolCall, Trajectory
+
+    spec = make_spec(tiny_llama_dir, reward_schedule={"kind": "constant", "w_start": 1.0},
+                     hacking_monitor={"window": 2, "baseline_steps": 1})
+    hooks = InMemoryHooks()
+    runner = JobRunner("d", spec, hooks, tmp_path)
+    runner.setup()
+
+    def episode(task, group: str, t: int, even: bool, calls_tool: bool) -> Trajectory:
+        steps = []
+        if calls_tool:  # a well-formed call that computes the task: every process component is 1
+            args = {"expression": task["expression"]}
+            steps.append(Step(action_ids=[3, 5], action_logprobs=[-1.0, -1.0], action_text="<tool_call>", weight_version=t,
+                              tool_calls=[ToolCall(raw="{}", name="calculator", arguments=args, result=str(task["answer"]))],
+                              observation_ids=[7], finish_reason="stop"))
+        ids = [2, 4, 6] if even else [3, 5, 7]  # the graded outcome: the fraction of even ids
+        steps.append(Step(action_ids=ids, action_logprobs=[-1.0] * 3, action_text="x", weight_version=t,
+                          finish_reason="stop", is_final=True))
+        return Trajectory(env="calculator", task_id=task["id"], task=task, group_id=group, prompt_ids=[5, 6],
+                          prompt_text="q", steps=steps)
+
+    task = runner.train_tasks[0]
+    plan = [(True, False), (False, False), (False, True)]  # success 1 -> 0 -> 0; process 0 -> 0 -> rising
+    for t, (even, calls_tool) in enumerate(plan):
+        runner._train_step(t, [episode(task, f"g{t}", t, even, calls_tool) for _ in range(2)], {})
+    warnings = [e for e in hooks.events if e[0] == "reward_hacking_suspected"]
+    assert len(warnings) == 1, hooks.events
+    data = warnings[0][1]
+    assert data["step"] == 2 and data["window"] == 2
+    assert data["process_weighted_second_half"] > data["process_weighted_first_half"]
+
+
 def test_job_main_reads_yaml_specs_and_names_bad_fields(tmp_path) -> None:
     from pydantic import ValidationError
 
