@@ -66,21 +66,14 @@ def start_private_redis(data_dir: Path, binary: str = "redis-server", persist: b
     with open(log_path, "w") as log:  # a file, not a pipe: a detached server must not depend on this process
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=detach)
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 15
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {log_path.read_text(errors='replace')[-2000:]}") from None
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("redis-server did not answer within 15 s") from None
-            time.sleep(0.05)
-        finally:
-            client.close()
+    while not _redis_answers(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited: {log_path.read_text(errors='replace')[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("redis-server did not answer within 15 s")
+        time.sleep(0.05)
     return RedisServer(url=url, pid=proc.pid, process=None if detach else proc)
 
 
@@ -112,6 +105,8 @@ RAY_READY = "will now block forever"
 # the head binds 127.0.0.1 only; Ray's token auth (on by default for `ray start`) would have to be handed
 # to every client, unlike the local cluster `ray.init()` starts
 _HEAD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+_AGENT_PORT_FLAGS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+                     "runtime-env-agent-port")
 
 
 def start_ray_head(log_dir: Path, num_cpus: int | None = None, attempts: int = 3,
@@ -128,7 +123,9 @@ def start_ray_head(log_dir: Path, num_cpus: int | None = None, attempts: int = 3
         temp_dir = tempfile.mkdtemp(prefix="taper-ray-")
         cmd = [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
                f"--temp-dir={temp_dir}",
-               "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}"]
+               "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}",
+               # free ports, not the fixed defaults another local Ray on this machine may hold
+               *(f"--{flag}={free_port()}" for flag in _AGENT_PORT_FLAGS)]
         if num_cpus is not None:
             cmd.append(f"--num-cpus={num_cpus}")
         with open(log_path, "w") as log:

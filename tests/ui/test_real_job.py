@@ -1,5 +1,7 @@
 """The job page of a real running tiny job: the real JobRunner (tiny model, vLLM on CPU) in a detached driver on a
-real local Ray, scheduled by the API process, watched and steered from headless Chromium."""
+real local Ray, scheduled by the API process, watched and steered from headless Chromium. The tiny model is first
+warm-started for a few seconds on gold calculator conversations, so its rollouts contain real tool calls (a random
+model's turns are all cut off before any call closes)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ TINY_JOB = {
     "model": {"preset": "tiny"},
     "environment": {"name": "calculator"},
     "tasks": {"seed": 0, "num_train": 16, "num_eval": 0},
-    "rollout": {"num_workers": 1, "prompts_per_step": 2, "num_generations": 2, "max_turns": 2,
-                "max_tokens_per_turn": 24, "max_total_tokens": 320, "kv_cache_gib": 0.25},  # the prompt is ~250 tokens
+    # the prompt is ~250 tokens, a calculator call ~30; a cooler temperature keeps the short warm start's format
+    "rollout": {"num_workers": 1, "prompts_per_step": 2, "num_generations": 2, "max_turns": 2, "temperature": 0.5,
+                "max_tokens_per_turn": 40, "max_total_tokens": 400, "kv_cache_gib": 0.25},
     "reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 10},
     "resources": {"learner_cpus": 1, "rollout_cpus": 1},
     "total_steps": 4,
@@ -29,13 +32,36 @@ TINY_JOB = {
 }
 
 
+def warm_started_tiny_model(out: Path, steps: int = 80) -> Path:
+    """The tiny model after `steps` SFT steps on gold calculator conversations (~20 s on two CPU cores): enough
+    for it to write well-formed calculator calls, not to get the numbers right. Saved with its tokenizer."""
+    import torch
+
+    from model.config import TaperConfig
+    from model.modeling import TaperForCausalLM
+    from model.tokenizer import load_tokenizer
+    from rl_service.sft import warm_start
+    from rollout_workers.environments.registry import generate_tasks, make_env_factory
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer()
+    model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tokenizer)))
+    env = make_env_factory("calculator")()
+    gold = [env.demonstration(task) for task in generate_tasks("calculator", 64, seed=10_000)]
+    warm_start(model, tokenizer, gold, steps=steps, lr=3e-3, batch_size=4, seed=0, tools=env.tools())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.mark.slow
 def test_real_job_page_updates_takes_a_schedule_patch_and_shows_trajectories(
         redis_url: str, ray_local, tmp_path: Path, page) -> None:
     key = Store(redis_url).create_api_key("ui-real")
+    checkpoint = warm_started_tiny_model(tmp_path / "warm-start")
     with ThreadedServer(create_app(settings=TaperSettings(redis_url=redis_url, data_dir=tmp_path))) as server:
         api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        r = api.post("/v1/jobs", json=TINY_JOB)
+        r = api.post("/v1/jobs", json={**TINY_JOB, "model": {"preset": "tiny", "checkpoint": str(checkpoint)}})
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
         log_in(page, server.url, key, f"/ui/jobs/{job_id}")
@@ -81,8 +107,11 @@ def test_real_job_page_updates_takes_a_schedule_patch_and_shows_trajectories(
         page.click("#traj-filter button[type=submit]")
         wait_js(page, "document.querySelectorAll('#traj-table tr[data-traj]').length === 16")
         trajs = api.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 50}).json()["items"]
-        with_tools = [t for t in trajs if any(s["tool_calls"] for s in t["steps"])]
-        pick = (with_tools or trajs)[0]
+        # a real call: parsed, run by the calculator, its result inserted into the conversation
+        ran = [(t, c) for t in trajs for s in t["steps"] for c in s["tool_calls"]
+               if c["name"] == "calculator" and c["result"] is not None]
+        assert ran, [c for t in trajs for s in t["steps"] for c in s["tool_calls"]][:4]
+        pick, call = ran[0]
         page.click(f"#traj-table tr[data-traj='{pick['id']}']")
         page.wait_for_selector("#traj-viewer .turn")
         assert page.locator("#traj-viewer .turn").count() == len(pick["steps"])
@@ -90,6 +119,12 @@ def test_real_job_page_updates_takes_a_schedule_patch_and_shows_trajectories(
         assert page.locator("#traj-viewer .tok").count() == tokens
         calls = sum(len(s["tool_calls"]) for s in pick["steps"])
         assert page.locator("#traj-viewer .tool-call").count() == calls
+        shown = page.locator("#traj-viewer .tool-call[data-tool=calculator]").first
+        assert call["arguments"]["expression"] in shown.locator(".tool-args").inner_text()
+        assert shown.locator(".tool-result").inner_text() == call["result"]
+        # the turn's process rewards are on the page, one chip per component
+        chips = page.locator("#traj-viewer .turn[data-turn='0'] .chip").count()
+        assert chips == len(pick["steps"][0]["process_rewards"]) > 0
         page.hover("#traj-viewer .tok.act >> nth=0")
         assert "logprob" in page.inner_text("#token-readout")
         screenshot(page, "real-job-done")
