@@ -214,6 +214,10 @@ def test_compose_wiring() -> None:
     assert json.loads(re.search(r"--resources='([^']*)'", services["ray-worker"]["command"]).group(1)) == {
         "rollout": 4
     }
+    # only the API is published beyond this host: Ray and Redis run whatever they are sent
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            assert name == "api" or str(port).startswith("127.0.0.1:"), f"{name} publishes {port} to the network"
     for name in ("ray-head", "ray-worker"):
         store = int(re.search(r"--object-store-memory=(\d+)", services[name]["command"]).group(1))
         assert quantity_bytes(services[name]["shm_size"].upper().replace("GB", "G")) > store
@@ -302,6 +306,12 @@ def test_api_reaches_ray_and_redis_and_is_exposed() -> None:
     port_names = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert svc["spec"]["ports"][0]["targetPort"] in port_names
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    # nothing but the API may be reachable from outside the cluster
+    for fname, doc in k8s_docs():
+        if doc["kind"] == "Service":
+            assert doc["spec"].get("type", "ClusterIP") == "ClusterIP", f"{fname}: {doc['metadata']['name']}"
+        assert doc["kind"] != "Ingress" or fname == "api.yaml", fname
+    assert cluster["spec"]["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
     assert api["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
 
 
