@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from synthetic import chart_data, report_steps, start_job, trajectory, write_trajectories
 from ui_helpers import ThreadedServer, UiServer, log_in, screenshot, wait_js
 
 from api.app import create_app
 from api.ui.tokens import token_pieces
-from rl_service.service import TaperService
+from rl_service.service import Principal, TaperService
 from rl_service.settings import TaperSettings
 from rl_service.store import Store
 from rollout_workers.trajectory import TrajectoryStatus
@@ -40,9 +41,17 @@ def test_login_rejects_a_bad_key_then_lists_jobs(ui_server: UiServer, page) -> N
     assert page.evaluate("sessionStorage.getItem('taper.apiKey')") == ui_server.key
     screenshot(page, "jobs")
 
+    registered = httpx.post(f"{ui_server.url}/v1/environments", headers={"Authorization": f"Bearer {ui_server.key}"},
+                            json={"kind": "python", "name": "my-calc",
+                                  "import_path": "rollout_workers.environments.calculator:CalculatorEnv"})
+    assert registered.status_code == 201, registered.text
     page.click("a[data-nav=environments]")
     page.wait_for_selector("tr[data-env=calculator]")
-    assert page.locator("tr[data-env]").count() >= 2
+    listed = ui_server.service.list_environments(Principal("ui"))  # the built-ins and my-calc
+    assert page.locator("tr[data-env]").count() == len(listed) >= 3
+    row = page.locator("tr[data-env=my-calc]")
+    assert "python" in row.inner_text() and "calculator:CalculatorEnv" in row.inner_text()
+    assert "built-in" in page.inner_text("tr[data-env=calculator]")
     screenshot(page, "environments")
 
     page.click("#logout")
