@@ -116,10 +116,10 @@ def answer_from_memory(task: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int, target_loss: float | None = None,
-               mixed_steps: int = 0, tool_use_fraction: float = 1.0,
+               mixed_steps: int = 0, tool_use_fraction: float = 1.0, task_options: dict[str, Any] | None = None,
                console: Console | None = None) -> tuple[Path, list[float]]:
-    """SFT the tiny model on an environment's gold conversations for `steps` (fewer if the loss reaches
-    `target_loss`), then (if `mixed_steps`) on a mix where only `tool_use_fraction` of them use the tools
+    """SFT the tiny model on an environment's gold conversations (tasks generated with `task_options`) for
+    `steps` (fewer if the loss reaches `target_loss`), then (if `mixed_steps`) on a mix where only `tool_use_fraction` of them use the tools
     and the rest answer from memory; save it as a checkpoint directory. Returns the directory and the loss
     of every step."""
     import torch
@@ -135,7 +135,7 @@ def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int
     model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tokenizer)))
     # SFT tasks come from another seed than the job's tasks, so held-out evaluation stays held out.
     env = make_env_factory(env_name)()
-    tasks = generate_tasks(env_name, examples, seed=seed + 10_000)
+    tasks = generate_tasks(env_name, examples, seed=seed + 10_000, options=task_options)
     gold = [env.demonstration(t) for t in tasks]
     pick = random.Random(seed)
     mixed = [g if pick.random() < tool_use_fraction else answer_from_memory(t) for g, t in zip(gold, tasks, strict=True)]

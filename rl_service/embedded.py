@@ -175,11 +175,12 @@ def _kill_group(pgid: int) -> None:
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None, namespace: str = "taper") -> None:
-    """Connect to the Ray cluster at ``address`` or start a local one (idempotent)."""
+    """Connect to the Ray cluster at ``address`` (default: ``RAY_ADDRESS``) or start a local one (idempotent)."""
     import ray
 
     if ray.is_initialized():
         return
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
     else:

