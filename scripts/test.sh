@@ -17,6 +17,9 @@ for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; slee
 # the time, so two lanes share the two cores well); each lane has its own Redis database (tests empty
 # theirs) and starts its own local Ray. Lane 1's output streams; lane 2's is printed when it ends. Every
 # group runs; the script fails if any group failed.
+# One OpenMP thread per process: two lanes already fill the two cores, and torch's OpenMP threads
+# spin-wait when they outnumber the cores (measured: a tiny-model SFT step 20 s instead of 0.4 s).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 logs=$(mktemp -d)
 run_lane() {
   local db=$1; shift

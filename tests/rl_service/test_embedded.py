@@ -4,6 +4,7 @@ started them, are found again by the next one, and are stopped by `taper down`."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +25,11 @@ from rl_service.embedded import (
 from rl_service.settings import get_settings
 from rl_service.store import Store
 
-# a separate process joins the head and runs a task there, as the API server does
+# a separate process joins the head named by RAY_ADDRESS and runs a task there, as a job's entrypoint does
 JOIN = """
-import sys, ray
-ray.init(address=sys.argv[1], log_to_driver=False)
+import ray
+from rl_service.embedded import ensure_ray
+ensure_ray()
 print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.cluster_resources()["CPU"])
 """
 
@@ -44,7 +46,8 @@ def test_embedded_services_are_shared_and_stopped_by_taper_down(tmp_path: Path,
         assert ensure_embedded_redis(tmp_path).pid == server.pid
         assert ensure_embedded_ray_head(tmp_path).pid == head.pid
         Store(server.url).create_api_key("kept")
-        out = subprocess.run([sys.executable, "-c", JOIN, head.address], capture_output=True, text=True, timeout=180)
+        out = subprocess.run([sys.executable, "-c", JOIN], capture_output=True, text=True, timeout=180,
+                             env={**os.environ, "RAY_ADDRESS": head.address})
         assert out.returncode == 0 and out.stdout.split() == ["42", "1.0"], out.stderr[-2000:]
 
         monkeypatch.setenv("TAPER_DATA_DIR", str(tmp_path))
