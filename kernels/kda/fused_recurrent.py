@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kda.common import check_inputs, default_scale, preprocess, work_dtype
-from kernels.kda.recurrent_torch import recurrent_kda_torch
+from kernels.kda.recurrent_torch import recurrent_kda_step_torch, recurrent_kda_torch
 
 
 def fused_recurrent_kda(
@@ -73,6 +73,9 @@ def fused_recurrent_kda(
             use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
             lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
         )
+        if cu_seqlens is None and shp.T == 1:
+            return _decode_one_token(qe, ke, ve, ge, be, scale, q.dtype, initial_state, output_final_state,
+                                     ssm_state_indices, inplace_final_state)
         states = q.new_zeros(shp.N, shp.HV, shp.K, shp.V, dtype=dtype)
         valid = None
         if ssm_state_indices is not None:
@@ -101,3 +104,43 @@ def fused_recurrent_kda(
         if output_final_state or ssm_state_indices is not None:
             return o, new_states.to(dtype)
         return o, None
+
+
+def _decode_one_token(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    out_dtype: torch.dtype, initial_state: torch.Tensor | None, output_final_state: bool,
+    ssm_state_indices: torch.Tensor | None, inplace_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU path for T = 1 (plain decode), same contract as `fused_recurrent_kda`; inputs preprocessed
+    [N, 1, ...]. Slots are gathered and scattered with index_select / index_copy_ (no boolean masks)."""
+    q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
+    N, HV, K = q.shape
+    dtype = q.dtype
+    if ssm_state_indices is not None:
+        slots = ssm_state_indices.long()
+        padded = bool((slots < 0).any())
+        # index_select copies: the step updates its own rows, the pool is written back below
+        states = initial_state.index_select(0, slots.clamp_min(0)).to(dtype)
+        if padded:
+            states[slots < 0] = 0
+    elif initial_state is not None:
+        states = initial_state.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+    else:
+        states = q.new_zeros(N, HV, K, v.shape[-1])
+    o = recurrent_kda_step_torch(q, k, v, g, beta, scale, states)
+    if ssm_state_indices is not None and padded:
+        o[slots < 0] = 0  # padded rows: zero output, untouched slot
+        states[slots < 0] = 0
+    o = o.unsqueeze(1).to(out_dtype)
+    if initial_state is not None and inplace_final_state:
+        if ssm_state_indices is None:
+            initial_state.copy_(states)
+        elif padded:
+            keep = torch.nonzero(slots >= 0).flatten()
+            initial_state.index_copy_(0, slots[keep], states[keep].to(initial_state.dtype))
+        else:
+            initial_state.index_copy_(0, slots, states.to(initial_state.dtype))
+        return o, initial_state
+    if output_final_state or ssm_state_indices is not None:
+        return o, states
+    return o, None

@@ -40,3 +40,30 @@ def recurrent_kda_torch(
     else:
         o = torch.cat([o_rows[n, : e - s] for n, (_, s, e) in enumerate(bounds)], 0)[None]
     return o, S
+
+
+def recurrent_kda_step_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: float, states: torch.Tensor,
+) -> torch.Tensor:
+    """One token for each of N sequences (decode), preprocessed as for `recurrent_kda_torch`: q, k, g
+    [N, HV, K], v [N, HV, V], beta [N, HV]. `states` [N, HV, K, V] is updated in place (the caller owns
+    it). Returns o [N, HV, V].
+
+    With S' = Diag(e^g) S and e = v - S'^T k:  S = S' + beta k e^T  and
+    o = S^T (scale q) = S'^T (scale q) + (scale q . beta k) e,
+    so k^T S' and q^T S' come from one batched matmul and the state is read twice and written twice
+    (decay, rank-1 update) instead of once per einsum/broadcast of the per-token loop."""
+    torch.set_flush_denormal(True)  # see chunk_kda_torch
+    N, HV, K = q.shape
+    V = v.shape[-1]
+    rows = N * HV
+    states.mul_(g.exp().unsqueeze(-1))
+    S = states.view(rows, K, V)
+    qs = q.reshape(rows, K) * scale
+    bk = (beta.unsqueeze(-1) * k).reshape(rows, K)
+    kq = torch.bmm(torch.stack([k.reshape(rows, K), qs], 1), S)  # [rows, 2, V]: k^T S', scale q^T S'
+    err = v.reshape(rows, V) - kq[:, 0]
+    S.addcmul_(bk.unsqueeze(-1), err.unsqueeze(1))
+    o = torch.addcmul(kq[:, 1], (qs * bk).sum(-1, keepdim=True), err)
+    return o.view(N, HV, V)

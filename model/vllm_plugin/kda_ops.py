@@ -7,7 +7,8 @@ concatenated q|k|v channels, oldest first, as `KimiDeltaAttention.short_conv` ke
 state `[slots, HV, K, V]` (fp32). Prefill runs `chunk_kda` over the variable-length prompts, continuing
 from a request's slot where it already has state (e.g. the second chunk of a chunked prefill); decode
 runs `fused_recurrent_kda` on the slots in place. The math itself (projections, conv, gate, output) is
-the HF layer's, called through its methods.
+the HF layer's, with its parameters; the projections that read x run as one concatenated matmul and the
+decode conv as a multiply-sum (a decode step is dominated by the count of small ops).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.kda import chunk_kda, fused_recurrent_kda
 from model.layers.kda import KimiDeltaAttention
+from model.vllm_plugin.fast_ops import gated_rms_norm
+from model.vllm_plugin.fused import FusedLinear, fused
 
 # The CPU chunked path materialises a [C, C, K] decay block per chunk, so its cost per token grows with
 # the chunk size C: 16 prefills ~3x faster than 64 there. The CUDA kernels keep their default (64).
@@ -73,14 +77,30 @@ def _kernel_kwargs(layer: KimiDeltaAttention) -> dict:
                 **layer.gate_kwargs())
 
 
+def _decode_conv(
+    layer: KimiDeltaAttention, qkv: torch.Tensor, conv_state: torch.Tensor, idx: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`layer.short_conv` for one new token per request, the slots' conv states advanced in place:
+    qkv [n, C] -> q, k [n, 1, H, K], v [n, 1, HV, V]. A multiply-sum over the W taps, time-major
+    ([n, W, C]: the reduction and the concatenation run over whole rows of C channels); a depthwise
+    conv1d call, or the same sum over a last dim of W, costs several times more on CPU at these sizes."""
+    pool = conv_state.transpose(-1, -2)  # [slots, W-1, C]: vLLM's own layout on CPU
+    window = torch.cat([pool.index_select(0, idx).to(qkv.dtype), qkv.unsqueeze(1)], dim=1)  # [n, W, C]
+    pool.index_copy_(0, idx, window[:, 1:].to(pool.dtype))
+    y = F.silu((window * layer.conv_weight().to(qkv.dtype).squeeze(1).t()).sum(1))
+    n = qkv.shape[0]
+    q, k, v = y.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    return (q.view(n, 1, layer.num_heads, layer.head_dim), k.view(n, 1, layer.num_heads, layer.head_dim),
+            v.view(n, 1, layer.num_v_heads, layer.v_head_dim))
+
+
 def _decode(
     layer: KimiDeltaAttention, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
     conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
 ) -> torch.Tensor:
     """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] -> o [n, HV, V]."""
     idx = slots.long()
-    q, k, v, new_conv = layer.short_conv(qkv[:, None], conv_state.index_select(0, idx))
-    conv_state.index_copy_(0, idx, new_conv.to(conv_state.dtype))
+    q, k, v = _decode_conv(layer, qkv, conv_state, idx)
     # Batch rows are the sequences (T = 1); the pool's slots are read and written in place.
     o, _ = fused_recurrent_kda(
         q, k, v, f[:, None], beta[:, None], initial_state=recurrent_state, ssm_state_indices=slots,
@@ -132,22 +152,36 @@ def kda_forward_with_state(
     tokens are padding and get zeros). conv_state [slots, C, W-1] and recurrent_state [slots, HV, K, V]
     are pools updated in place at the batch's slots. Returns y [T', d]."""
     T = batch.num_tokens
-    y = x.new_zeros(x.shape)
     if T == 0:
-        return y
+        return x.new_zeros(x.shape)
     xs = x[:T]
-    qkv = layer.project(xs)
-    f, beta = layer.gate_input(xs), layer.beta_logits(xs)
-    o = qkv.new_zeros(T, layer.num_v_heads, layer.v_head_dim)
+    qkv, f_low, beta, gate_low = _input_projection(layer)(xs)
+    f = layer.f_b_proj(f_low).unflatten(-1, (layer.num_v_heads, layer.head_dim))  # = layer.gate_input(xs)
     nd = batch.num_decodes
-    if nd > 0:
-        o[:nd] = _decode(layer, qkv[:nd], f[:nd], beta[:nd], conv_state, recurrent_state,
-                         batch.state_indices[:nd])
-    if batch.num_requests > nd:
+    if nd == batch.num_requests:  # decode-only step
+        o = _decode(layer, qkv, f, beta, conv_state, recurrent_state, batch.state_indices)
+    else:
+        o = qkv.new_zeros(T, layer.num_v_heads, layer.v_head_dim)
+        if nd > 0:
+            o[:nd] = _decode(layer, qkv[:nd], f[:nd], beta[:nd], conv_state, recurrent_state,
+                             batch.state_indices[:nd])
         t0 = nd  # decodes hold one token each
         qsl = batch.query_start_loc[nd:] - t0
         has_init = None if batch.has_initial_state is None else batch.has_initial_state[nd:]
         o[t0:] = _prefill(layer, qkv[t0:], f[t0:], beta[t0:], conv_state, recurrent_state, qsl,
                           batch.state_indices[nd:], has_init)
-    y[:T] = layer.output(o, xs)
+    # = layer.output(o, xs), with W_ga x from the fused projection
+    gate = layer.g_b_proj(gate_low).unflatten(-1, (layer.num_v_heads, layer.v_head_dim))
+    out = layer.o_proj(gated_rms_norm(layer.o_norm, o, gate).flatten(-2))
+    if T == x.shape[0]:
+        return out
+    y = x.new_zeros(x.shape)
+    y[:T] = out
     return y
+
+
+def _input_projection(layer: KimiDeltaAttention) -> FusedLinear:
+    """Everything the layer computes from x in one matmul: (q|k|v pre-conv = `layer.project`, W_fa x,
+    beta logits = `layer.beta_logits`, W_ga x)."""
+    return fused(layer, "input", lambda: (layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj,
+                                          layer.b_proj, layer.g_a_proj), groups=(3, 1, 1, 1))

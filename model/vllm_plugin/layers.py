@@ -2,7 +2,7 @@
 model's) and adds what serving needs: KDA keeps its states in vLLM's hybrid (mamba-style) state cache and
 reads the gated-delta-net backend's per-request metadata; MLA is ordinary vLLM `Attention` over the
 up-projected keys/values (NoPE); the MoE routes with its frozen balancing bias and records nothing, and
-small batches (decode) run their chosen experts as one batched matmul instead of a loop over experts."""
+small batches (decode) run all experts densely instead of a loop over the chosen ones."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
 from model.layers.moe import StableLatentMoE
-from model.layers.situ_glu import situ_glu
+from model.vllm_plugin.fast_ops import rms_norm, situ_glu_fast
+from model.vllm_plugin.fused import fused
 from model.vllm_plugin.kda_ops import (
     KDABatch,
     conv_state_shape,
@@ -115,15 +116,25 @@ class VllmGatedMLA(GatedMLA):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """x [T, d] -> [T, d]."""
-        q = self.project_q(x).flatten(-2)
-        k, v = (t.flatten(-2) for t in self.project_kv(x))
+        """x [T, d] -> [T, d]: `project_q`, `project_kv` and `output` with the three projections of x
+        (queries, the latent's down-projection, the output gate) as one matmul."""
+        q, c, gate = fused(self, "input", lambda: (
+            self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj, self.g_proj))(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_norm(q))
+        kv = self.kv_b_proj(rms_norm(self.kv_a_norm, c))
+        kv = kv.unflatten(-1, (self.num_heads, self.qk_head_dim + self.v_head_dim))
+        k, v = (t.flatten(-2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
         attn = self.attn(*(t.to(self.cache_dtype) for t in (q, k, v))).to(x.dtype)
-        return self.output(attn.view(x.shape[0], self.num_heads, self.v_head_dim), x)
+        return self.o_proj(attn * torch.sigmoid(gate))
 
 
-# Up to this many routed (token, expert) pairs, gathering each pair's expert weights and running one
-# batched matmul beats looping over the experts (decode steps); above it, the HF grouped/looped dispatch.
+# Small batches (decode) skip the HF dispatch's loop over experts. With at least n/2 routed (token, expert)
+# pairs (n experts), every expert runs on every token as two dense matmuls and the combine weights (zero
+# for unchosen experts) pick the sum: n/k times the useful FLOPs but each expert's weights read once, no
+# gathers. With fewer pairs (up to GATHERED_EXPERTS_MAX_PAIRS) each pair's expert weights are gathered for
+# one batched matmul. Above that, the HF grouped/looped dispatch.
+DENSE_EXPERTS_MAX_TOKENS = 32
 GATHERED_EXPERTS_MAX_PAIRS = 64
 
 
@@ -131,23 +142,50 @@ class VllmStableLatentMoE(StableLatentMoE):
     """Stable LatentMoE at inference: frozen balancing bias, no load statistics, fast small-batch experts."""
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        scores = self.router.scores(x)
+        shared = self.shared_expert
+        # One matmul for everything that reads x; the router joins only in fp32, where it computes anyway.
+        with_router = x.dtype == torch.float32
+        name = "input_with_router" if with_router else "input"
+        outs = fused(self, name, lambda: self._input_linears(with_router))(x)
+        if with_router:
+            scores, outs = torch.sigmoid(outs[0]), outs[1:]
+        else:
+            scores = self.router.scores(x)
         expert_ids, weights = self.router.select(scores)
-        z = self.latent_down(x)
-        if expert_ids.numel() <= GATHERED_EXPERTS_MAX_PAIRS:
+        z = outs[0]
+        pairs = expert_ids.numel()
+        if x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS and 2 * pairs >= self.n_experts:
+            y = self._dense_experts(z, expert_ids, weights)
+        elif pairs <= GATHERED_EXPERTS_MAX_PAIRS:
             y = self._gathered_experts(z, expert_ids, weights)
         else:
             y = self.experts(z, expert_ids, weights)
-        out = self.latent_up(self.latent_norm(y).to(x.dtype))
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+        out = self.latent_up(rms_norm(self.latent_norm, y).to(x.dtype))
+        if shared is not None:  # = shared(x)
+            out = out + shared.down_proj(situ_glu_fast(outs[1], outs[2], shared.beta, shared.beta_linear))
         return out
 
-    def _gathered_experts(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _input_linears(self, with_router: bool) -> tuple[torch.nn.Module, ...]:
+        shared = self.shared_expert
+        heads = (self.latent_down,) + ((shared.gate_proj, shared.up_proj) if shared is not None else ())
+        return ((self.router,) if with_router else ()) + heads
+
+    def _dense_experts(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_k w_k Expert_{e_k}(z) for each token, fp32 sum: z [N, l], expert_ids/weights [N, k]."""
+        experts = self.experts
+        n, inter = experts.n_experts, experts.intermediate_size
+        N, ell = z.shape
+        gate_up = (z @ experts.gate_up_proj.reshape(n * 2 * inter, ell).t()).view(N, n, 2 * inter)
+        h = situ_glu_fast(*gate_up.split(inter, dim=-1), experts.beta, experts.beta_linear)  # [N, n, I]
+        out = torch.bmm(h.transpose(0, 1), experts.down_proj.transpose(1, 2))  # [n, N, l]
+        combine = weights.new_zeros(N, n).scatter_(1, expert_ids, weights)  # [N, n] fp32
+        return torch.bmm(out.permute(1, 2, 0).float(), combine.unsqueeze(-1)).squeeze(-1)
+
+    def _gathered_experts(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Same as `_dense_experts`, computing only the chosen pairs from gathered expert weights."""
         experts = self.experts
         gate_up = experts.gate_up_proj[expert_ids]  # [N, k, 2I, l]
         a, u = torch.einsum("nl,nkil->nki", z, gate_up).split(experts.intermediate_size, dim=-1)
-        h = situ_glu(a, u, experts.beta, experts.beta_linear)
+        h = situ_glu_fast(a, u, experts.beta, experts.beta_linear)
         out = torch.einsum("nki,nkli->nkl", h, experts.down_proj[expert_ids])
         return (out.float() * weights[..., None]).sum(1)

@@ -1,9 +1,10 @@
 """`TaperForCausalLM` for vLLM: the HF model's modules and parameter names, with vLLM token mixers.
 
 Tokens arrive flattened ([num_tokens, d], all requests of a step back to back). Every piece except the
-token mixers works per token and is the HF module itself (Block AttnRes, RMSNorm, SiTU-GLU MLP, Stable
-LatentMoE with its frozen balancing bias), so a `save_pretrained` directory loads with no conversion
-and a learner's state dict pushes in by name.
+token mixers works per token and is an HF module (Block AttnRes, RMSNorm, SiTU-GLU MLP, Stable LatentMoE
+with its frozen balancing bias) or a subclass with the same parameters and math in fewer ops (concatenated
+projections, no fp32 casts of fp32 tensors: a decode step's cost is mostly its count of small ops), so a
+`save_pretrained` directory loads with no conversion and a learner's state dict pushes in by name.
 
 On CPU the layers hold and compute in fp32 whatever the served dtype (torch's bf16 matmuls are several
 times slower than fp32 on CPUs without native bf16; the KDA kernels compute in fp32 anyway); the caches
@@ -27,6 +28,8 @@ from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP
+from model.vllm_plugin.fast_ops import rms_norm, situ_glu_fast
+from model.vllm_plugin.fused import drop_fused, fused
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
     VllmKimiDeltaAttention,
@@ -46,19 +49,48 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+class VllmBlockAttnRes(BlockAttnRes):
+    """`BlockAttnRes` with the same parameters and math in fewer ops: the score
+    <V_i / rms(V_i), gamma * w> is computed as <V_i, gamma * w> / rms(V_i) (one matmul, one norm), and the
+    candidates are stacked once."""
+
+    def forward(self, candidates: list[torch.Tensor]) -> torch.Tensor:
+        stacked = torch.stack(candidates).float()  # [N, T, d]
+        key = self.norm.weight.float() * self.query.float()
+        inv_rms = torch.rsqrt(stacked.pow(2).mean(-1) + self.eps)  # [N, T]
+        weights = torch.softmax(torch.matmul(stacked, key) * inv_rms, dim=0)
+        mixed = torch.bmm(stacked.permute(1, 2, 0), weights.t().unsqueeze(-1)).squeeze(-1)  # [T, d]
+        return mixed.to(candidates[0].dtype)
+
+
+class VllmRMSNorm(RMSNorm):
+    """`RMSNorm` in fewer ops when everything is fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self, x)
+
+
+class VllmSiTUGLUMLP(SiTUGLUMLP):
+    """`SiTUGLUMLP` with gate and up projections as one matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = fused(self, "gate_up", lambda: (self.gate_proj, self.up_proj))(x)
+        return self.down_proj(situ_glu_fast(gate, up, self.beta, self.beta_linear))
+
+
 class TaperDecoderLayer(nn.Module):
     def __init__(self, config: TaperConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
-        self.mixer_res = BlockAttnRes(d, eps)
-        self.mixer_norm = RMSNorm(d, eps)
+        self.mixer_res = VllmBlockAttnRes(d, eps)
+        self.mixer_norm = VllmRMSNorm(d, eps)
         mixer_cls = VllmGatedMLA if layer_idx in config.full_attn_layers else VllmKimiDeltaAttention
         self.mixer = mixer_cls(config, layer_idx, vllm_config, prefix=f"{prefix}.mixer")
-        self.mlp_res = BlockAttnRes(d, eps)
-        self.mlp_norm = RMSNorm(d, eps)
+        self.mlp_res = VllmBlockAttnRes(d, eps)
+        self.mlp_norm = VllmRMSNorm(d, eps)
         self.mlp = (
             VllmStableLatentMoE(config) if config.is_moe_layer(layer_idx)
-            else SiTUGLUMLP(d, config.intermediate_size, config.situ_beta, config.situ_beta_linear)
+            else VllmSiTUGLUMLP(d, config.intermediate_size, config.situ_beta, config.situ_beta_linear)
         )
 
     def forward(self, res: AttnResState) -> None:
@@ -75,8 +107,8 @@ class TaperModel(nn.Module):
             TaperDecoderLayer(config, i, vllm_config, prefix=f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
-        self.final_res = BlockAttnRes(config.hidden_size, config.rms_norm_eps)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.final_res = VllmBlockAttnRes(config.hidden_size, config.rms_norm_eps)
+        self.norm = VllmRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         res = AttnResState.start(inputs_embeds)
@@ -160,4 +192,5 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
                     )
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 loaded.add(name)
+        drop_fused(self)
         return loaded

@@ -1,0 +1,77 @@
+"""Concatenated projection weights for serving: several `nn.Linear`s that read the same input run as one
+matmul (a decode step is made of many tiny ops, each costing more in dispatch than in arithmetic).
+
+The parameters stay the HF model's (names, loading, weight sync untouched); the concatenation is a cache
+that is rebuilt whenever any source weight was replaced or modified in place (tracked by its storage
+pointer and version counter; `drop_fused` after a load), so a weight push cannot leave it stale. Importable without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedLinear:
+    """y = x @ cat(W_1, ..., W_n)^T split back into outputs: one per linear, or per group of adjacent
+    linears when `groups` gives the group sizes (e.g. (3, 1) returns (x W_1|x W_2|x W_3, x W_4)).
+    Not an nn.Module: it owns no parameters and is never saved."""
+
+    def __init__(self, *linears: nn.Module, groups: tuple[int, ...] | None = None) -> None:
+        if any(getattr(lin, "bias", None) is not None for lin in linears):
+            raise ValueError("FusedLinear fuses bias-free projections only")
+        groups = groups or (1,) * len(linears)
+        if sum(groups) != len(linears):
+            raise ValueError(f"groups {groups} must add up to the {len(linears)} linears")
+        self.linears = linears  # modules with a `weight` [out, in]: nn.Linear, the MoE router
+        self.sizes, start = [], 0
+        for count in groups:
+            self.sizes.append(sum(lin.weight.shape[0] for lin in linears[start:start + count]))
+            start += count
+        self._stamp: tuple | None = None
+        self._weight: torch.Tensor | None = None
+
+    def weight(self) -> torch.Tensor | None:
+        """The concatenated weight, rebuilt if a source changed; None for inference-mode weights (they
+        carry no version counter to watch)."""
+        # _parameters directly: nn.Module.__getattr__ costs more than the rest of this check
+        weights = [lin._parameters["weight"] for lin in self.linears]
+        try:
+            stamp = tuple((w.data_ptr(), w._version) for w in weights)
+        except RuntimeError:
+            return None
+        if stamp != self._stamp:
+            with torch.no_grad():
+                self._weight = torch.cat([w.detach() for w in weights])
+            self._stamp = stamp
+        return self._weight
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weight = self.weight()
+        if weight is None:
+            y = torch.cat([F.linear(x, lin.weight.to(x.dtype)) for lin in self.linears], dim=-1)
+        else:
+            y = F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+        return y.split(self.sizes, dim=-1)
+
+
+def fused(
+    module: nn.Module, name: str, linears: Callable[[], tuple[nn.Module, ...]],
+    groups: tuple[int, ...] | None = None,
+) -> FusedLinear:
+    """The FusedLinear `name` of `module`, over the modules `linears()` returns, created on first use and
+    kept on the module."""
+    cache = module.__dict__.setdefault("_serving_fused", {})
+    found = cache.get(name)
+    if found is None:
+        found = cache[name] = FusedLinear(*linears(), groups=groups)
+    return found
+
+
+def drop_fused(model: nn.Module) -> None:
+    """Forget every cached concatenation under `model` (after loading weights by any route)."""
+    for module in model.modules():
+        module.__dict__.pop("_serving_fused", None)
