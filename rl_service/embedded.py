@@ -252,6 +252,15 @@ def ensure_embedded_ray_head(data_dir: Path, num_cpus: int | None = None) -> Ray
     return head
 
 
+def ensure_service_ray(address: str | None, data_dir: Path, num_cpus: int | None = None) -> None:
+    """Ray for the control plane: nothing to do if this process has joined one already; else the cluster at
+    ``address``, or the data dir's embedded head (started if none runs)."""
+    import ray
+
+    if not ray.is_initialized():
+        ensure_ray(address or ensure_embedded_ray_head(data_dir, num_cpus=num_cpus).address)
+
+
 def stop_embedded(data_dir: Path) -> list[str]:
     """Stop the data dir's detached Ray head and Redis (the jobs stay in Redis's files); names what it stopped."""
     stopped = []

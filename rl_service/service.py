@@ -412,7 +412,7 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     stops them), then run the scheduler loop (DESIGN.md section 8). Writes a first API key for tenant
     ``default`` to ``data_dir/api-key`` when the store has none, so a fresh single-machine install can be used
     at once."""
-    from rl_service.embedded import ensure_embedded_ray_head, ensure_embedded_redis, ensure_ray
+    from rl_service.embedded import ensure_embedded_redis, ensure_service_ray
     from rl_service.scheduler import Scheduler
 
     data_dir = Path(settings.data_dir)
@@ -428,8 +428,7 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
         key_file.chmod(0o600)
     scheduler = None
     if run_scheduler:
-        address = settings.ray_address or ensure_embedded_ray_head(data_dir, num_cpus=settings.local_cpus).address
-        ensure_ray(address)
+        ensure_service_ray(settings.ray_address, data_dir, num_cpus=settings.local_cpus)
         scheduler = Scheduler(store, runner=runner or settings.job_runner)
         scheduler.start()
     return ServiceRuntime(service=service, scheduler=scheduler)

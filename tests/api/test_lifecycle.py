@@ -16,6 +16,7 @@ import pytest
 from api_helpers import ThreadedServer
 
 from api.app import create_app
+from rl_service.embedded import EMBEDDED_RECORD
 from rl_service.settings import TaperSettings
 from rl_service.store import Store
 
@@ -97,3 +98,5 @@ def test_real_job_lifecycle_over_http(redis_url: str, ray_local, tmp_path: Path)
         assert c.get("/metrics").text.count('taper_jobs{state="succeeded"} 1.0') == 1
     # the finished job's placement group is gone, so later tests get the whole local Ray
     assert not Store(redis_url).r.smembers(Store(redis_url).k_placed())
+    # the server used this process's Ray: no embedded head was started (it would outlive the test)
+    assert not (tmp_path / EMBEDDED_RECORD).exists()
