@@ -29,8 +29,21 @@ class ApiServerProcess:
         self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 180.0) -> ApiServerProcess:
-        """Start the server; raise RuntimeError (with the log's tail) if it exits or does not answer in time."""
+    def start(self, timeout: float = 180.0, attempts: int = 3) -> ApiServerProcess:
+        """Start the server; raise RuntimeError (with the log's tail) if it exits or does not answer in time.
+        The free port is chosen before the server binds it, after its start-up (which may start services
+        that take free ports too): if another process took it meanwhile, the start is retried on a new one."""
+        for attempt in range(attempts):
+            if attempt:
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+            if self._start_once(timeout):
+                return self
+            if "address already in use" not in self.logs():
+                break
+        raise RuntimeError(f"the API server exited (log {self.log_path}):\n{self.logs()[-3000:]}")
+
+    def _start_once(self, timeout: float) -> bool:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:  # the child keeps its own handle
             self.proc = subprocess.Popen(
@@ -40,10 +53,10 @@ class ApiServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the API server exited (log {self.log_path}):\n{self.logs()[-3000:]}")
+                return False
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return self
+                    return True
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)

@@ -105,8 +105,6 @@ RAY_READY = "will now block forever"
 # the head binds 127.0.0.1 only; Ray's token auth (on by default for `ray start`) would have to be handed
 # to every client, unlike the local cluster `ray.init()` starts
 _HEAD_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-_AGENT_PORT_FLAGS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-                     "runtime-env-agent-port")
 
 
 def start_ray_head(log_dir: Path, num_cpus: int | None = None, attempts: int = 3,
@@ -124,8 +122,8 @@ def start_ray_head(log_dir: Path, num_cpus: int | None = None, attempts: int = 3
         cmd = [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
                f"--temp-dir={temp_dir}",
                "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={512 * 1024 * 1024}",
-               # free ports, not the fixed defaults another local Ray on this machine may hold
-               *(f"--{flag}={free_port()}" for flag in _AGENT_PORT_FLAGS)]
+               # the agent's one fixed default port: another local Ray on this machine may hold it
+               f"--dashboard-agent-listen-port={free_port()}"]
         if num_cpus is not None:
             cmd.append(f"--num-cpus={num_cpus}")
         with open(log_path, "w") as log:
@@ -152,24 +150,16 @@ def pid_alive(pid: int) -> bool:
 
 
 def stop_process_group(pid: int, timeout: float) -> None:
-    """SIGTERM the process that leads its own session, then SIGKILL its group if it is still there."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig) if sig == signal.SIGKILL else os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not pid_alive(pid):
-                if sig == signal.SIGTERM:
-                    _kill_group(pid)  # what the leader left behind
-                return
-            time.sleep(0.1)
-
-
-def _kill_group(pgid: int) -> None:
+    """SIGTERM the process that leads its own session; SIGKILL its group once it exits or after `timeout`."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # what the leader left behind, or the leader itself
     except (ProcessLookupError, PermissionError):
         pass
 
