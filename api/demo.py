@@ -119,9 +119,9 @@ def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int
                mixed_steps: int = 0, tool_use_fraction: float = 1.0, task_options: dict[str, Any] | None = None,
                console: Console | None = None) -> tuple[Path, list[float]]:
     """SFT the tiny model on an environment's gold conversations (tasks generated with `task_options`) for
-    `steps` (fewer if the loss reaches `target_loss`), then (if `mixed_steps`) on a mix where only `tool_use_fraction` of them use the tools
-    and the rest answer from memory; save it as a checkpoint directory. Returns the directory and the loss
-    of every step."""
+    `steps` (fewer if the loss reaches `target_loss`), then (if `mixed_steps`) on a mix where only
+    `tool_use_fraction` of them use the tools and the rest answer from memory; save it as a checkpoint
+    directory. Returns the directory and the loss of every step."""
     import torch
 
     from model.config import TaperConfig
