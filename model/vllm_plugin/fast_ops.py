@@ -1,31 +1,16 @@
-"""Fewer-op forms of the HF model's small fp32 functions for serving (a decode step is made of many tiny
-ops, each costing more in dispatch than in arithmetic). Same parameters and math as the HF modules; in
-any dtype but fp32 they defer to the HF modules themselves. Importable without vLLM."""
+"""A fewer-op form of the HF model's SiTU-GLU for serving (a decode step is made of many tiny ops, each
+costing more in dispatch than in arithmetic). Same math as the HF function; in any dtype but fp32 it defers
+to it. Importable without vLLM."""
 
 from __future__ import annotations
 
 import torch
 
-from model.layers.norm import GatedRMSNorm, RMSNorm
 from model.layers.situ_glu import situ_glu
 
 
 def _fp32(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 for t in tensors)
-
-
-def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """= norm(x)."""
-    if not _fp32(x, norm.weight):
-        return norm(x)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
-
-
-def gated_rms_norm(norm: GatedRMSNorm, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """= norm(x, gate)."""
-    if not _fp32(x, gate, norm.weight):
-        return norm(x, gate)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight * torch.sigmoid(gate)
 
 
 def situ_glu_fast(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_linear: float) -> torch.Tensor:

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from kernels.kda import chunk_kda, fused_recurrent_kda
 from model.layers.kda import KimiDeltaAttention
-from model.vllm_plugin.fast_ops import gated_rms_norm
 from model.vllm_plugin.fused import FusedLinear, fused
 
 # The CPU chunked path materialises a [C, C, K] decay block per chunk, so its cost per token grows with
@@ -172,7 +171,7 @@ def kda_forward_with_state(
                           batch.state_indices[nd:], has_init)
     # = layer.output(o, xs), with W_ga x from the fused projection
     gate = layer.g_b_proj(gate_low).unflatten(-1, (layer.num_v_heads, layer.v_head_dim))
-    out = layer.o_proj(gated_rms_norm(layer.o_norm, o, gate).flatten(-2))
+    out = layer.o_proj(layer.o_norm(o, gate).flatten(-2))
     if T == x.shape[0]:
         return out
     y = x.new_zeros(x.shape)

@@ -22,7 +22,7 @@ from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
 from model.layers.moe import StableLatentMoE
-from model.vllm_plugin.fast_ops import rms_norm, situ_glu_fast
+from model.vllm_plugin.fast_ops import situ_glu_fast
 from model.vllm_plugin.fused import fused
 from model.vllm_plugin.kda_ops import (
     KDABatch,
@@ -122,7 +122,7 @@ class VllmGatedMLA(GatedMLA):
             self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj, self.g_proj))(x)
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_norm(q))
-        kv = self.kv_b_proj(rms_norm(self.kv_a_norm, c))
+        kv = self.kv_b_proj(self.kv_a_norm(c))
         kv = kv.unflatten(-1, (self.num_heads, self.qk_head_dim + self.v_head_dim))
         k, v = (t.flatten(-2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
         attn = self.attn(*(t.to(self.cache_dtype) for t in (q, k, v))).to(x.dtype)
@@ -160,7 +160,7 @@ class VllmStableLatentMoE(StableLatentMoE):
             y = self._gathered_experts(z, expert_ids, weights)
         else:
             y = self.experts(z, expert_ids, weights)
-        out = self.latent_up(rms_norm(self.latent_norm, y).to(x.dtype))
+        out = self.latent_up(self.latent_norm(y).to(x.dtype))
         if shared is not None:  # = shared(x)
             out = out + shared.down_proj(situ_glu_fast(outs[1], outs[2], shared.beta, shared.beta_linear))
         return out

@@ -28,7 +28,7 @@ from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP
-from model.vllm_plugin.fast_ops import rms_norm, situ_glu_fast
+from model.vllm_plugin.fast_ops import situ_glu_fast
 from model.vllm_plugin.fused import drop_fused, fused
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
@@ -63,13 +63,6 @@ class VllmBlockAttnRes(BlockAttnRes):
         return mixed.to(candidates[0].dtype)
 
 
-class VllmRMSNorm(RMSNorm):
-    """`RMSNorm` in fewer ops when everything is fp32."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(self, x)
-
-
 class VllmSiTUGLUMLP(SiTUGLUMLP):
     """`SiTUGLUMLP` with gate and up projections as one matmul."""
 
@@ -83,11 +76,11 @@ class TaperDecoderLayer(nn.Module):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.mixer_res = VllmBlockAttnRes(d, eps)
-        self.mixer_norm = VllmRMSNorm(d, eps)
+        self.mixer_norm = RMSNorm(d, eps)
         mixer_cls = VllmGatedMLA if layer_idx in config.full_attn_layers else VllmKimiDeltaAttention
         self.mixer = mixer_cls(config, layer_idx, vllm_config, prefix=f"{prefix}.mixer")
         self.mlp_res = VllmBlockAttnRes(d, eps)
-        self.mlp_norm = VllmRMSNorm(d, eps)
+        self.mlp_norm = RMSNorm(d, eps)
         self.mlp = (
             VllmStableLatentMoE(config) if config.is_moe_layer(layer_idx)
             else VllmSiTUGLUMLP(d, config.intermediate_size, config.situ_beta, config.situ_beta_linear)
@@ -108,7 +101,7 @@ class TaperModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.final_res = VllmBlockAttnRes(config.hidden_size, config.rms_norm_eps)
-        self.norm = VllmRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         res = AttnResState.start(inputs_embeds)
