@@ -121,8 +121,9 @@ class RolloutPool:
     ) -> concurrent.futures.Future[list[list[Trajectory]]]:
         """`generate` in the background (async mode); `.result()` waits for it.
 
-        The first chunks reach the workers before this returns, so they are queued ahead of any weight
-        push the caller makes next: async rollouts really start on the weights in force at submission.
+        The first chunks reach the workers before this returns. A weight push the caller makes next can
+        still reach an engine before their first tokens (the worker actor is threaded), so a trajectory
+        may be fresher than its submission: each one records the weight versions that sampled it.
         """
         return self._executor.submit(self._collect, self._dispatch(tasks, n, sampling, train_step, job_id))
 

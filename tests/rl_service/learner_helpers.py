@@ -110,6 +110,26 @@ class ReusedPool:
         pass
 
 
+class RolloutsBeforePushPool(ReusedPool):
+    """The shared pool, except that a weight push first waits for the rollouts submitted before it, so in
+    async mode the next step's rollouts are all sampled by the old policy (as whenever the learner is
+    slower than generation) however the machine's load shifts the timing."""
+
+    def __init__(self, shared: ReusedPool) -> None:
+        super().__init__(shared.pool)
+        self.submitted: list = []
+
+    def submit(self, *a, **k):
+        future = self.pool.submit(*a, **k)
+        self.submitted.append(future)
+        return future
+
+    def push_weights(self, state_dict, version):
+        for future in self.submitted:
+            future.result()
+        return self.pool.push_weights(state_dict, version)
+
+
 def fake_trajectory(task, group, version, status="ok", seed=0):
     import random
 
