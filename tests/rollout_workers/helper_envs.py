@@ -24,7 +24,7 @@ class ToyEnv(Environment):
         return [
             {"name": "add", "description": "a + b", "parameters": _INT_PAIR},
             {"name": "hang", "description": "never answers (async)", "parameters": _NONE},
-            {"name": "block", "description": "blocks its thread for 3 s", "parameters": _NONE},
+            {"name": "block", "description": "blocks its thread for 10 s", "parameters": _NONE},
             {"name": "crash", "description": "raises", "parameters": _NONE},
             {"name": "reject", "description": "ToolError", "parameters": _NONE},
         ]
@@ -40,7 +40,7 @@ class ToyEnv(Environment):
         if tool == "hang":
             await asyncio.sleep(3600)
         if tool == "block":
-            time.sleep(3)  # a badly written environment: blocks inside async def
+            time.sleep(10)  # a badly written environment: blocks inside async def
             return "unblocked"
         if tool == "crash":
             raise RuntimeError("environment bug")

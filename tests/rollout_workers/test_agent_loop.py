@@ -109,11 +109,11 @@ def test_hanging_tool_is_timed_out_and_others_continue(tokenizer: Any) -> None:
         assert t.status == TrajectoryStatus.TOOL_TIMEOUT
         c = t.steps[-1].tool_calls[0]
         assert c.error_kind == "timeout" and tool in (c.error or "")
-        assert 0.45 <= c.latency_s < 2.0
+        assert 0.45 <= c.latency_s < 4.0  # timed out at 0.5 s, with room for a loaded machine
         assert t.steps[-1].observation_ids == []  # nothing inserted after an infrastructure failure
     assert ok.status == ok2.status == TrajectoryStatus.OK
     assert [c.result for s in ok.steps for c in s.tool_calls] == ["3", "7"]
-    assert elapsed < 2.5  # the blocked tools loop was replaced instead of stalling everyone
+    assert elapsed < 8.0  # the blocked tools loop was replaced instead of stalling everyone for 10 s
     assert loop.tool_runner.retired_loops >= 1
     assert loop.stats.snapshot()["status_tool_timeout"] == 2
 
@@ -189,9 +189,9 @@ def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any
     assert state.max_in_flight == 2  # six concurrent slow calls, capped by the registration's limit
     assert any(r["path"] == "/reset" for r in state.requests)  # 404 -> default first message
 
-    (too_slow,), _, _ = run_plans([[call("slow", seconds=5)]], sampling, tokenizer=tokenizer, env_factory=factory)
+    (too_slow,), _, _ = run_plans([[call("slow", seconds=10)]], sampling, tokenizer=tokenizer, env_factory=factory)
     assert too_slow.status == TrajectoryStatus.TOOL_TIMEOUT  # the registration's 0.5 s per-request timeout
-    assert too_slow.steps[0].tool_calls[0].latency_s < 2.0
+    assert too_slow.steps[0].tool_calls[0].latency_s < 5.0  # not the 10 s the server takes
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens_per_turn": 600, "max_total_tokens": 512}, {"temperature": -1}])

@@ -114,7 +114,7 @@ def test_sandbox_memory_cap() -> None:
 
 def test_sandbox_wall_clock_kill_and_output_cap() -> None:
     r = run_python("import time\nprint('start', flush=True)\ntime.sleep(30)", LIMITS)
-    assert r.timed_out and r.duration_s < 5 and r.stdout == "start\n"
+    assert r.timed_out and r.duration_s < 10 and r.stdout == "start\n"  # killed at 2 s, not after 30
     assert "wall-clock" in r.summary()
     r = run_python("print('x' * 100000)", LIMITS)
     assert r.output_truncated and len(r.stdout) == LIMITS.output_bytes
