@@ -34,6 +34,7 @@ import torch
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory
 from rl_service.checkpoint import (
+    Checkpoint,
     latest_checkpoint,
     load_weights,
     restore_rng_state,
@@ -279,17 +280,26 @@ class JobRunner:
             raise _Stop(result)
 
     def _run(self) -> str:
-        start, engine_dir = self.setup()
-        spec = self.spec
-        if start >= spec.total_steps:
-            return "succeeded"
-        self._check_control(start)
-        t0 = time.perf_counter()
-        self._progress()
         import concurrent.futures
 
+        spec = self.spec
+        ckpt = self._prepare()
+        engine_dir = ckpt.path if ckpt is not None else self.initial_dir
+        ends_at_once = (ckpt is not None and ckpt.step >= spec.total_steps) or self.hooks.control() != "run"
+        t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-pool-start") as starter:
-            self.pool = self._await(starter.submit(self.pool_factory, spec, engine_dir))
+            # the rollout engines start while the learner ranks start and the checkpoint is restored
+            pool_start = None if ends_at_once else starter.submit(self.pool_factory, spec, engine_dir)
+            try:
+                start = self._restore(ckpt)
+                if start >= spec.total_steps:
+                    return "succeeded"
+                self._check_control(start)
+            except BaseException:
+                if pool_start is not None:
+                    pool_start.add_done_callback(lambda f: f.exception() is None and f.result().shutdown())
+                raise
+            self.pool = self._await(pool_start or starter.submit(self.pool_factory, spec, engine_dir))
         self.hooks.emit_event("rollout_pool_ready", {"seconds": time.perf_counter() - t0, "weights": str(engine_dir)})
         if start == 0 and self.eval_tasks:
             self._evaluate(0)
@@ -298,8 +308,12 @@ class JobRunner:
     def setup(self) -> tuple[int, Path]:
         """Tasks, model, learner, and the state of the newest checkpoint if there is one.
         Returns (first step to run, directory the rollout engines load)."""
+        ckpt = self._prepare()
+        return self._restore(ckpt), ckpt.path if ckpt is not None else self.initial_dir
+
+    def _prepare(self) -> Checkpoint | None:
+        """Tasks, model and learner; the initial weights saved; the newest checkpoint, if any."""
         from reward_models.credit import CreditConfig
-        from reward_models.monitor import HackingMonitor
         from rollout_workers.environments.registry import generate_tasks
 
         spec = self.spec
@@ -323,8 +337,14 @@ class JobRunner:
         self.learner = Learner(self.model, LearnerConfig.from_spec(spec), ref_model=ref,
                                pad_token_id=self.tokenizer.pad_token_id or 0, device=self.device)
         self.learner.progress = self._progress
+        return latest_checkpoint(self.checkpoint_dir)
 
-        ckpt = latest_checkpoint(self.checkpoint_dir)
+    def _restore(self, ckpt: Checkpoint | None) -> int:
+        """The learner ranks started and the job's state loaded from `ckpt` (or started afresh); returns the
+        first step to run."""
+        from reward_models.monitor import HackingMonitor
+
+        spec = self.spec
         self.dp = None
         if spec.resources.num_learners > 1:
             # Data-parallel ranks (Ray actors) train; the driver keeps a full copy for pushes and checkpoints.
@@ -352,7 +372,6 @@ class JobRunner:
             if rng is not None:
                 restore_rng_state(rng)
             self._drop_trajectories_after(start)
-            engine_dir = ckpt.path
             self.hooks.emit_event("resumed", {"step": start, "checkpoint": str(ckpt.path)})
         else:
             self.cursor = DataCursor(len(self.train_tasks), spec.tasks.seed)
@@ -361,9 +380,8 @@ class JobRunner:
             self.hooks_schedule_version = version
             self.version_map = {1: version}
             self.monitor = HackingMonitor(spec.hacking_monitor)
-            engine_dir = self.initial_dir
             self.hooks.emit_event("started", {"step": 0, "total_steps": spec.total_steps})
-        return start, engine_dir
+        return start
 
     def _start_data_parallel(self, model_dir: Path) -> Any:
         """The learner ranks, each in its own bundle of the job's placement group when the driver runs in one
@@ -581,6 +599,9 @@ def seeded_vllm_engine(config: Any) -> Any:
 
 def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     """The real rollout pool: Ray actors, each with a vLLM engine loading `weights_dir`."""
+    import ray
+
+    from rl_service.scheduler import rollout_bundle_indices
     from rollout_workers.engine import EngineConfig
     from rollout_workers.pool import RolloutPool
 
@@ -598,6 +619,9 @@ def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
                           kv_cache_gib=spec.rollout.kv_cache_gib, seed=spec.seed,
                           engine_kwargs={"max_num_batched_tokens": max(16 * max_len, 8192)})
     res = spec.resources
+    # under the scheduler, each worker in its own bundle of the job's placement group (not a learner's)
+    pg = ray.util.get_current_placement_group()
     return RolloutPool(functools.partial(seeded_vllm_engine, engine), reg, spec.rollout.num_workers, env_options=spec.environment.options,
                        num_cpus_per_worker=res.rollout_cpus, num_gpus_per_worker=res.rollout_gpus,
-                       resources=res.rollout_resources or None)
+                       resources=res.rollout_resources or None, placement_group=pg,
+                       bundle_indices=rollout_bundle_indices(spec) if pg is not None else None)

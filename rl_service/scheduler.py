@@ -99,6 +99,12 @@ def learner_bundle_indices(spec: JobSpec) -> list[int]:
     return list(range(first, first + spec.resources.num_learners))
 
 
+def rollout_bundle_indices(spec: JobSpec) -> list[int]:
+    """The bundle of each rollout worker in `job_bundles(spec)`."""
+    first = learner_bundle_indices(spec)[-1] + 1
+    return list(range(first, first + spec.rollout.num_workers))
+
+
 def _total(bundles: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for b in bundles:
@@ -169,11 +175,18 @@ class JobDriver:
         if job.control == CONTROL_PAUSE:
             store.transition(job_id, JobState.PAUSED, expect=[JobState.STARTING], reason="pause requested")
             return "paused"
+        # The runner's module is imported before the first heartbeat: a cold import can outlast a heartbeat
+        # interval on a loaded machine. An import error fails the job below, like any runner error.
+        try:
+            runner_cls, import_error = load_runner(self.runner), None
+        except Exception as exc:
+            runner_cls, import_error = None, exc
         hooks = DriverHooks(store, job_id, self.heartbeat_every_s)
         hooks.heartbeat()  # before RUNNING: the scheduler judges running jobs by their heartbeat
         store.transition(job_id, JobState.RUNNING, expect=[JobState.STARTING], data={"attempt": job.attempts})
         try:
-            runner_cls = load_runner(self.runner)
+            if import_error is not None:
+                raise import_error
             work_dir = Path(job.work_dir)
             work_dir.mkdir(parents=True, exist_ok=True)
             result = runner_cls(job_id, job.spec, hooks, work_dir).run()

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,11 @@ class _Batch:
 
 
 class RolloutPool:
+    """`num_workers` rollout workers sharing out groups of rollouts; a dead worker is replaced and its groups
+    rerun. `placement_group` + `bundle_indices` pin worker i (and its replacements) to bundle
+    `bundle_indices[i]` (the scheduler reserves one bundle per worker); without them the workers go wherever
+    Ray finds room."""
+
     def __init__(
         self,
         engine: EngineConfig | EngineFactory,
@@ -60,9 +65,13 @@ class RolloutPool:
         resources: dict[str, float] | None = None,
         groups_per_call: int | None = None,
         max_retries: int = 3,
+        placement_group: Any = None,
+        bundle_indices: Sequence[int] | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError("num_workers: must be >= 1")
+        if placement_group is not None and (bundle_indices is None or len(bundle_indices) != num_workers):
+            raise ValueError(f"bundle_indices: need one bundle per worker ({num_workers}), got {bundle_indices}")
         if groups_per_call is not None and groups_per_call < 1:
             raise ValueError("groups_per_call: must be >= 1")
         if not ray.is_initialized():
@@ -74,8 +83,9 @@ class RolloutPool:
         self.groups_per_call = groups_per_call
         self.max_retries = max_retries
         self.restarts = 0
+        self._placement = (placement_group, list(bundle_indices or []))
         self._weights: tuple[ray.ObjectRef, int] | None = None
-        self._workers = [self._spawn() for _ in range(num_workers)]
+        self._workers = [self._spawn(slot) for slot in range(num_workers)]
         ray.get([w.ping.remote() for w in self._workers])  # engines built: surface startup errors here
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-rollout-pool")
 
@@ -83,8 +93,14 @@ class RolloutPool:
     def workers(self) -> list[Any]:
         return list(self._workers)
 
-    def _spawn(self) -> Any:
-        actor = RolloutWorker.options(**self._options).remote(*self._spawn_args)
+    def _spawn(self, slot: int) -> Any:
+        options = dict(self._options)
+        pg, bundles = self._placement
+        if pg is not None:  # worker `slot` (and its replacements) in its own bundle of the job's group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[slot])
+        actor = RolloutWorker.options(**options).remote(*self._spawn_args)
         if self._weights is not None:
             actor.load_weights.remote(*self._weights)  # actor calls run in order: before any batch
         return actor
@@ -96,7 +112,7 @@ class RolloutPool:
                 ray.kill(dead, no_restart=True)
             except Exception:  # already gone
                 pass
-            self._workers[slot] = self._spawn()
+            self._workers[slot] = self._spawn(slot)
             self.restarts += 1
 
     # ------------------------------------------------------------------ rollouts

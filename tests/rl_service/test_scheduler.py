@@ -9,7 +9,13 @@ import pytest
 import ray
 
 from rl_service.job_states import JobState
-from rl_service.scheduler import Scheduler, driver_name, job_bundles, learner_bundle_indices
+from rl_service.scheduler import (
+    Scheduler,
+    driver_name,
+    job_bundles,
+    learner_bundle_indices,
+    rollout_bundle_indices,
+)
 from rl_service.spec import JobSpec
 from rl_service.store import Store
 
@@ -52,13 +58,13 @@ def test_bundles_follow_the_spec() -> None:
     spec = JobSpec.model_validate({"resources": {"learner_cpus": 2, "rollout_cpus": 0.5, "rollout_gpus": 1,
                                                  "custom": {"rollout": 1}}, "rollout": {"num_workers": 2}})
     assert job_bundles(spec) == [{"CPU": 2.0}, {"CPU": 0.5, "GPU": 1.0, "rollout": 1}, {"CPU": 0.5, "GPU": 1.0, "rollout": 1}]
-    assert learner_bundle_indices(spec) == [0]
+    assert learner_bundle_indices(spec) == [0] and rollout_bundle_indices(spec) == [1, 2]
     # several ranks: the driver gets a CPU-only bundle of its own in front of one bundle per rank
     dp = JobSpec.model_validate({"resources": {"num_learners": 2, "learner_cpus": 4, "learner_gpus": 1,
                                                "learner_custom": {"learner": 1}}})
     assert job_bundles(dp) == [{"CPU": 1.0}, {"CPU": 4.0, "GPU": 1.0, "learner": 1}, {"CPU": 4.0, "GPU": 1.0, "learner": 1},
                                {"CPU": 1.0}]
-    assert learner_bundle_indices(dp) == [1, 2]
+    assert learner_bundle_indices(dp) == [1, 2] and rollout_bundle_indices(dp) == [3]
 
 
 def test_heartbeat_settings_are_checked(monkeypatch) -> None:
@@ -132,6 +138,21 @@ def test_pause_frees_resources_resume_continues_and_cancel_stops(store: Store, s
     wait_for(lambda: _state(store, job.id) == JobState.CANCELLED, what="cancelled")
     assert store.get_job(job.id).step < 40
     wait_for(lambda: not store.r.smembers(store.k_placed()), what="cleanup")
+
+
+def test_a_runner_that_cannot_be_imported_fails_its_job_with_the_reason(store: Store, ray_local, tmp_path) -> None:
+    sched = Scheduler(store, runner="no_such_package.runner:Runner", tick_s=0.1, driver_grace_s=1.0,
+                      liveness_every_s=0.5, heartbeat_every_s=0.1, heartbeat_timeout_s=3.0)
+    sched.start()
+    try:
+        job = store.submit_job("t", _spec(name="no-runner"), str(tmp_path))[0]
+        wait_for(lambda: _state(store, job.id) == JobState.FAILED, what="the job to fail")
+        wait_for(lambda: not store.r.smembers(store.k_placed()), what="cleanup")
+    finally:
+        sched.stop()
+    got = store.get_job(job.id)
+    assert got.attempts == 1 and "No module named 'no_such_package'" in got.error
+    assert [e["kind"] for e in store.events(job.id)].count("error") == 1
 
 
 def test_a_driver_that_could_not_record_the_outcome_is_restarted(store: Store, scheduler: Scheduler, tmp_path) -> None:
