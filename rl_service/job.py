@@ -34,7 +34,6 @@ import torch
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory
 from rl_service.checkpoint import (
-    Checkpoint,
     latest_checkpoint,
     load_weights,
     restore_rng_state,
@@ -191,6 +190,27 @@ class JobRunner:
         self.pool: RolloutPoolLike | None = None
         self._heartbeat: Callable[[], None] | None = getattr(hooks, "heartbeat", None)
 
+    def preload(self) -> None:
+        """Import the code `run` needs before it starts (the job driver calls this before its first heartbeat:
+        a cold import of transformers' model code alone can outlast a heartbeat timeout on a loaded machine)."""
+        import model  # noqa: F401  (registers the architecture)
+        import reward_models.credit  # noqa: F401
+        import reward_models.monitor  # noqa: F401
+        import reward_models.scoring  # noqa: F401
+        import rollout_workers.storage  # noqa: F401
+        from rollout_workers.environments.registry import environment_class
+
+        environment_class(self._environment())  # a registered environment's own module
+
+        if self.spec.model.checkpoint:  # the checkpoint's own model class (a Llama, a Qwen, ...)
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            path = Path(self.spec.model.checkpoint.removeprefix("file://"))
+            if (path / "config.json").exists():
+                AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
+        if self.spec.resources.num_learners > 1:
+            import rl_service.distributed  # noqa: F401
+
     # ------------------------------------------------------------------ progress
     def _progress(self) -> None:
         """Tell the control plane the job is making progress (its driver's heartbeat; hooks rate-limit it).
@@ -280,26 +300,17 @@ class JobRunner:
             raise _Stop(result)
 
     def _run(self) -> str:
+        start, engine_dir = self.setup()
+        spec = self.spec
+        if start >= spec.total_steps:
+            return "succeeded"
+        self._check_control(start)
+        t0 = time.perf_counter()
+        self._progress()
         import concurrent.futures
 
-        spec = self.spec
-        ckpt = self._prepare()
-        engine_dir = ckpt.path if ckpt is not None else self.initial_dir
-        ends_at_once = (ckpt is not None and ckpt.step >= spec.total_steps) or self.hooks.control() != "run"
-        t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-pool-start") as starter:
-            # the rollout engines start while the learner ranks start and the checkpoint is restored
-            pool_start = None if ends_at_once else starter.submit(self.pool_factory, spec, engine_dir)
-            try:
-                start = self._restore(ckpt)
-                if start >= spec.total_steps:
-                    return "succeeded"
-                self._check_control(start)
-            except BaseException:
-                if pool_start is not None:
-                    pool_start.add_done_callback(lambda f: f.exception() is None and f.result().shutdown())
-                raise
-            self.pool = self._await(pool_start or starter.submit(self.pool_factory, spec, engine_dir))
+            self.pool = self._await(starter.submit(self.pool_factory, spec, engine_dir))
         self.hooks.emit_event("rollout_pool_ready", {"seconds": time.perf_counter() - t0, "weights": str(engine_dir)})
         if start == 0 and self.eval_tasks:
             self._evaluate(0)
@@ -308,12 +319,8 @@ class JobRunner:
     def setup(self) -> tuple[int, Path]:
         """Tasks, model, learner, and the state of the newest checkpoint if there is one.
         Returns (first step to run, directory the rollout engines load)."""
-        ckpt = self._prepare()
-        return self._restore(ckpt), ckpt.path if ckpt is not None else self.initial_dir
-
-    def _prepare(self) -> Checkpoint | None:
-        """Tasks, model and learner; the initial weights saved; the newest checkpoint, if any."""
         from reward_models.credit import CreditConfig
+        from reward_models.monitor import HackingMonitor
         from rollout_workers.environments.registry import generate_tasks
 
         spec = self.spec
@@ -337,14 +344,8 @@ class JobRunner:
         self.learner = Learner(self.model, LearnerConfig.from_spec(spec), ref_model=ref,
                                pad_token_id=self.tokenizer.pad_token_id or 0, device=self.device)
         self.learner.progress = self._progress
-        return latest_checkpoint(self.checkpoint_dir)
 
-    def _restore(self, ckpt: Checkpoint | None) -> int:
-        """The learner ranks started and the job's state loaded from `ckpt` (or started afresh); returns the
-        first step to run."""
-        from reward_models.monitor import HackingMonitor
-
-        spec = self.spec
+        ckpt = latest_checkpoint(self.checkpoint_dir)
         self.dp = None
         if spec.resources.num_learners > 1:
             # Data-parallel ranks (Ray actors) train; the driver keeps a full copy for pushes and checkpoints.
@@ -372,6 +373,7 @@ class JobRunner:
             if rng is not None:
                 restore_rng_state(rng)
             self._drop_trajectories_after(start)
+            engine_dir = ckpt.path
             self.hooks.emit_event("resumed", {"step": start, "checkpoint": str(ckpt.path)})
         else:
             self.cursor = DataCursor(len(self.train_tasks), spec.tasks.seed)
@@ -380,8 +382,9 @@ class JobRunner:
             self.hooks_schedule_version = version
             self.version_map = {1: version}
             self.monitor = HackingMonitor(spec.hacking_monitor)
+            engine_dir = self.initial_dir
             self.hooks.emit_event("started", {"step": 0, "total_steps": spec.total_steps})
-        return start
+        return start, engine_dir
 
     def _start_data_parallel(self, model_dir: Path) -> Any:
         """The learner ranks, each in its own bundle of the job's placement group when the driver runs in one

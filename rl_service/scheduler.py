@@ -166,6 +166,15 @@ class JobDriver:
             self.running = False
             self.finished = True
 
+    def _build_runner(self, job: Any, hooks: DriverHooks) -> Any:
+        work_dir = Path(job.work_dir)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        runner = load_runner(self.runner)(self.job_id, job.spec, hooks, work_dir)
+        preload = getattr(runner, "preload", None)
+        if preload is not None:
+            preload()
+        return runner
+
     def _run(self) -> str:
         store, job_id = self.store, self.job_id
         job = store.get_job(job_id)
@@ -175,21 +184,20 @@ class JobDriver:
         if job.control == CONTROL_PAUSE:
             store.transition(job_id, JobState.PAUSED, expect=[JobState.STARTING], reason="pause requested")
             return "paused"
-        # The runner's module is imported before the first heartbeat: a cold import can outlast a heartbeat
-        # interval on a loaded machine. An import error fails the job below, like any runner error.
-        try:
-            runner_cls, import_error = load_runner(self.runner), None
-        except Exception as exc:
-            runner_cls, import_error = None, exc
+        # The runner is built, and its code imported (`preload`), before the first heartbeat: cold imports
+        # (transformers' model code, the environment's module) can outlast a heartbeat timeout on a loaded
+        # machine. An error here fails the job below, like any runner error.
         hooks = DriverHooks(store, job_id, self.heartbeat_every_s)
+        try:
+            runner, build_error = self._build_runner(job, hooks), None
+        except Exception as exc:
+            runner, build_error = None, exc
         hooks.heartbeat()  # before RUNNING: the scheduler judges running jobs by their heartbeat
         store.transition(job_id, JobState.RUNNING, expect=[JobState.STARTING], data={"attempt": job.attempts})
         try:
-            if import_error is not None:
-                raise import_error
-            work_dir = Path(job.work_dir)
-            work_dir.mkdir(parents=True, exist_ok=True)
-            result = runner_cls(job_id, job.spec, hooks, work_dir).run()
+            if build_error is not None:
+                raise build_error
+            result = runner.run()
             target = FINAL_RESULTS.get(str(result))
             if target is None:
                 raise RuntimeError(f"job runner returned an unknown result {result!r}")
