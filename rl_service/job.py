@@ -20,6 +20,7 @@ the engines seed every sampling request that way, so a resumed run regenerates t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -206,7 +207,7 @@ class JobRunner:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             path = Path(self.spec.model.checkpoint.removeprefix("file://"))
-            if (path / "config.json").exists():
+            with contextlib.suppress(Exception):  # a bad checkpoint is reported by the real load in `run`
                 AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
         if self.spec.resources.num_learners > 1:
             import rl_service.distributed  # noqa: F401

@@ -219,3 +219,27 @@ def test_data_cursor_is_a_seeded_permutation_per_epoch() -> None:
     nxt = c.take(3)
     assert DataCursor.from_state(5, 1, state).take(3) == nxt and c.epoch == 1
     assert DataCursor(5, seed=2).take(5) != first
+
+
+def test_preload_imports_the_checkpoints_model_class(tiny_llama_dir, tmp_path) -> None:
+    """The driver calls `preload` before its first heartbeat, so the cold import of the checkpoint's model code
+    happens there and not inside the heartbeat-watched run (a fresh interpreter: nothing imported yet)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from rl_service.job import InMemoryHooks, JobRunner\n"
+        "from rl_service.spec import JobSpec\n"
+        "name = 'transformers.models.llama.modeling_llama'\n"
+        f"spec = JobSpec.model_validate({{'model': {{'checkpoint': {str(tiny_llama_dir)!r}}}}})\n"
+        f"runner = JobRunner('p', spec, InMemoryHooks(), {str(tmp_path)!r})\n"
+        "print(name in sys.modules)\n"
+        "runner.preload()\n"
+        "print(name in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "True"]
