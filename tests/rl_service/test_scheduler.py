@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -25,15 +26,24 @@ def store(redis_url: str) -> Store:
     return Store(redis_url, prefix="ts")
 
 
-@pytest.fixture
-def scheduler(store: Store, standin_runner_cls, tmp_path) -> Iterator[Scheduler]:
-    sched = Scheduler(store, runner=standin_runner_cls, tick_s=0.1, driver_grace_s=1.0, liveness_every_s=0.5,
+@contextlib.contextmanager
+def running_scheduler(store: Store, runner: str | type) -> Iterator[Scheduler]:
+    """A scheduler with fast ticks and checks; on exit it stops and releases what it still holds."""
+    sched = Scheduler(store, runner=runner, tick_s=0.1, driver_grace_s=1.0, liveness_every_s=0.5,
                       heartbeat_every_s=0.1, heartbeat_timeout_s=3.0)
     sched.start()
-    yield sched
-    sched.stop()
-    for job_id in store.r.smembers(store.k_placed()):
-        sched._release(job_id)
+    try:
+        yield sched
+    finally:
+        sched.stop()
+        for job_id in store.r.smembers(store.k_placed()):
+            sched._release(job_id)
+
+
+@pytest.fixture
+def scheduler(store: Store, standin_runner_cls, tmp_path) -> Iterator[Scheduler]:
+    with running_scheduler(store, standin_runner_cls) as sched:
+        yield sched
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
@@ -141,15 +151,10 @@ def test_pause_frees_resources_resume_continues_and_cancel_stops(store: Store, s
 
 
 def test_a_runner_that_cannot_be_imported_fails_its_job_with_the_reason(store: Store, ray_local, tmp_path) -> None:
-    sched = Scheduler(store, runner="no_such_package.runner:Runner", tick_s=0.1, driver_grace_s=1.0,
-                      liveness_every_s=0.5, heartbeat_every_s=0.1, heartbeat_timeout_s=3.0)
-    sched.start()
-    try:
+    with running_scheduler(store, "no_such_package.runner:Runner"):
         job = store.submit_job("t", _spec(name="no-runner"), str(tmp_path))[0]
         wait_for(lambda: _state(store, job.id) == JobState.FAILED, what="the job to fail")
         wait_for(lambda: not store.r.smembers(store.k_placed()), what="cleanup")
-    finally:
-        sched.stop()
     got = store.get_job(job.id)
     assert got.attempts == 1 and "No module named 'no_such_package'" in got.error
     assert [e["kind"] for e in store.events(job.id)].count("error") == 1
