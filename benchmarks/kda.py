@@ -209,10 +209,11 @@ def time_decode(N: int) -> dict:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "default": {},
-    "score_all_tf32x3": dict(bwd_score_precision="tf32x3", bwd_score_precision_diag=None),
     "score_all_tf32": dict(bwd_score_precision="tf32", bwd_score_precision_diag=None),
-    "score_bf16": dict(bwd_fp32_dots=False),
-    "solve_sequential": dict(solve_interleaved=False),
+    "solve_through_memory": dict(solve_in_registers=False),
+    "solve_tf32x3": dict(solve_precision="tf32x3"),
+    "bwd_block_pairs": dict(bwd_intra_strips=False),
+    "score_diag_ieee": dict(bwd_score_precision_diag="ieee"),
 }
 
 

@@ -10,7 +10,6 @@ from kernels.kda.triton_chunk_bwd import bwd_inter_kernel, bwd_intra_kernel, bwd
 from kernels.kda.triton_chunk_fwd import (
     fwd_out_kernel,
     fwd_state_kernel,
-    gate_cumsum_kernel,
     intra_scores_kernel,
     solve_wu_kernel,
 )
@@ -69,16 +68,12 @@ def kda_fwd(
     prec = cfg.dot_precision(q.dtype)
     gcum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
     safe = lower_bound is not None
-    gate_cumsum_kernel[(NC, HV)](
-        f, dt_bias, A_log, gcum, cu, chunk_indices, lower_bound if safe else 0.0,
-        HV=HV, K=K, BT=BT, BK=BK, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=dt_bias is not None,
-        num_warps=cfg.num_warps_intra,
-    )
     Aqk = torch.empty(T, HV, BT, dtype=k.dtype, device=dev)  # only ever a bf16 dot operand
     Akk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
     intra_scores_kernel[(NC, HV)](
-        q, k, gcum, Aqk, Akk, cu, chunk_indices, scale,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, num_warps=cfg.num_warps_intra,
+        q, k, f, dt_bias, A_log, gcum, Aqk, Akk, cu, chunk_indices, scale, lower_bound if safe else 0.0,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, USE_GATE=use_gate, BOUNDED=safe,
+        HAS_BIAS=dt_bias is not None, num_warps=cfg.num_warps_intra,
     )
     Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
     work_dtype = cfg.work_dtype or v.dtype
@@ -89,7 +84,7 @@ def kda_fwd(
     solve_wu_kernel[(NC, HV)](
         q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu, chunk_indices, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), DOT_PREC=prec,
-        INTERLEAVED=cfg.solve_interleaved, num_warps=cfg.num_warps_intra,
+        SOLVE_PREC=cfg.solve_precision, IN_REGISTERS=cfg.solve_in_registers, num_warps=cfg.num_warps_intra,
     )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
     h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
@@ -161,7 +156,7 @@ def kda_bwd(
         HAS_BIAS=dt_bias is not None, FP32_DOTS=cfg.bwd_fp32_dots,
         DOT_PREC=cfg.bwd_score_precision if cfg.bwd_fp32_dots else prec,
         DIAG_PREC=(cfg.bwd_score_precision_diag or cfg.bwd_score_precision) if cfg.bwd_fp32_dots else prec,
-        num_warps=cfg.num_warps_bwd,
+        STRIPS=cfg.bwd_intra_strips, num_warps=cfg.num_warps_bwd,
     )
     return dq, dk, dv, dgate, dbeta, dh0
 

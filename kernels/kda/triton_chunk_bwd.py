@@ -161,9 +161,12 @@ def bwd_intra_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, SAFE: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr,
     HAS_BIAS: tl.constexpr, FP32_DOTS: tl.constexpr, DOT_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
+    STRIPS: tl.constexpr,
 ):
     """dq, dk (per value head) and, in `dgate`, df for the bounded in-kernel gate, else dg (the host
-    applies the unbounded gate's derivative, which also feeds A_log)."""
+    applies the unbounded gate's derivative, which also feeds A_log). STRIPS: each row block's
+    off-diagonal work as [BC, BT] x [BT, K] dots over the whole chunk (zero factors outside the blocks
+    that take part) instead of one BC x BC block pair at a time."""
     i_c, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     o_i = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
@@ -172,6 +175,14 @@ def bwd_intra_kernel(
     dt = k.dtype.element_ty
     if FP32_DOTS:
         dt = tl.float32
+    o_t = tl.arange(0, BT)
+    rows = i_t * BT + o_t
+    m_tk = (rows < T)[:, None] & m_k[None, :]
+    if STRIPS:
+        qk_all = (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        c_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+        c_q = tl.load(q + qk_all, mask=m_tk, other=0.0).to(tl.float32) * scale
+        c_k = tl.load(k + qk_all, mask=m_tk, other=0.0).to(tl.float32)
     d_gam = tl.load(dgam + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
     carry = d_gam
     for i_rev in tl.static_range(NB):
@@ -193,35 +204,56 @@ def bwd_intra_kernel(
             db_A = tl.zeros([BC, BK], dtype=tl.float32)
             a_row = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
             m_a_i = ok_i[:, None] & (o_i < BC)[None, :]
-            for j in tl.static_range(NB):
-                if j < i:
-                    k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
-                                            H, HV, K).to(dt)
-                    dP_ij = tl.load(dAqk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
-                    dA_ij = tl.load(dAkk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
-                    da_P += _mm(dP_ij, k_right, FP32_DOTS, DOT_PREC)
-                    da_A += _mm(dA_ij, k_right, FP32_DOTS, DOT_PREC)
+            if STRIPS:
+                if i > 0:  # row strip i against every earlier block at once
+                    left = (o_t < i * BC)[:, None] & m_tk
+                    k_right = tl.where(left, c_k * tl.exp(tl.where(left, ref[None, :] - c_g, 0.0)), 0.0).to(dt)
+                    strip = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
+                    m_strip = ok_i[:, None] & (o_t < i * BC)[None, :]
+                    da_P += _mm(tl.load(dAqk + strip, mask=m_strip, other=0.0).to(dt), k_right, FP32_DOTS, DOT_PREC)
+                    da_A += _mm(tl.load(dAkk + strip, mask=m_strip, other=0.0).to(dt), k_right, FP32_DOTS, DOT_PREC)
+            else:
+                for j in tl.static_range(NB):
+                    if j < i:
+                        k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
+                                                H, HV, K).to(dt)
+                        dP_ij = tl.load(dAqk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
+                        dA_ij = tl.load(dAkk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
+                        da_P += _mm(dP_ij, k_right, FP32_DOTS, DOT_PREC)
+                        da_A += _mm(dA_ij, k_right, FP32_DOTS, DOT_PREC)
             e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
             da_P *= e_left
             da_A *= e_left
             # columns of block i against rows m >= i: reference at block i's last valid row
             last_i = tl.minimum(i_t * BT + i * BC + BC, T) - 1
             ref2 = tl.load(gcum + (bos + last_i) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
-            for mm in tl.static_range(NB):
-                if mm > i:
-                    rows_m = i_t * BT + mm * BC + o_i
-                    ok_m = rows_m < T
-                    m_m = ok_m[:, None] & m_k[None, :]
-                    b_gm = tl.load(gcum + (bos + rows_m)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_m, other=0.0)
-                    e_m = tl.where(m_m, tl.exp(b_gm - ref2[None, :]), 0.0)
-                    b_qm = tl.load(q + (bos + rows_m)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_m, other=0.0)
-                    b_km = tl.load(k + (bos + rows_m)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_m, other=0.0)
-                    a_col = (bos + rows_m)[:, None] * (HV * BT) + i_hv * BT + i * BC + o_i[None, :]
-                    m_a_m = ok_m[:, None] & (o_i < BC)[None, :]
-                    dP_mi = tl.load(dAqk + a_col, mask=m_a_m, other=0.0).to(dt)
-                    dA_mi = tl.load(dAkk + a_col, mask=m_a_m, other=0.0).to(dt)
-                    db_P += _mm(tl.trans(dP_mi), (b_qm.to(tl.float32) * e_m * scale).to(dt), FP32_DOTS, DOT_PREC)
-                    db_A += _mm(tl.trans(dA_mi), (b_km.to(tl.float32) * e_m).to(dt), FP32_DOTS, DOT_PREC)
+            if STRIPS:
+                if i < NB - 1:  # column strip i against every later block at once
+                    below = (o_t >= i * BC + BC)[:, None] & m_tk
+                    e_m = tl.where(below, tl.exp(tl.where(below, c_g - ref2[None, :], 0.0)), 0.0)
+                    col = (bos + rows)[:, None] * (HV * BT) + i_hv * BT + i * BC + o_i[None, :]
+                    m_col = ((rows < T) & (o_t >= i * BC + BC))[:, None] & (o_i < BC)[None, :]
+                    dP_col = tl.load(dAqk + col, mask=m_col, other=0.0).to(dt)
+                    dA_col = tl.load(dAkk + col, mask=m_col, other=0.0).to(dt)
+                    db_P += _mm(tl.trans(dP_col), (c_q * e_m).to(dt), FP32_DOTS, DOT_PREC)
+                    db_A += _mm(tl.trans(dA_col), (c_k * e_m).to(dt), FP32_DOTS, DOT_PREC)
+            else:
+                for mm in tl.static_range(NB):
+                    if mm > i:
+                        rows_m = i_t * BT + mm * BC + o_i
+                        ok_m = rows_m < T
+                        m_m = ok_m[:, None] & m_k[None, :]
+                        b_gm = tl.load(gcum + (bos + rows_m)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_m,
+                                       other=0.0)
+                        e_m = tl.where(m_m, tl.exp(b_gm - ref2[None, :]), 0.0)
+                        b_qm = tl.load(q + (bos + rows_m)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_m, other=0.0)
+                        b_km = tl.load(k + (bos + rows_m)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_m, other=0.0)
+                        a_col = (bos + rows_m)[:, None] * (HV * BT) + i_hv * BT + i * BC + o_i[None, :]
+                        m_a_m = ok_m[:, None] & (o_i < BC)[None, :]
+                        dP_mi = tl.load(dAqk + a_col, mask=m_a_m, other=0.0).to(dt)
+                        dA_mi = tl.load(dAkk + a_col, mask=m_a_m, other=0.0).to(dt)
+                        db_P += _mm(tl.trans(dP_mi), (b_qm.to(tl.float32) * e_m * scale).to(dt), FP32_DOTS, DOT_PREC)
+                        db_A += _mm(tl.trans(dA_mi), (b_km.to(tl.float32) * e_m).to(dt), FP32_DOTS, DOT_PREC)
             e_right2 = tl.where(m_i, tl.exp(ref2[None, :] - b_g_i), 0.0)
             db_P *= e_right2
             db_A *= e_right2

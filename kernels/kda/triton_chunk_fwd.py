@@ -3,8 +3,9 @@
 All kernels see a flattened token axis (B folded into T, sequences delimited by `cu_seqlens`) and a
 list of chunks `chunk_indices` [NC, 2] = (sequence, chunk within it). Per chunk of BT tokens and value
 head (Gam = in-chunk cumulative log-decay, see chunk_torch.py for the math):
-  1. gate + cumsum     -> gcum [T, HV, K] fp32
-  2. intra scores      -> Aqk [T, HV, BT] (incl. diagonal, times scale), Akk [T, HV, BT] (strict)
+  1. gate + cumsum,
+     intra scores      -> gcum [T, HV, K] fp32, Aqk [T, HV, BT] (incl. diagonal, times scale),
+                          Akk [T, HV, BT] (strict)
   3. solve + w/u       -> Ai = (I + diag(beta) Akk)^-1, w = Ai beta K e^Gam, u = Ai beta V
   4. state recurrence  -> h (state at each chunk start), vn = u - w h, final state
   5. output            -> o = scale (Q e^Gam) h + Aqk vn
@@ -101,13 +102,10 @@ def _right_factor(k, gcum, bos, rows, T, ref, i_h, i_hv, o_k, m_k, H: tl.constex
 
 
 @triton.jit
-def gate_cumsum_kernel(
-    f, dt_bias, a_log, gcum, cu_seqlens, chunk_indices, lower_bound,
-    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+def _gate_cumsum(f, dt_bias, a_log, gcum, bos, i_t, T, i_hv, lower_bound, HV: tl.constexpr, K: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """gcum of one chunk and value head: the gate applied to f, then the in-chunk cumulative sum."""
     rows = i_t * BT + tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m = (rows < T)[:, None] & (o_k < K)[None, :]
@@ -146,13 +144,17 @@ def _diag_block_pairwise(x, k, g, rows, row_ok, xk_head, xk_stride, g_head, g_st
 
 @triton.jit
 def intra_scores_kernel(
-    q, k, gcum, Aqk, Akk, cu_seqlens, chunk_indices, scale,
+    q, k, f, dt_bias, a_log, gcum, Aqk, Akk, cu_seqlens, chunk_indices, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """Aqk (incl. diagonal, times scale) and Akk (strictly lower) for one chunk and value head; q and k
-    have H heads, value head i_hv reads head i_hv // (HV // H)."""
+    """gcum, then Aqk (incl. diagonal, times scale) and Akk (strictly lower) for one chunk and value head;
+    q and k have H heads, value head i_hv reads head i_hv // (HV // H). The block loop reads gcum back
+    (from cache) after a barrier: its blocks and reference rows are slices of the chunk's cumsum."""
     _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
+    _gate_cumsum(f, dt_bias, a_log, gcum, bos, i_t, T, i_hv, lower_bound, HV, K, BT, BK, USE_GATE, BOUNDED, HAS_BIAS)
+    tl.debug_barrier()
     o_i = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -198,9 +200,9 @@ def intra_scores_kernel(
 
 
 @triton.jit
-def _diag_inverses_interleaved(beta, Akk, Ai, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr,
-                               BC: tl.constexpr, NB: tl.constexpr):
-    """(I + L_bb)^-1 of all NB diagonal blocks of one chunk at once, L = diag(beta) Akk, written into Ai:
+def _diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                   NB: tl.constexpr):
+    """(I + L_bb)^-1 of all NB diagonal blocks of one chunk at once, L = diag(beta) Akk, as [NB, BC, BC]:
     the NB forward substitutions are independent, so step r of every block runs together (one chain of
     BC-2 steps instead of NB such chains one after another), and row r of L is read from memory rather than
     extracted from the tile by a masked reduction."""
@@ -221,43 +223,59 @@ def _diag_inverses_interleaved(beta, Akk, Ai, bos, i_t, T, i_hv, HV: tl.constexp
         a = a + tl.sum(a[:, :, None] * Y, 1)
         Y = tl.where((o_i == r)[None, :, None], a[:, None, :], Y)
     eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    tl.store(Ai + off, Y + eye[None, :, :], mask=ok)
+    return Y + eye[None, :, :]
 
 
 @triton.jit
-def solve_wu_kernel(
-    q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu_seqlens, chunk_indices, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, INTERLEAVED: tl.constexpr,
-):
-    """Ai = (I + diag(beta) Akk)^-1 by block forward substitution, then w and u, and the gated
-    qg = scale q e^Gam and kg = k e^(Gam_last - Gam) that the sequential state kernels consume (so
-    their loop carries no exponentials and no fp32 gate loads)."""
-    _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
+def _chunk_inverse_registers(beta, Akk, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr):
+    """Ai = (I + L)^-1 [BT, BT] of one chunk in registers, by row strips: with D_i = (I + L_ii)^-1 and the
+    strips above already in Ai (the rest still zero), strip i = D_i (E_i - L_i Ai), E_i the identity's
+    strip. L_i Ai only sees L_i's columns left of block i, because Ai's strip i is still zero then."""
+    D = _diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV, BT, BC, NB)
+    o_t = tl.arange(0, BT)
     o_i = tl.arange(0, BC)
-    NB: tl.constexpr = BT // BC
-    eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    if INTERLEAVED:
-        _diag_inverses_interleaved(beta, Akk, Ai, bos, i_t, T, i_hv, HV, BT, BC, NB)
-        tl.debug_barrier()
+    o_b = tl.arange(0, NB)
+    rows = i_t * BT + o_t
+    ok = rows < T
+    b_beta = tl.load(beta + (bos + rows) * HV + i_hv, mask=ok, other=0.0).to(tl.float32)
+    L = tl.load(Akk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)
+    L3 = tl.reshape(L * b_beta[:, None], (NB, BC, BT))
+    Ai3 = tl.zeros([NB, BC, BT], dtype=tl.float32)
+    for i in tl.static_range(NB):
+        sel = (o_b == i)[:, None, None]
+        D_i = tl.sum(tl.where(sel, D, 0.0), 0)
+        strip = tl.where(o_t[None, :] == i * BC + o_i[:, None], 1.0, 0.0)
+        if i > 0:
+            L_i = tl.sum(tl.where(sel, L3, 0.0), 0)
+            strip -= tl.dot(L_i, tl.reshape(Ai3, (BT, BT)), input_precision=PREC)
+        Ai3 = tl.where(sel, tl.dot(D_i, strip, input_precision=PREC)[None, :, :], Ai3)
+    return tl.reshape(Ai3, (BT, BT))
+
+
+@triton.jit
+def _diag_inverses_to_memory(beta, Akk, Ai, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr, NB: tl.constexpr):
+    o_b = tl.arange(0, NB)
+    o_i = tl.arange(0, BC)
+    rows = i_t * BT + o_b[:, None, None] * BC + o_i[None, :, None]
+    cols = o_b[:, None, None] * BC + o_i[None, None, :]
+    D = _diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV, BT, BC, NB)
+    tl.store(Ai + (bos + rows) * (HV * BT) + i_hv * BT + cols, D, mask=(rows < T) & (cols >= 0))
+
+
+@triton.jit
+def _off_diagonal_through_memory(beta, Akk, Ai, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr,
+                                 BC: tl.constexpr, NB: tl.constexpr):
+    """v2.2's off-diagonal blocks of Ai, block by block through global memory (a barrier per row block)."""
+    o_i = tl.arange(0, BC)
     for i in tl.static_range(NB):
         rows_i = i_t * BT + i * BC + o_i
         ok_i = rows_i < T
         m_a = ok_i[:, None] & (o_i < BC)[None, :]
         a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
         b_beta = tl.load(beta + (bos + rows_i) * HV + i_hv, mask=ok_i, other=0.0).to(tl.float32)
-        if INTERLEAVED:
-            M_ii = tl.load(Ai + a_off + i * BC, mask=m_a, other=0.0)
-        else:
-            L_ii = tl.load(Akk + a_off + i * BC, mask=m_a, other=0.0) * b_beta[:, None]
-            # rows of Y = (I + L)^-1 - I: Y_r = -L_r - sum_{j<r} L_rj Y_j
-            Y = -L_ii
-            for r in tl.static_range(2, BC):
-                a = tl.sum(tl.where((o_i == r)[:, None], -L_ii, 0.0), 0)
-                a = a + tl.sum(a[:, None] * Y, 0)
-                Y = tl.where((o_i == r)[:, None], a[None, :], Y)
-            M_ii = Y + eye
-            tl.store(Ai + a_off + i * BC, M_ii, mask=m_a)
+        M_ii = tl.load(Ai + a_off + i * BC, mask=m_a, other=0.0)
         for j in tl.static_range(NB):
             if j < i:
                 acc = tl.zeros([BC, BC], dtype=tl.float32)
@@ -274,14 +292,37 @@ def solve_wu_kernel(
             elif j > i:
                 tl.store(Ai + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=m_a)
         tl.debug_barrier()
-    # w = Ai (beta K e^Gam), u = Ai (beta V): whole-chunk dots on the lower-triangular Ai
+
+
+@triton.jit
+def solve_wu_kernel(
+    q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu_seqlens, chunk_indices, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    IN_REGISTERS: tl.constexpr,
+):
+    """Ai = (I + diag(beta) Akk)^-1, then w and u, and the gated qg = scale q e^Gam and
+    kg = k e^(Gam_last - Gam) that the sequential state kernels consume (so their loop carries no
+    exponentials and no fp32 gate loads)."""
+    _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
     rows = i_t * BT + o_t
     ok = rows < T
+    NB: tl.constexpr = BT // BC
     dt = k.dtype.element_ty
-    b_M = tl.load(Ai + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0).to(dt)
+    a_full = (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
+    if IN_REGISTERS:
+        b_Ai = _chunk_inverse_registers(beta, Akk, bos, i_t, T, i_hv, HV, BT, BC, NB, SOLVE_PREC)
+        tl.store(Ai + a_full, b_Ai, mask=ok[:, None])
+        b_M = b_Ai.to(dt)
+    else:
+        _diag_inverses_to_memory(beta, Akk, Ai, bos, i_t, T, i_hv, HV, BT, BC, NB)
+        tl.debug_barrier()
+        _off_diagonal_through_memory(beta, Akk, Ai, bos, i_t, T, i_hv, HV, BT, BC, NB)
+        b_M = tl.load(Ai + a_full, mask=ok[:, None], other=0.0).to(dt)
+    # w = Ai (beta K e^Gam), u = Ai (beta V): whole-chunk dots on the lower-triangular Ai
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
     b_b = tl.load(beta + (bos + rows) * HV + i_hv, mask=ok, other=0.0).to(tl.float32)
     m_tk = ok[:, None] & (o_k < K)[None, :]
     b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)

@@ -16,10 +16,13 @@ class KDAKernelConfig:
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
     work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
     num_warps_intra: int = 4
-    solve_interleaved: bool = True  # the diagonal blocks' inverses as one interleaved substitution (H200: fwd -0.9 ms at 32K)
+    # Ai's off-diagonal blocks: row strips in registers (True) or v2.2's block products through global memory
+    solve_in_registers: bool = True
+    solve_precision: str = "ieee"  # input_precision of the strip dots (fp32 operands: ~1e-3 error with tf32)
     num_warps_state: int = 4
     num_warps_out: int = 4
     num_warps_bwd: int = 8
+    bwd_intra_strips: bool = True  # backward-intra off-diagonal work as whole-chunk strips, not block pairs
     bwd_fp32_dots: bool = True  # fp32-operand dots for the score-matrix gradients (dg accuracy; see _mm)
     bwd_score_precision: str = "tf32"  # their input_precision (tf32: one pass; tf32x3: ~fp32, three)
     bwd_score_precision_diag: str | None = "tf32x3"  # the diagonal blocks (e^+-80 factors cancel in dg); None: as above
@@ -35,7 +38,7 @@ class KDAKernelConfig:
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of sub_chunk {self.sub_chunk} >= 16")
-        for name in ("fp32_dot_precision", "bwd_score_precision", "bwd_score_precision_diag"):
+        for name in ("fp32_dot_precision", "bwd_score_precision", "bwd_score_precision_diag", "solve_precision"):
             if getattr(self, name) not in ("ieee", "tf32x3", "tf32") and getattr(self, name) is not None:
                 raise ValueError(f"{name} must be 'ieee', 'tf32x3' or 'tf32', got {getattr(self, name)!r}")
 
