@@ -73,7 +73,7 @@ def kda_fwd(
     intra_scores_kernel[(NC, HV)](
         q, k, f, dt_bias, A_log, gcum, Aqk, Akk, cu, chunk_indices, scale, lower_bound if safe else 0.0,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, USE_GATE=use_gate, BOUNDED=safe,
-        HAS_BIAS=dt_bias is not None, num_warps=cfg.num_warps_intra,
+        HAS_BIAS=dt_bias is not None, num_warps=cfg.num_warps_scores,
     )
     Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
     work_dtype = cfg.work_dtype or v.dtype
@@ -84,7 +84,7 @@ def kda_fwd(
     solve_wu_kernel[(NC, HV)](
         q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu, chunk_indices, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), DOT_PREC=prec,
-        SOLVE_PREC=cfg.solve_precision, IN_REGISTERS=cfg.solve_in_registers, num_warps=cfg.num_warps_intra,
+        SOLVE_PREC=cfg.solve_precision, IN_REGISTERS=cfg.solve_in_registers, num_warps=cfg.num_warps_solve,
     )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
     h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
@@ -149,14 +149,15 @@ def kda_bwd(
     )
     dq, dk, dgate = (torch.empty(T, HV, K, **f32) for _ in range(3))
     bounded = lower_bound is not None
-    bwd_intra_kernel[(NC, HV)](
+    BKI = max(16, BK // cfg.bwd_intra_k_split)
+    bwd_intra_kernel[(NC, HV, triton.cdiv(K, BKI))](
         q, k, gcum, f, dt_bias, A_log, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dq, dk, dgate,
         cu, chunk_indices, scale, lower_bound if bounded else 0.0,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, SAFE=bounded, USE_GATE=use_gate, BOUNDED=bounded,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKI, SAFE=bounded, USE_GATE=use_gate, BOUNDED=bounded,
         HAS_BIAS=dt_bias is not None, FP32_DOTS=cfg.bwd_fp32_dots,
         DOT_PREC=cfg.bwd_score_precision if cfg.bwd_fp32_dots else prec,
         DIAG_PREC=(cfg.bwd_score_precision_diag or cfg.bwd_score_precision) if cfg.bwd_fp32_dots else prec,
-        STRIPS=cfg.bwd_intra_strips, num_warps=cfg.num_warps_bwd,
+        STRIPS=cfg.bwd_intra_strips, num_warps=cfg.num_warps_bwd_intra,
     )
     return dq, dk, dv, dgate, dbeta, dh0
 

@@ -169,7 +169,7 @@ def bwd_intra_kernel(
     that take part) instead of one BC x BC block pair at a time."""
     i_c, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     o_i = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
+    o_k = tl.program_id(2) * BK + tl.arange(0, BK)  # every column of K is independent here: split across programs
     m_k = o_k < K
     NB: tl.constexpr = BT // BC
     dt = k.dtype.element_ty

@@ -15,13 +15,16 @@ class KDAKernelConfig:
     state_block_v: int = 32  # value columns per program of the sequential state kernels (H*V/BV programs)
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
     work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
-    num_warps_intra: int = 4
+    num_warps_scores: int = 4
+    num_warps_solve: int = 4
     # Ai's off-diagonal blocks: row strips in registers (True) or v2.2's block products through global memory
     solve_in_registers: bool = True
     solve_precision: str = "ieee"  # input_precision of the strip dots (fp32 operands: ~1e-3 error with tf32)
     num_warps_state: int = 4
     num_warps_out: int = 4
-    num_warps_bwd: int = 8
+    num_warps_bwd: int = 8  # backward inter
+    num_warps_bwd_intra: int = 8
+    bwd_intra_k_split: int = 2  # backward-intra programs per (chunk, head), each a slice of K: fewer registers
     bwd_intra_strips: bool = True  # backward-intra off-diagonal work as whole-chunk strips, not block pairs
     bwd_fp32_dots: bool = True  # fp32-operand dots for the score-matrix gradients (dg accuracy; see _mm)
     bwd_score_precision: str = "tf32"  # their input_precision (tf32: one pass; tf32x3: ~fp32, three)
