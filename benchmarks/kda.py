@@ -209,16 +209,12 @@ def time_decode(N: int) -> dict:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "default": {},
-    "v22_layout_k_split": dict(solve_in_registers=False, bwd_intra_strips=False),
     "bwd_block_pairs": dict(bwd_intra_strips=False),
     "bwd_intra_whole_k": dict(bwd_intra_k_split=1),
-    "bwd_intra_k_split4": dict(bwd_intra_k_split=4),
-    "bwd_intra_4warps": dict(num_warps_bwd_intra=4),
-    "pairs_4warps": dict(bwd_intra_strips=False, num_warps_bwd_intra=4),
+    "scores_2warps": dict(num_warps_scores=2),
     "scores_8warps": dict(num_warps_scores=8),
+    "solve_2warps": dict(num_warps_solve=2),
     "solve_8warps": dict(num_warps_solve=8),
-    "solve_through_memory": dict(solve_in_registers=False),
-    "solve_through_memory_8warps": dict(solve_in_registers=False, num_warps_solve=8),
 }
 
 

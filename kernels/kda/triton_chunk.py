@@ -10,8 +10,10 @@ from kernels.kda.triton_chunk_bwd import bwd_inter_kernel, bwd_intra_kernel, bwd
 from kernels.kda.triton_chunk_fwd import (
     fwd_out_kernel,
     fwd_state_kernel,
+    gate_cumsum_kernel,
     intra_scores_kernel,
-    solve_wu_kernel,
+    solve_kernel,
+    wu_kernel,
 )
 from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
 from kernels.kda.triton_l2norm import l2norm_bwd, l2norm_fwd
@@ -68,23 +70,29 @@ def kda_fwd(
     prec = cfg.dot_precision(q.dtype)
     gcum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
     safe = lower_bound is not None
+    gate_cumsum_kernel[(NC, HV)](
+        f, dt_bias, A_log, gcum, cu, chunk_indices, lower_bound if safe else 0.0,
+        HV=HV, K=K, BT=BT, BK=BK, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=dt_bias is not None,
+        num_warps=cfg.num_warps_scores,
+    )
     Aqk = torch.empty(T, HV, BT, dtype=k.dtype, device=dev)  # only ever a bf16 dot operand
     Akk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
-    intra_scores_kernel[(NC, HV)](
-        q, k, f, dt_bias, A_log, gcum, Aqk, Akk, cu, chunk_indices, scale, lower_bound if safe else 0.0,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, USE_GATE=use_gate, BOUNDED=safe,
-        HAS_BIAS=dt_bias is not None, num_warps=cfg.num_warps_scores,
+    qg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
+    kg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
+    intra_scores_kernel[(NC, HV, BT // BC)](
+        q, k, gcum, Aqk, Akk, qg, kg, cu, chunk_indices, scale,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, num_warps=cfg.num_warps_scores,
     )
     Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
+    solve_kernel[(NC, HV)](beta, Akk, Ai, cu, chunk_indices, H=H, HV=HV, BT=BT, BC=BC,
+                           num_warps=cfg.num_warps_solve)
     work_dtype = cfg.work_dtype or v.dtype
     w = torch.empty(T, HV, K, dtype=work_dtype, device=dev)
     u = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
-    qg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
-    kg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
-    solve_wu_kernel[(NC, HV)](
-        q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, BV), DOT_PREC=prec,
-        SOLVE_PREC=cfg.solve_precision, IN_REGISTERS=cfg.solve_in_registers, num_warps=cfg.num_warps_solve,
+    BVU = min(64, BV)
+    wu_kernel[(NC, HV, 1 + triton.cdiv(V, BVU))](
+        k, v, beta, gcum, Ai, w, u, cu, chunk_indices,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVU, DOT_PREC=prec, num_warps=cfg.num_warps_solve,
     )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
     h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)

@@ -3,10 +3,10 @@
 All kernels see a flattened token axis (B folded into T, sequences delimited by `cu_seqlens`) and a
 list of chunks `chunk_indices` [NC, 2] = (sequence, chunk within it). Per chunk of BT tokens and value
 head (Gam = in-chunk cumulative log-decay, see chunk_torch.py for the math):
-  1. gate + cumsum,
-     intra scores      -> gcum [T, HV, K] fp32, Aqk [T, HV, BT] (incl. diagonal, times scale),
-                          Akk [T, HV, BT] (strict)
-  3. solve + w/u       -> Ai = (I + diag(beta) Akk)^-1, w = Ai beta K e^Gam, u = Ai beta V
+  1. gate + cumsum     -> gcum [T, HV, K] fp32
+  2. intra scores      -> Aqk [T, HV, BT] (incl. diagonal, times scale), Akk [T, HV, BT] (strict),
+                          qg = scale Q e^Gam, kg = K e^(Gam_last - Gam)
+  3. solve, then w/u   -> Ai = (I + diag(beta) Akk)^-1, w = Ai beta K e^Gam, u = Ai beta V
   4. state recurrence  -> h (state at each chunk start), vn = u - w h, final state
   5. output            -> o = scale (Q e^Gam) h + Aqk vn
 Intra-chunk scores are built from BC x BC blocks. Row block i uses one reference r_i (Gam just before the
@@ -102,10 +102,14 @@ def _right_factor(k, gcum, bos, rows, T, ref, i_h, i_hv, o_k, m_k, H: tl.constex
 
 
 @triton.jit
-def _gate_cumsum(f, dt_bias, a_log, gcum, bos, i_t, T, i_hv, lower_bound, HV: tl.constexpr, K: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+def gate_cumsum_kernel(
+    f, dt_bias, a_log, gcum, cu_seqlens, chunk_indices, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
     """gcum of one chunk and value head: the gate applied to f, then the in-chunk cumulative sum."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
     rows = i_t * BT + tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m = (rows < T)[:, None] & (o_k < K)[None, :]
@@ -144,68 +148,78 @@ def _diag_block_pairwise(x, k, g, rows, row_ok, xk_head, xk_stride, g_head, g_st
 
 @triton.jit
 def intra_scores_kernel(
-    q, k, f, dt_bias, a_log, gcum, Aqk, Akk, cu_seqlens, chunk_indices, scale, lower_bound,
+    q, k, gcum, Aqk, Akk, qg, kg, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """gcum, then Aqk (incl. diagonal, times scale) and Akk (strictly lower) for one chunk and value head;
-    q and k have H heads, value head i_hv reads head i_hv // (HV // H). The block loop reads gcum back
-    (from cache) after a barrier: its blocks and reference rows are slices of the chunk's cumsum."""
+    """Row block i = program_id(2) of one chunk and value head: its rows of Aqk (incl. diagonal, times
+    scale) and Akk (strictly lower), and of the gated qg = scale q e^Gam and kg = k e^(Gam_last - Gam)
+    that the state and output kernels consume (so their loops carry no exponentials). q and k have H
+    heads; value head i_hv reads head i_hv // (HV // H). One program per row block, not per chunk: a
+    whole chunk's blocks in one program needed ~240 registers per thread (12% occupancy on an H200)."""
     _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
-    _gate_cumsum(f, dt_bias, a_log, gcum, bos, i_t, T, i_hv, lower_bound, HV, K, BT, BK, USE_GATE, BOUNDED, HAS_BIAS)
-    tl.debug_barrier()
+    i = tl.program_id(2)
     o_i = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     NB: tl.constexpr = BT // BC
-    for i in tl.static_range(NB):
-        rows_i = i_t * BT + i * BC + o_i
-        ok_i = rows_i < T
-        m_i = ok_i[:, None] & m_k[None, :]
-        qk_off_i = (bos + rows_i)[:, None] * (H * K) + i_h * K + o_k[None, :]
-        g_off_i = (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-        b_g_i = tl.load(gcum + g_off_i, mask=m_i, other=0.0)
-        ref = _block_reference(gcum, bos, i_t * BT, i_hv, o_k, m_k, i, HV, K, BC, BK)
-        e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
-        b_q = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
-        b_k = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
-        q_left = (b_q * e_left * scale).to(k.dtype.element_ty)
-        k_left = (b_k * e_left).to(k.dtype.element_ty)
-        a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
-        m_a = ok_i[:, None] & (o_i < BC)[None, :]
-        for j in tl.static_range(NB):
-            if j < i:
-                k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
-                                        H, HV, K).to(k.dtype.element_ty)
-                s_qk = tl.dot(q_left, tl.trans(k_right), input_precision=DOT_PREC)
-                s_kk = tl.dot(k_left, tl.trans(k_right), input_precision=DOT_PREC)
-            elif j == i:
-                if SAFE:
-                    k_right = (b_k * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(k.dtype.element_ty)
-                    s_qk = tl.dot(q_left, tl.trans(k_right), input_precision=DOT_PREC)
-                    s_kk = tl.dot(k_left, tl.trans(k_right), input_precision=DOT_PREC)
-                    s_qk = tl.where(o_i[:, None] >= o_i[None, :], s_qk, 0.0)
-                else:
-                    s_qk = _diag_block_pairwise(q, k, gcum, bos + rows_i, ok_i, i_h * K, H * K, i_hv * K, HV * K,
-                                                K, BC, BKS, scale)
-                    s_kk = _diag_block_pairwise(k, k, gcum, bos + rows_i, ok_i, i_h * K, H * K, i_hv * K, HV * K,
-                                                K, BC, BKS, 1.0)
-                s_kk = tl.where(o_i[:, None] > o_i[None, :], s_kk, 0.0)
-            else:
-                s_qk = tl.zeros([BC, BC], dtype=tl.float32)
-                s_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    rows_i = i_t * BT + i * BC + o_i
+    ok_i = rows_i < T
+    m_i = ok_i[:, None] & m_k[None, :]
+    qk_off_i = (bos + rows_i)[:, None] * (H * K) + i_h * K + o_k[None, :]
+    g_off_i = (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_g_i = tl.load(gcum + g_off_i, mask=m_i, other=0.0)
+    # Gam just before the block (zeros for the first): the reference of its factorised scores
+    ref = tl.load(gcum + (bos + i_t * BT + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k & (o_k * 0 + i > 0), other=0.0)
+    e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
+    b_q = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+    b_k = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+    g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
+    tl.store(qg + g_off_i, (b_q * tl.where(m_i, tl.exp(b_g_i), 0.0) * scale).to(qg.dtype.element_ty), mask=m_i)
+    tl.store(kg + g_off_i, (b_k * tl.where(m_i, tl.exp(g_last[None, :] - b_g_i), 0.0)).to(kg.dtype.element_ty),
+             mask=m_i)
+    q_left = (b_q * e_left * scale).to(k.dtype.element_ty)
+    k_left = (b_k * e_left).to(k.dtype.element_ty)
+    a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
+    m_a = ok_i[:, None] & (o_i < BC)[None, :]
+    for j in tl.static_range(NB):
+        if j < i:
+            k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
+                                    H, HV, K).to(k.dtype.element_ty)
+            s_qk = tl.dot(q_left, tl.trans(k_right), input_precision=DOT_PREC)
+            s_kk = tl.dot(k_left, tl.trans(k_right), input_precision=DOT_PREC)
             tl.store(Aqk + a_off + j * BC, s_qk.to(Aqk.dtype.element_ty), mask=m_a)
             tl.store(Akk + a_off + j * BC, s_kk, mask=m_a)
+        elif j == i:
+            if SAFE:
+                k_right = (b_k * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(k.dtype.element_ty)
+                s_qk = tl.dot(q_left, tl.trans(k_right), input_precision=DOT_PREC)
+                s_kk = tl.dot(k_left, tl.trans(k_right), input_precision=DOT_PREC)
+                s_qk = tl.where(o_i[:, None] >= o_i[None, :], s_qk, 0.0)
+            else:
+                s_qk = _diag_block_pairwise(q, k, gcum, bos + rows_i, ok_i, i_h * K, H * K, i_hv * K, HV * K,
+                                            K, BC, BKS, scale)
+                s_kk = _diag_block_pairwise(k, k, gcum, bos + rows_i, ok_i, i_h * K, H * K, i_hv * K, HV * K,
+                                            K, BC, BKS, 1.0)
+            s_kk = tl.where(o_i[:, None] > o_i[None, :], s_kk, 0.0)
+            tl.store(Aqk + a_off + j * BC, s_qk.to(Aqk.dtype.element_ty), mask=m_a)
+            tl.store(Akk + a_off + j * BC, s_kk, mask=m_a)
+        else:
+            tl.store(Aqk + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32).to(Aqk.dtype.element_ty), mask=m_a)
+            tl.store(Akk + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=m_a)
 
 
 @triton.jit
-def _diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                   NB: tl.constexpr):
-    """(I + L_bb)^-1 of all NB diagonal blocks of one chunk at once, L = diag(beta) Akk, as [NB, BC, BC]:
-    the NB forward substitutions are independent, so step r of every block runs together (one chain of
-    BC-2 steps instead of NB such chains one after another), and row r of L is read from memory rather than
-    extracted from the tile by a masked reduction."""
+def solve_kernel(
+    beta, Akk, Ai, cu_seqlens, chunk_indices,
+    H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    """Ai = (I + L)^-1, L = diag(beta) Akk strictly lower, of one chunk and value head: the diagonal
+    blocks' inverses as one interleaved forward substitution (step r of every block together; row r of
+    L read from memory), then the off-diagonal blocks M_ij = -M_ii sum_m L_im M_mj row block by row
+    block, through Ai in memory (a barrier per row block)."""
+    _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
+    NB: tl.constexpr = BT // BC
     o_b = tl.arange(0, NB)
     o_i = tl.arange(0, BC)
     rows = i_t * BT + o_b[:, None, None] * BC + o_i[None, :, None]  # [NB, BC, 1]
@@ -223,124 +237,62 @@ def _diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.conste
         a = a + tl.sum(a[:, :, None] * Y, 1)
         Y = tl.where((o_i == r)[None, :, None], a[:, None, :], Y)
     eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    return Y + eye[None, :, :]
-
-
-@triton.jit
-def _chunk_inverse_registers(beta, Akk, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr):
-    """Ai = (I + L)^-1 [BT, BT] of one chunk in registers, by row strips: with D_i = (I + L_ii)^-1 and the
-    strips above already in Ai (the rest still zero), strip i = D_i (E_i - L_i Ai), E_i the identity's
-    strip. L_i Ai only sees L_i's columns left of block i, because Ai's strip i is still zero then."""
-    D = _diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV, BT, BC, NB)
-    o_t = tl.arange(0, BT)
-    o_i = tl.arange(0, BC)
-    o_b = tl.arange(0, NB)
-    rows = i_t * BT + o_t
-    ok = rows < T
-    b_beta = tl.load(beta + (bos + rows) * HV + i_hv, mask=ok, other=0.0).to(tl.float32)
-    L = tl.load(Akk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)
-    L3 = tl.reshape(L * b_beta[:, None], (NB, BC, BT))
-    Ai3 = tl.zeros([NB, BC, BT], dtype=tl.float32)
-    for i in tl.static_range(NB):
-        sel = (o_b == i)[:, None, None]
-        D_i = tl.sum(tl.where(sel, D, 0.0), 0)
-        strip = tl.where(o_t[None, :] == i * BC + o_i[:, None], 1.0, 0.0)
-        if i > 0:
-            L_i = tl.sum(tl.where(sel, L3, 0.0), 0)
-            strip -= tl.dot(L_i, tl.reshape(Ai3, (BT, BT)), input_precision=PREC)
-        Ai3 = tl.where(sel, tl.dot(D_i, strip, input_precision=PREC)[None, :, :], Ai3)
-    return tl.reshape(Ai3, (BT, BT))
-
-
-@triton.jit
-def _diag_inverses_to_memory(beta, Akk, Ai, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr, NB: tl.constexpr):
-    o_b = tl.arange(0, NB)
-    o_i = tl.arange(0, BC)
-    rows = i_t * BT + o_b[:, None, None] * BC + o_i[None, :, None]
-    cols = o_b[:, None, None] * BC + o_i[None, None, :]
-    D = _diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV, BT, BC, NB)
-    tl.store(Ai + (bos + rows) * (HV * BT) + i_hv * BT + cols, D, mask=(rows < T) & (cols >= 0))
-
-
-@triton.jit
-def _off_diagonal_through_memory(beta, Akk, Ai, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr,
-                                 BC: tl.constexpr, NB: tl.constexpr):
-    """v2.2's off-diagonal blocks of Ai, block by block through global memory (a barrier per row block)."""
-    o_i = tl.arange(0, BC)
+    tl.store(Ai + off, Y + eye[None, :, :], mask=ok)
+    tl.debug_barrier()
     for i in tl.static_range(NB):
         rows_i = i_t * BT + i * BC + o_i
         ok_i = rows_i < T
         m_a = ok_i[:, None] & (o_i < BC)[None, :]
         a_off = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
-        b_beta = tl.load(beta + (bos + rows_i) * HV + i_hv, mask=ok_i, other=0.0).to(tl.float32)
+        beta_i = tl.load(beta + (bos + rows_i) * HV + i_hv, mask=ok_i, other=0.0).to(tl.float32)
         M_ii = tl.load(Ai + a_off + i * BC, mask=m_a, other=0.0)
         for j in tl.static_range(NB):
             if j < i:
                 acc = tl.zeros([BC, BC], dtype=tl.float32)
                 for mm in tl.static_range(NB):
                     if mm >= j and mm < i:
-                        L_im = tl.load(Akk + a_off + mm * BC, mask=m_a, other=0.0) * b_beta[:, None]
+                        L_im = tl.load(Akk + a_off + mm * BC, mask=m_a, other=0.0) * beta_i[:, None]
                         rows_m = i_t * BT + mm * BC + o_i
                         m_m = (rows_m < T)[:, None] & (o_i < BC)[None, :]
                         M_mj = tl.load(Ai + (bos + rows_m)[:, None] * (HV * BT) + i_hv * BT + j * BC + o_i[None, :],
                                        mask=m_m, other=0.0)
                         acc += tl.dot(L_im, M_mj, input_precision="ieee")
-                M_ij = -tl.dot(M_ii, acc, input_precision="ieee")
-                tl.store(Ai + a_off + j * BC, M_ij, mask=m_a)
+                tl.store(Ai + a_off + j * BC, -tl.dot(M_ii, acc, input_precision="ieee"), mask=m_a)
             elif j > i:
                 tl.store(Ai + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=m_a)
         tl.debug_barrier()
 
 
 @triton.jit
-def solve_wu_kernel(
-    q, k, v, beta, gcum, Akk, Ai, w, u, qg, kg, cu_seqlens, chunk_indices, scale,
+def wu_kernel(
+    k, v, beta, gcum, Ai, w, u, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    IN_REGISTERS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Ai = (I + diag(beta) Akk)^-1, then w and u, and the gated qg = scale q e^Gam and
-    kg = k e^(Gam_last - Gam) that the sequential state kernels consume (so their loop carries no
-    exponentials and no fp32 gate loads)."""
+    """w = Ai (beta K e^Gam) (program_id(2) == 0) or one BV-column tile of u = Ai (beta V) (the others),
+    whole-chunk dots on the lower-triangular Ai."""
     _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
+    s = tl.program_id(2)
     o_t = tl.arange(0, BT)
     rows = i_t * BT + o_t
     ok = rows < T
-    NB: tl.constexpr = BT // BC
     dt = k.dtype.element_ty
-    a_full = (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
-    if IN_REGISTERS:
-        b_Ai = _chunk_inverse_registers(beta, Akk, bos, i_t, T, i_hv, HV, BT, BC, NB, SOLVE_PREC)
-        tl.store(Ai + a_full, b_Ai, mask=ok[:, None])
-        b_M = b_Ai.to(dt)
-    else:
-        _diag_inverses_to_memory(beta, Akk, Ai, bos, i_t, T, i_hv, HV, BT, BC, NB)
-        tl.debug_barrier()
-        _off_diagonal_through_memory(beta, Akk, Ai, bos, i_t, T, i_hv, HV, BT, BC, NB)
-        b_M = tl.load(Ai + a_full, mask=ok[:, None], other=0.0).to(dt)
-    # w = Ai (beta K e^Gam), u = Ai (beta V): whole-chunk dots on the lower-triangular Ai
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
+    b_M = tl.load(Ai + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None],
+                  other=0.0).to(dt)
     b_b = tl.load(beta + (bos + rows) * HV + i_hv, mask=ok, other=0.0).to(tl.float32)
-    m_tk = ok[:, None] & (o_k < K)[None, :]
-    b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-    kb = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * b_b[:, None]).to(dt)
-    tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    tl.store(w + tk_off, tl.dot(b_M, kb, input_precision=DOT_PREC).to(w.dtype.element_ty), mask=m_tk)
-    g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
-    tl.store(kg + tk_off, (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)).to(kg.dtype.element_ty),
-             mask=m_tk)
-    b_q = tl.load(q + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-    tl.store(qg + tk_off, (b_q.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * scale).to(qg.dtype.element_ty),
-             mask=m_tk)
-    for v0 in range(0, V, BV):
-        m_tv = ok[:, None] & (v0 + o_v < V)[None, :]
-        tv_off = (bos + rows)[:, None] * (HV * V) + i_hv * V + v0 + o_v[None, :]
-        b_v = tl.load(v + tv_off, mask=m_tv, other=0.0)
-        vb = (b_v.to(tl.float32) * b_b[:, None]).to(dt)
+    if s == 0:
+        o_k = tl.arange(0, BK)
+        m_tk = ok[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        b_g = tl.load(gcum + tk_off, mask=m_tk, other=0.0)
+        kb = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * b_b[:, None]).to(dt)
+        tl.store(w + tk_off, tl.dot(b_M, kb, input_precision=DOT_PREC).to(w.dtype.element_ty), mask=m_tk)
+    else:
+        o_v = (s - 1) * BV + tl.arange(0, BV)
+        m_tv = ok[:, None] & (o_v < V)[None, :]
+        tv_off = (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        vb = (tl.load(v + tv_off, mask=m_tv, other=0.0).to(tl.float32) * b_b[:, None]).to(dt)
         tl.store(u + tv_off, tl.dot(b_M, vb, input_precision=DOT_PREC).to(u.dtype.element_ty), mask=m_tv)
 
 

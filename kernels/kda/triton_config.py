@@ -17,9 +17,6 @@ class KDAKernelConfig:
     work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
     num_warps_scores: int = 4
     num_warps_solve: int = 4
-    # Ai's off-diagonal blocks: row strips in registers (True) or v2.2's block products through global memory
-    solve_in_registers: bool = True
-    solve_precision: str = "ieee"  # input_precision of the strip dots (fp32 operands: ~1e-3 error with tf32)
     num_warps_state: int = 4
     num_warps_out: int = 4
     num_warps_bwd: int = 8  # backward inter
@@ -41,7 +38,7 @@ class KDAKernelConfig:
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of sub_chunk {self.sub_chunk} >= 16")
-        for name in ("fp32_dot_precision", "bwd_score_precision", "bwd_score_precision_diag", "solve_precision"):
+        for name in ("fp32_dot_precision", "bwd_score_precision", "bwd_score_precision_diag"):
             if getattr(self, name) not in ("ieee", "tf32x3", "tf32") and getattr(self, name) is not None:
                 raise ValueError(f"{name} must be 'ieee', 'tf32x3' or 'tf32', got {getattr(self, name)!r}")
 

@@ -29,7 +29,7 @@ def results() -> dict:
 
 
 @pytest.mark.parametrize("case", ["bounded", "unbounded_varlen", "precomputed", "at_bound_chunk64",
-                                  "solve_registers_varlen", "solve_through_memory_varlen",
+                                  "varlen_short_chunks",
                                   "bwd_block_pairs_varlen"])
 def test_triton_chunk_forward_and_gradients(results, case):
     r = results[case]

@@ -90,13 +90,8 @@ def main() -> None:
         "precomputed": chunk_case(1, 40, 2, 2, 16, 32, 32, 3, gate="precomputed", l2norm=False),
         # every gate at the bound: the diagonal-block factors reach e^75..e^80, still finite
         "at_bound_chunk64": chunk_case(1, 64, 1, 1, 16, 16, 64, 4, gate="bounded", f_shift=30.0),
-        # short last chunks of varlen sequences, through both ways of forming Ai's off-diagonal blocks
-        "solve_registers_varlen": chunk_case(1, 150, 1, 2, 32, 16, 64, 7, gate="bounded",
-                                             cu_seqlens=[0, 37, 130, 150],
-                                             config=KDAKernelConfig(solve_in_registers=True)),
-        "solve_through_memory_varlen": chunk_case(1, 150, 1, 2, 32, 16, 64, 7, gate="bounded",
-                                                  cu_seqlens=[0, 37, 130, 150],
-                                                  config=KDAKernelConfig(solve_in_registers=False)),
+        # short last chunks of varlen sequences
+        "varlen_short_chunks": chunk_case(1, 150, 1, 2, 32, 16, 64, 7, gate="bounded", cu_seqlens=[0, 37, 130, 150]),
         "bwd_block_pairs_varlen": chunk_case(1, 150, 1, 2, 32, 16, 64, 8, gate="bounded",
                                              cu_seqlens=[0, 37, 130, 150],
                                              config=KDAKernelConfig(bwd_intra_strips=False)),
