@@ -15,12 +15,13 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,
     is_conv_state_dim_first,
 )
+from vllm.platforms import current_platform
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
-from model.layers.mla import GatedMLA
+from model.layers.mla import GatedMLA, attention_mask_for
 from model.layers.moe import StableLatentMoE
 from model.vllm_plugin.fast_ops import situ_glu_fast
 from model.vllm_plugin.fused import fused
@@ -98,21 +99,62 @@ class VllmKimiDeltaAttention(KimiDeltaAttention, MambaBase):
         return kda_forward_with_state(self, x, conv_state, recurrent_state, batch)
 
 
+def absorbed_queries(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q [T, H, Dqk], W_uk [H, Dqk, r] -> q' [T, H, r] with q'_h = W_uk,h^T q_h (so q'_h . c = q_h . W_uk,h c)."""
+    return torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1)
+
+
+def expanded_values(mixed: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Mixed latents [T, H, r], W_uv [H, Dv, r] -> per-head values [T, H, Dv] (W_uv,h applied to head h)."""
+    return torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def cached_latents(kv_cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` latents of a request from a latent-cache layer's pages: kv_cache
+    [blocks, 1, block, 2r] as vLLM's CPU backend holds it (per page: keys, packed for its kernel, then
+    values row by row; keys and values are the same latents, so the values are read), pages [n] its
+    page ids in order. Returns [length, r]."""
+    blocks, _, block, _ = kv_cache.shape
+    values = kv_cache.view(blocks, 2 * block, -1)[:, block:]
+    return values.index_select(0, pages.long()).reshape(-1, values.shape[-1])[:length]
+
+
+def latent_cache_supported(config: TaperConfig, vllm_config: VllmConfig) -> bool:
+    """Whether MLA layers cache the latent (vLLM's CPU attention backend, a latent width it supports)."""
+    if not current_platform.is_cpu() or vllm_config.cache_config.cache_dtype != "auto":
+        return False
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return config.kv_lora_rank in CPUAttentionBackend.get_supported_head_sizes()
+
+
 class VllmGatedMLA(GatedMLA):
-    """Gated MLA served as plain multi-head attention over up-projected keys/values."""
+    """Gated MLA in vLLM, in one of two cache layouts (same math either way).
+
+    Latent (vLLM's CPU backend): the cache holds the normalised latent c = RMSNorm(W_kva x) as one shared
+    key/value head of width r = kv_lora_rank, half the bytes of up-projected keys/values at the benchmark
+    sizes. Decode tokens attend with absorbed queries, q'_h = W_uk,h^T q_h, so that
+    q_h . k_h,t = q'_h . c_t, and up-project the mixed latent, o_h = W_uv,h sum_t p_h,t c_t: multi-query
+    attention in vLLM's kernel, which reads each cached latent once for all heads (1.4-1.6x faster than
+    per-head keys at 16K, batch 8, on an AVX2 CPU). Prefill tokens, where that form costs H r / (Dqk + Dv) times the
+    FLOPs, read their request's latents back from the cache, up-project them and run standard attention.
+
+    Up-projected (elsewhere): ordinary multi-head vLLM `Attention` over the up-projected keys/values."""
 
     def __init__(self, config: TaperConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__(config, layer_idx)
         self.cache_dtype = vllm_config.model_config.dtype  # the model dtype: vLLM's attention runs in it
+        self.latent_cache = latent_cache_supported(config, vllm_config)
+        r = config.kv_lora_rank
         self.attn = Attention(
             num_heads=self.num_heads,
-            head_size=self.qk_head_dim,
+            head_size=r if self.latent_cache else self.qk_head_dim,
             scale=self.scale,
-            num_kv_heads=self.num_heads,
+            num_kv_heads=1 if self.latent_cache else self.num_heads,
             cache_config=vllm_config.cache_config,
             quant_config=vllm_config.quant_config,
             prefix=f"{prefix}.attn",
-            head_size_v=self.v_head_dim,
+            head_size_v=r if self.latent_cache else self.v_head_dim,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -122,11 +164,85 @@ class VllmGatedMLA(GatedMLA):
             self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj, self.g_proj))(x)
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_norm(q))
-        kv = self.kv_b_proj(self.kv_a_norm(c))
-        kv = kv.unflatten(-1, (self.num_heads, self.qk_head_dim + self.v_head_dim))
-        k, v = (t.flatten(-2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
-        attn = self.attn(*(t.to(self.cache_dtype) for t in (q, k, v))).to(x.dtype)
+        if self.latent_cache:
+            attn = self._latent_attention(q, self.kv_a_norm(c)).to(x.dtype)
+        else:
+            kv = self.kv_b_proj(self.kv_a_norm(c))
+            kv = kv.unflatten(-1, (self.num_heads, self.qk_head_dim + self.v_head_dim))
+            k, v = (t.flatten(-2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
+            attn = self.attn(*(t.to(self.cache_dtype) for t in (q, k, v))).to(x.dtype)
         return self.o_proj(attn * torch.sigmoid(gate))
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_uk [H, Dqk, r] and W_uv [H, Dv, r], views of kv_b_proj's weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_head_dim + self.v_head_dim, -1)
+        return w[:, : self.qk_head_dim], w[:, self.qk_head_dim:]
+
+    def _latent_attention(self, q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """q [T, H*Dqk], c [T, r] (normalised latents) -> attention output [T, H*Dv] in q's dtype."""
+        T, H = q.shape[0], self.num_heads
+        meta = get_forward_context().attn_metadata
+        meta = None if meta is None else meta.get(self.attn.layer_name)
+        cache_c = c.to(self.cache_dtype)
+        if meta is not None and meta.max_query_len > 1:  # a step with prefill tokens
+            return self._latent_attention_mixed(q, c, cache_c, meta)
+        w_uk, w_uv = self._up_weights()
+        q_abs = absorbed_queries(q.view(T, H, self.qk_head_dim), w_uk).to(self.cache_dtype)
+        mixed = self.attn(q_abs, cache_c, cache_c).view(T, H, -1)  # [T, H*r]: one shared head of width r
+        return expanded_values(mixed.to(q.dtype), w_uv).reshape(T, -1)
+
+    def _latent_attention_mixed(self, q: torch.Tensor, c: torch.Tensor, cache_c: torch.Tensor, meta) -> torch.Tensor:
+        """A step with prefill tokens: the latents are cached first; the leading one-token requests (decodes)
+        attend as in `_latent_attention` (vLLM's kernel on that subset), every other request runs standard
+        attention over its up-projected cached latents (its own new ones included)."""
+        import dataclasses
+
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
+
+        T, H = q.shape[0], self.num_heads
+        unified_kv_cache_update(cache_c.unsqueeze(1), cache_c.unsqueeze(1), self.attn.layer_name)
+        kv_cache = self.attn.kv_cache
+        block = kv_cache.shape[2]
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        n = len(seq_lens)
+        nd = 0
+        while nd < n and starts[nd + 1] - starts[nd] == 1:
+            nd += 1
+        out = q.new_zeros(T, H, self.v_head_dim)
+        w_uk, w_uv = self._up_weights()
+        if nd:
+            sub = dataclasses.replace(
+                meta, num_actual_tokens=nd, max_query_len=1, query_start_loc=meta.query_start_loc[: nd + 1],
+                max_seq_len=max(seq_lens[:nd]), seq_lens=meta.seq_lens[:nd], block_table=meta.block_table[:nd],
+                slot_mapping=meta.slot_mapping[:nd],
+            )
+            impl = self.attn.impl
+            sub.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=nd, num_heads=H, num_kv_heads=1, head_dim=c.shape[-1], seq_lens=sub.seq_lens,
+                dtype=self.cache_dtype, query_start_loc=sub.query_start_loc, causal=meta.causal,
+                sliding_window_size=-1, isa=self.attn.isa, enable_kv_split=False, dynamic_causal=None,
+                kv_cache_dtype=impl.kv_cache_dtype,
+            )
+            q_abs = absorbed_queries(q[:nd].view(nd, H, self.qk_head_dim), w_uk).to(self.cache_dtype)
+            mixed = torch.empty(nd, H, c.shape[-1], dtype=self.cache_dtype)
+            impl.forward(self.attn, q_abs, None, None, kv_cache, sub, output=mixed)
+            out[:nd] = expanded_values(mixed.to(q.dtype), w_uv)
+        for i in range(nd, n):
+            a, b, length = starts[i], starts[i + 1], seq_lens[i]
+            if b - a == length:  # the whole sequence is new: its latents as computed (no cache rounding)
+                latents = c[a:b]
+            else:
+                pages = meta.block_table[i, : (length + block - 1) // block]
+                latents = cached_latents(kv_cache, pages, length).to(q.dtype)
+            kv = self.kv_b_proj(latents).view(length, H, self.qk_head_dim + self.v_head_dim)
+            k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+            qi = q[a:b].view(b - a, H, self.qk_head_dim)
+            mask = attention_mask_for(b - a, length - (b - a), None, q.device)
+            out[a:b] = self.attend(qi.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   mask)[0]
+        return out.reshape(T, -1)
 
 
 # Small batches (decode) skip the HF dispatch's loop over experts. With at least n/2 routed (token, expert)

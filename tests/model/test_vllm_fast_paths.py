@@ -1,5 +1,6 @@
 """The serving plugin's fast paths against the HF modules they stand in for, on random inputs: fused
-projections (and that they follow in-place weight changes), the AttnRes depth mix, the dense decode MoE."""
+projections (and that they follow in-place weight changes), the AttnRes depth mix, the dense decode MoE,
+MLA over a latent cache."""
 
 from __future__ import annotations
 
@@ -91,3 +92,55 @@ def test_fewer_op_forms_match_hf() -> None:
     served = VllmSiTUGLUMLP(24, 40, 4.0, 25.0)
     served.load_state_dict(hf.state_dict())
     torch.testing.assert_close(served(x[:, 0]), hf(x[:, 0]), **close)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_cache_attention_matches_up_projected_attention(dtype: torch.dtype) -> None:
+    """MLA over a latent cache (vLLM's CPU kernel, absorbed queries, one shared head of width r) against
+    standard attention over the up-projected keys/values, on random latents written into random pages;
+    and the latents read back from the pages (the prefill path) are the ones written."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from model.vllm_plugin.layers import absorbed_queries, cached_latents, expanded_values
+
+    torch.manual_seed(5)
+    H, Dqk, Dv, r, block, n_pages = 4, 32, 16, 64, 32, 12
+    lengths = [1, 33, 64, 150]
+    scale = Dqk**-0.5
+    isa = _get_attn_isa(dtype, block, r)
+    kv_cache = torch.zeros(n_pages, 1, block, 2 * r, dtype=dtype)
+    key_cache, value_cache = kv_cache.view(n_pages, 1, 2 * block, r).chunk(2, dim=2)
+    w_uk, w_uv = torch.randn(H, Dqk, r) / r**0.5, torch.randn(H, Dv, r) / r**0.5
+    q = torch.randn(len(lengths), H, Dqk)
+    free = torch.randperm(n_pages).tolist()
+    block_table = torch.zeros(len(lengths), n_pages, dtype=torch.int32)
+    expected = []
+    for i, length in enumerate(lengths):
+        pages = torch.tensor([free.pop() for _ in range(-(-length // block))], dtype=torch.int32)
+        block_table[i, : len(pages)] = pages
+        c = torch.randn(length, r)
+        pos = torch.arange(length)
+        slots = (pages.long()[pos // block] * block + pos % block)
+        ops.cpu_attn_reshape_and_cache(c.to(dtype)[:, None], c.to(dtype)[:, None], key_cache, value_cache, slots,
+                                       isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        assert torch.equal(cached_latents(kv_cache, pages, length), c.to(dtype))
+        c = c.to(dtype).float()  # what the cache holds
+        k, v = torch.einsum("hdr,tr->htd", w_uk, c), torch.einsum("hdr,tr->htd", w_uv, c)
+        p = torch.softmax(torch.einsum("hd,htd->ht", q[i], k) * scale, dim=-1)
+        expected.append(torch.einsum("ht,htd->hd", p, v))
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    qsl = torch.arange(len(lengths) + 1, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(lengths), num_heads=H, num_kv_heads=1, head_dim=r, seq_lens=seq_lens, dtype=dtype,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+    )
+    mixed = torch.empty(len(lengths), H, r, dtype=dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=absorbed_queries(q, w_uk).to(dtype), key_cache=key_cache, value_cache=value_cache, output=mixed,
+        query_start_loc=qsl, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None,
+    )
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.01)
+    got, want = expanded_values(mixed.float(), w_uv), torch.stack(expected)
+    torch.testing.assert_close(got, want, **tol)

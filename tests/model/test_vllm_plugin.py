@@ -200,7 +200,9 @@ def test_weight_push_equals_fresh_engine_that_preempts(
 ) -> None:
     from model.vllm_plugin.weight_sync import push_weights
 
-    prompts = _prompts([4, 33, 120, 200, 90, 150], seed=3)
+    # Two prompts cross a 256-token page while decoding (a page holds 256 tokens of the tiny model's
+    # latent cache), so a running request needs a new page from the full pool: a preemption.
+    prompts = _prompts([4, 33, 120, 240, 90, 230], seed=3)
     params = _greedy(40)
     before = [list(o.outputs[0].token_ids) for o in _generate(engine, prompts, params)]
     new_dir = _save_model(1, tmp_path_factory.mktemp("taper-tiny-new"), tokenizer_dir)
@@ -212,7 +214,7 @@ def test_weight_push_equals_fresh_engine_that_preempts(
     # The fresh engine's cache holds too few blocks for all six requests, so the scheduler preempts
     # (frees a request's KV blocks and KDA state slots, then recomputes it from scratch later).
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # on CPU it overrides kv_cache_memory_bytes
-    fresh = _make_engine(new_dir, kv_cache_memory_bytes=4 << 20)
+    fresh = _make_engine(new_dir, kv_cache_memory_bytes=2 << 20)
     scheduler = fresh.llm_engine.engine_core.engine_core.scheduler
     preemptions = []
     preempt = scheduler._preempt_request
