@@ -209,12 +209,13 @@ def time_decode(N: int) -> dict:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "default": {},
-    "bwd_block_pairs": dict(bwd_intra_strips=False),
+    "bwd_intra_4warps": dict(num_warps_bwd_intra=4),
+    "bwd_intra_2warps": dict(num_warps_bwd_intra=2),
     "bwd_intra_whole_k": dict(bwd_intra_k_split=1),
+    "bwd_intra_whole_k_4warps": dict(bwd_intra_k_split=1, num_warps_bwd_intra=4),
+    "state_block_v16": dict(state_block_v=16),
+    "score_all_tf32": dict(bwd_score_precision="tf32", bwd_score_precision_diag=None),
     "scores_2warps": dict(num_warps_scores=2),
-    "scores_8warps": dict(num_warps_scores=8),
-    "solve_2warps": dict(num_warps_solve=2),
-    "solve_8warps": dict(num_warps_solve=8),
 }
 
 

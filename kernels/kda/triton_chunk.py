@@ -6,7 +6,7 @@ import torch
 import triton
 
 from kernels.kda.common import check_cu_seqlens_values
-from kernels.kda.triton_chunk_bwd import bwd_inter_kernel, bwd_intra_kernel, bwd_state_kernel
+from kernels.kda.triton_chunk_bwd import bwd_gate_kernel, bwd_inter_kernel, bwd_intra_kernel, bwd_state_kernel
 from kernels.kda.triton_chunk_fwd import (
     fwd_out_kernel,
     fwd_state_kernel,
@@ -158,14 +158,17 @@ def kda_bwd(
     dq, dk, dgate = (torch.empty(T, HV, K, **f32) for _ in range(3))
     bounded = lower_bound is not None
     BKI = max(16, BK // cfg.bwd_intra_k_split)
-    bwd_intra_kernel[(NC, HV, triton.cdiv(K, BKI))](
-        q, k, gcum, f, dt_bias, A_log, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dq, dk, dgate,
-        cu, chunk_indices, scale, lower_bound if bounded else 0.0,
-        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKI, SAFE=bounded, USE_GATE=use_gate, BOUNDED=bounded,
-        HAS_BIAS=dt_bias is not None, FP32_DOTS=cfg.bwd_fp32_dots,
+    bwd_intra_kernel[(NC, HV, triton.cdiv(K, BKI) * (BT // BC))](
+        q, k, gcum, dAqk, dAkk, dq_p, dk_p, dg_p, dq, dk, dgate, cu, chunk_indices, scale,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKI, SAFE=bounded, FP32_DOTS=cfg.bwd_fp32_dots,
         DOT_PREC=cfg.bwd_score_precision if cfg.bwd_fp32_dots else prec,
         DIAG_PREC=(cfg.bwd_score_precision_diag or cfg.bwd_score_precision) if cfg.bwd_fp32_dots else prec,
-        STRIPS=cfg.bwd_intra_strips, num_warps=cfg.num_warps_bwd_intra,
+        num_warps=cfg.num_warps_bwd_intra,
+    )
+    bwd_gate_kernel[(NC, HV)](
+        dgate, dgam, f, dt_bias, cu, chunk_indices, lower_bound if bounded else 0.0,
+        HV=HV, K=K, BT=BT, BK=BK, USE_GATE=use_gate, BOUNDED=bounded, HAS_BIAS=dt_bias is not None,
+        num_warps=cfg.num_warps_scores,
     )
     return dq, dk, dv, dgate, dbeta, dh0
 

@@ -6,7 +6,8 @@ Per chunk, with S = state at the chunk start, dS' = gradient of the state at its
   2. inter: dAqk = tril(dO Vn^T); dBv = M^T dVn -> dv = beta dBv; dW = -dVn S^T; dBk = M^T dW;
      dAkk = beta * strict(-(dBv U^T + dBk W^T)); direct parts of dq, dk, dGam, dgam, dbeta
   3. intra: gradients through the gated score matrices Aqk and Akk (BC x BC blocks, same reference
-     points as the forward), then dg = reverse in-chunk cumsum of dGam (+ dgam), then the gate.
+     points as the forward), one program per row block;
+  4. gate: dg = reverse in-chunk cumsum of dGam (+ dgam), then the gate's derivative.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import triton.language as tl
 
 from kernels.kda.gate import gate_grad_fn
 from kernels.kda.triton_chunk_fwd import (
-    _block_reference,
+    _chunk_coords,
     _chunk_head_coords,
     _gate_at_chunk_end,
-    _right_factor,
     _start_state,
     _state_program,
 )
@@ -156,136 +156,123 @@ def _mm(a, b, FP32: tl.constexpr, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def bwd_intra_kernel(
-    q, k, gcum, f, dt_bias, a_log, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dq, dk, dgate,
-    cu_seqlens, chunk_indices, scale, lower_bound,
+    q, k, gcum, dAqk, dAkk, dq_p, dk_p, dg_p, dq, dk, dG, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, SAFE: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP32_DOTS: tl.constexpr, DOT_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
-    STRIPS: tl.constexpr,
+    BK: tl.constexpr, SAFE: tl.constexpr, FP32_DOTS: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIAG_PREC: tl.constexpr,
 ):
-    """dq, dk (per value head) and, in `dgate`, df for the bounded in-kernel gate, else dg (the host
-    applies the unbounded gate's derivative, which also feeds A_log). STRIPS: each row block's
-    off-diagonal work as [BC, BT] x [BT, K] dots over the whole chunk (zero factors outside the blocks
-    that take part) instead of one BC x BC block pair at a time."""
+    """Row block i of one chunk and value head, on one BK-column slice of K (program_id(2) = slice * NB +
+    i; every column of K is independent here): dq, dk (per value head), and in dG each token's gate-
+    gradient terms before the in-chunk reverse cumsum, which bwd_gate_kernel applies. The block's
+    off-diagonal work is two [BC, BT] x [BT, BK] dots over the whole chunk (zero factors outside the
+    blocks that take part). One program per row block and K slice: one per chunk needed 255 registers
+    per thread (12% occupancy on an H200)."""
     i_c, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
-    o_i = tl.arange(0, BC)
-    o_k = tl.program_id(2) * BK + tl.arange(0, BK)  # every column of K is independent here: split across programs
-    m_k = o_k < K
     NB: tl.constexpr = BT // BC
+    i = tl.program_id(2) % NB
+    o_i = tl.arange(0, BC)
+    o_k = (tl.program_id(2) // NB) * BK + tl.arange(0, BK)
+    m_k = o_k < K
     dt = k.dtype.element_ty
     if FP32_DOTS:
         dt = tl.float32
     o_t = tl.arange(0, BT)
     rows = i_t * BT + o_t
-    m_tk = (rows < T)[:, None] & m_k[None, :]
-    if STRIPS:
-        qk_all = (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :]
-        c_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-        c_q = tl.load(q + qk_all, mask=m_tk, other=0.0).to(tl.float32) * scale
-        c_k = tl.load(k + qk_all, mask=m_tk, other=0.0).to(tl.float32)
-    d_gam = tl.load(dgam + (i_c * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-    carry = d_gam
-    for i_rev in tl.static_range(NB):
-        i = NB - 1 - i_rev
-        rows_i = i_t * BT + i * BC + o_i
-        ok_i = rows_i < T
-        if i_t * BT + i * BC < T:
-            m_i = ok_i[:, None] & m_k[None, :]
-            tk_i = (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-            qk_i = (bos + rows_i)[:, None] * (H * K) + i_h * K + o_k[None, :]
-            b_g_i = tl.load(gcum + tk_i, mask=m_i, other=0.0)
-            b_q_i = tl.load(q + qk_i, mask=m_i, other=0.0).to(tl.float32) * scale
-            b_k_i = tl.load(k + qk_i, mask=m_i, other=0.0).to(tl.float32)
-            # rows of block i against columns j <= i: reference just before block i
-            ref = _block_reference(gcum, bos, i_t * BT, i_hv, o_k, m_k, i, HV, K, BC, BK)
-            da_P = tl.zeros([BC, BK], dtype=tl.float32)
-            da_A = tl.zeros([BC, BK], dtype=tl.float32)
-            db_P = tl.zeros([BC, BK], dtype=tl.float32)
-            db_A = tl.zeros([BC, BK], dtype=tl.float32)
-            a_row = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
-            m_a_i = ok_i[:, None] & (o_i < BC)[None, :]
-            if STRIPS:
-                if i > 0:  # row strip i against every earlier block at once
-                    left = (o_t < i * BC)[:, None] & m_tk
-                    k_right = tl.where(left, c_k * tl.exp(tl.where(left, ref[None, :] - c_g, 0.0)), 0.0).to(dt)
-                    strip = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
-                    m_strip = ok_i[:, None] & (o_t < i * BC)[None, :]
-                    da_P += _mm(tl.load(dAqk + strip, mask=m_strip, other=0.0).to(dt), k_right, FP32_DOTS, DOT_PREC)
-                    da_A += _mm(tl.load(dAkk + strip, mask=m_strip, other=0.0).to(dt), k_right, FP32_DOTS, DOT_PREC)
-            else:
-                for j in tl.static_range(NB):
-                    if j < i:
-                        k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
-                                                H, HV, K).to(dt)
-                        dP_ij = tl.load(dAqk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
-                        dA_ij = tl.load(dAkk + a_row + j * BC, mask=m_a_i, other=0.0).to(dt)
-                        da_P += _mm(dP_ij, k_right, FP32_DOTS, DOT_PREC)
-                        da_A += _mm(dA_ij, k_right, FP32_DOTS, DOT_PREC)
-            e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
-            da_P *= e_left
-            da_A *= e_left
-            # columns of block i against rows m >= i: reference at block i's last valid row
-            last_i = tl.minimum(i_t * BT + i * BC + BC, T) - 1
-            ref2 = tl.load(gcum + (bos + last_i) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
-            if STRIPS:
-                if i < NB - 1:  # column strip i against every later block at once
-                    below = (o_t >= i * BC + BC)[:, None] & m_tk
-                    e_m = tl.where(below, tl.exp(tl.where(below, c_g - ref2[None, :], 0.0)), 0.0)
-                    col = (bos + rows)[:, None] * (HV * BT) + i_hv * BT + i * BC + o_i[None, :]
-                    m_col = ((rows < T) & (o_t >= i * BC + BC))[:, None] & (o_i < BC)[None, :]
-                    dP_col = tl.load(dAqk + col, mask=m_col, other=0.0).to(dt)
-                    dA_col = tl.load(dAkk + col, mask=m_col, other=0.0).to(dt)
-                    db_P += _mm(tl.trans(dP_col), (c_q * e_m).to(dt), FP32_DOTS, DOT_PREC)
-                    db_A += _mm(tl.trans(dA_col), (c_k * e_m).to(dt), FP32_DOTS, DOT_PREC)
-            else:
-                for mm in tl.static_range(NB):
-                    if mm > i:
-                        rows_m = i_t * BT + mm * BC + o_i
-                        ok_m = rows_m < T
-                        m_m = ok_m[:, None] & m_k[None, :]
-                        b_gm = tl.load(gcum + (bos + rows_m)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_m,
-                                       other=0.0)
-                        e_m = tl.where(m_m, tl.exp(b_gm - ref2[None, :]), 0.0)
-                        b_qm = tl.load(q + (bos + rows_m)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_m, other=0.0)
-                        b_km = tl.load(k + (bos + rows_m)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_m, other=0.0)
-                        a_col = (bos + rows_m)[:, None] * (HV * BT) + i_hv * BT + i * BC + o_i[None, :]
-                        m_a_m = ok_m[:, None] & (o_i < BC)[None, :]
-                        dP_mi = tl.load(dAqk + a_col, mask=m_a_m, other=0.0).to(dt)
-                        dA_mi = tl.load(dAkk + a_col, mask=m_a_m, other=0.0).to(dt)
-                        db_P += _mm(tl.trans(dP_mi), (b_qm.to(tl.float32) * e_m * scale).to(dt), FP32_DOTS, DOT_PREC)
-                        db_A += _mm(tl.trans(dA_mi), (b_km.to(tl.float32) * e_m).to(dt), FP32_DOTS, DOT_PREC)
-            e_right2 = tl.where(m_i, tl.exp(ref2[None, :] - b_g_i), 0.0)
-            db_P *= e_right2
-            db_A *= e_right2
-            # the diagonal block
-            dP_ii = tl.load(dAqk + a_row + i * BC, mask=m_a_i, other=0.0)
-            dA_ii = tl.load(dAkk + a_row + i * BC, mask=m_a_i, other=0.0)
-            if SAFE:
-                k_r = (b_k_i * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(dt)
-                da_P += _mm(dP_ii.to(dt), k_r, FP32_DOTS, DIAG_PREC) * e_left
-                da_A += _mm(dA_ii.to(dt), k_r, FP32_DOTS, DIAG_PREC) * e_left
-                e_l2 = tl.where(m_i, tl.exp(b_g_i - ref2[None, :]), 0.0)
-                db_P += _mm(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt), FP32_DOTS, DIAG_PREC) * e_right2
-                db_A += _mm(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt), FP32_DOTS, DIAG_PREC) * e_right2
-            else:
-                R = (o_i[:, None] >= o_i[None, :]) & ok_i[:, None] & ok_i[None, :]
-                t_da, t_db = _pairwise_grads(dP_ii, b_q_i, b_k_i, b_g_i, R)
-                da_P += t_da
-                db_P += t_db
-                t_da, t_db = _pairwise_grads(dA_ii, b_k_i, b_k_i, b_g_i, R)
-                da_A += t_da
-                db_A += t_db
-            b_dq = tl.load(dq_p + tk_i, mask=m_i, other=0.0) + da_P * scale
-            b_dk = tl.load(dk_p + tk_i, mask=m_i, other=0.0) + db_P + da_A + db_A
-            d_G = tl.load(dg_p + tk_i, mask=m_i, other=0.0) + b_q_i * da_P - b_k_i * db_P + b_k_i * (da_A - db_A)
-            d_G = tl.where(m_i, d_G, 0.0)
-            b_dg = tl.cumsum(d_G, 0, reverse=True) + carry[None, :]
-            carry += tl.sum(d_G, 0)
-            tl.store(dq + tk_i, b_dq, mask=m_i)
-            tl.store(dk + tk_i, b_dk, mask=m_i)
-            if USE_GATE and BOUNDED:
-                x = tl.load(f + tk_i, mask=m_i, other=0.0).to(tl.float32)
-                if HAS_BIAS:
-                    x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-                b_dg = b_dg * gate_grad_fn(x, 0.0, lower_bound, BOUNDED)
-            tl.store(dgate + tk_i, b_dg, mask=m_i)
+    qk_all = (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :]
+    tk_all = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    rows_i = i_t * BT + i * BC + o_i
+    ok_i = rows_i < T
+    if i_t * BT + i * BC < T:
+        m_i = ok_i[:, None] & m_k[None, :]
+        tk_i = (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        qk_i = (bos + rows_i)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_g_i = tl.load(gcum + tk_i, mask=m_i, other=0.0)
+        b_q_i = tl.load(q + qk_i, mask=m_i, other=0.0).to(tl.float32) * scale
+        b_k_i = tl.load(k + qk_i, mask=m_i, other=0.0).to(tl.float32)
+        # rows of block i against columns s <= its end: reference Gam just before block i
+        ref = tl.load(gcum + (bos + i_t * BT + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k & (o_k * 0 + i > 0),
+                      other=0.0)
+        da_P = tl.zeros([BC, BK], dtype=tl.float32)
+        da_A = tl.zeros([BC, BK], dtype=tl.float32)
+        db_P = tl.zeros([BC, BK], dtype=tl.float32)
+        db_A = tl.zeros([BC, BK], dtype=tl.float32)
+        a_row = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_i[None, :]
+        m_a_i = ok_i[:, None] & (o_i < BC)[None, :]
+        if i > 0:  # the earlier blocks, all at once
+            m_left = ((o_t < i * BC)[:, None] & m_k[None, :]) & (rows < T)[:, None]
+            c_g = tl.load(gcum + tk_all, mask=m_left, other=0.0)
+            c_k = tl.load(k + qk_all, mask=m_left, other=0.0).to(tl.float32)
+            k_right = tl.where(m_left, c_k * tl.exp(tl.where(m_left, ref[None, :] - c_g, 0.0)), 0.0).to(dt)
+            strip = (bos + rows_i)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
+            m_strip = ok_i[:, None] & (o_t < i * BC)[None, :]
+            da_P += _mm(tl.load(dAqk + strip, mask=m_strip, other=0.0).to(dt), k_right, FP32_DOTS, DOT_PREC)
+            da_A += _mm(tl.load(dAkk + strip, mask=m_strip, other=0.0).to(dt), k_right, FP32_DOTS, DOT_PREC)
+        e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
+        da_P *= e_left
+        da_A *= e_left
+        # columns of block i against rows t >= its start: reference at block i's last valid row
+        last_i = tl.minimum(i_t * BT + i * BC + BC, T) - 1
+        ref2 = tl.load(gcum + (bos + last_i) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
+        if i < NB - 1:  # the later blocks, all at once
+            below = (o_t >= i * BC + BC) & (rows < T)
+            m_below = below[:, None] & m_k[None, :]
+            c_g = tl.load(gcum + tk_all, mask=m_below, other=0.0)
+            e_m = tl.where(m_below, tl.exp(tl.where(m_below, c_g - ref2[None, :], 0.0)), 0.0)
+            c_q = tl.load(q + qk_all, mask=m_below, other=0.0).to(tl.float32) * scale
+            c_k = tl.load(k + qk_all, mask=m_below, other=0.0).to(tl.float32)
+            col = (bos + rows)[:, None] * (HV * BT) + i_hv * BT + i * BC + o_i[None, :]
+            m_col = below[:, None] & (o_i < BC)[None, :]
+            dP_col = tl.load(dAqk + col, mask=m_col, other=0.0).to(dt)
+            dA_col = tl.load(dAkk + col, mask=m_col, other=0.0).to(dt)
+            db_P += _mm(tl.trans(dP_col), (c_q * e_m).to(dt), FP32_DOTS, DOT_PREC)
+            db_A += _mm(tl.trans(dA_col), (c_k * e_m).to(dt), FP32_DOTS, DOT_PREC)
+        e_right2 = tl.where(m_i, tl.exp(ref2[None, :] - b_g_i), 0.0)
+        db_P *= e_right2
+        db_A *= e_right2
+        # the diagonal block
+        dP_ii = tl.load(dAqk + a_row + i * BC, mask=m_a_i, other=0.0)
+        dA_ii = tl.load(dAkk + a_row + i * BC, mask=m_a_i, other=0.0)
+        if SAFE:
+            k_r = (b_k_i * tl.where(m_i, tl.exp(ref[None, :] - b_g_i), 0.0)).to(dt)
+            da_P += _mm(dP_ii.to(dt), k_r, FP32_DOTS, DIAG_PREC) * e_left
+            da_A += _mm(dA_ii.to(dt), k_r, FP32_DOTS, DIAG_PREC) * e_left
+            e_l2 = tl.where(m_i, tl.exp(b_g_i - ref2[None, :]), 0.0)
+            db_P += _mm(tl.trans(dP_ii.to(dt)), (b_q_i * e_l2).to(dt), FP32_DOTS, DIAG_PREC) * e_right2
+            db_A += _mm(tl.trans(dA_ii.to(dt)), (b_k_i * e_l2).to(dt), FP32_DOTS, DIAG_PREC) * e_right2
+        else:
+            R = (o_i[:, None] >= o_i[None, :]) & ok_i[:, None] & ok_i[None, :]
+            t_da, t_db = _pairwise_grads(dP_ii, b_q_i, b_k_i, b_g_i, R)
+            da_P += t_da
+            db_P += t_db
+            t_da, t_db = _pairwise_grads(dA_ii, b_k_i, b_k_i, b_g_i, R)
+            da_A += t_da
+            db_A += t_db
+        tl.store(dq + tk_i, tl.load(dq_p + tk_i, mask=m_i, other=0.0) + da_P * scale, mask=m_i)
+        tl.store(dk + tk_i, tl.load(dk_p + tk_i, mask=m_i, other=0.0) + db_P + da_A + db_A, mask=m_i)
+        d_G = tl.load(dg_p + tk_i, mask=m_i, other=0.0) + b_q_i * da_P - b_k_i * db_P + b_k_i * (da_A - db_A)
+        tl.store(dG + tk_i, d_G, mask=m_i)
+
+
+@triton.jit
+def bwd_gate_kernel(
+    dG, dgam, f, dt_bias, cu_seqlens, chunk_indices, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """In place in dG, for one chunk and value head: dg = the reverse in-chunk cumsum of the per-token
+    terms plus the chunk-end term dgam; for the bounded in-kernel gate, times its derivative (= df).
+    Unbounded gates leave dg to the host (its derivative also feeds A_log)."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
+    rows = i_t * BT + tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m = (rows < T)[:, None] & (o_k < K)[None, :]
+    off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_dg = tl.cumsum(tl.load(dG + off, mask=m, other=0.0), 0, reverse=True)
+    b_dg += tl.load(dgam + (i_c * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)[None, :]
+    if USE_GATE and BOUNDED:
+        x = tl.load(f + off, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+        b_dg = b_dg * gate_grad_fn(x, 0.0, lower_bound, BOUNDED)
+    tl.store(dG + off, b_dg, mask=m)

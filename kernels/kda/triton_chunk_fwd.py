@@ -80,18 +80,6 @@ def _gate_at_chunk_end(gcum, bos, chunk_start, T, i_hv, o_k, HV: tl.constexpr, K
 
 
 @triton.jit
-def _block_reference(gcum, bos, chunk_start, i_hv, o_k, m_k, i: tl.constexpr, HV: tl.constexpr,
-                     K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Gam just before sub-block i of the chunk starting at chunk_start (zeros for the first sub-block):
-    the reference point of that block's factorised scores."""
-    if i > 0:
-        ref = tl.load(gcum + (bos + chunk_start + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0)
-    else:
-        ref = tl.zeros([BK], dtype=tl.float32)
-    return ref
-
-
-@triton.jit
 def _right_factor(k, gcum, bos, rows, T, ref, i_h, i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
                   K: tl.constexpr):
     """k_s e^(ref - Gam_s) in fp32 for the rows of an earlier sub-block (zero outside the sequence)."""

@@ -92,9 +92,9 @@ def main() -> None:
         "at_bound_chunk64": chunk_case(1, 64, 1, 1, 16, 16, 64, 4, gate="bounded", f_shift=30.0),
         # short last chunks of varlen sequences
         "varlen_short_chunks": chunk_case(1, 150, 1, 2, 32, 16, 64, 7, gate="bounded", cu_seqlens=[0, 37, 130, 150]),
-        "bwd_block_pairs_varlen": chunk_case(1, 150, 1, 2, 32, 16, 64, 8, gate="bounded",
-                                             cu_seqlens=[0, 37, 130, 150],
-                                             config=KDAKernelConfig(bwd_intra_strips=False)),
+        # the backward-intra kernel on all of K in one program (the default splits K=32 in two)
+        "bwd_intra_whole_k": chunk_case(1, 70, 1, 2, 32, 16, 32, 8, gate="bounded", cu_seqlens=[0, 37, 70],
+                                        config=KDAKernelConfig(bwd_intra_k_split=1)),
         "decode_slots": decode_case(5),
         "decode_varlen": decode_varlen_case(6),
     }
