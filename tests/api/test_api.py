@@ -1,4 +1,5 @@
-"""The REST API over a real Redis (no Ray: jobs stay queued; the lifecycle tests run them)."""
+"""The REST API over a real Redis (no Ray: jobs stay queued; the real job in tests/ui/test_real_job.py runs one
+over HTTP)."""
 
 from __future__ import annotations
 

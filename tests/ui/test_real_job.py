@@ -1,7 +1,14 @@
 """The job page of a real running tiny job: the real JobRunner (tiny model, vLLM on CPU) in a detached driver on a
 real local Ray, scheduled by the API process, watched and steered from headless Chromium. The tiny model is first
 warm-started for a few seconds on gold calculator conversations, so its rollouts contain real tool calls (a random
-model's turns are all cut off before any call closes)."""
+model's turns are all cut off before any call closes).
+
+The same job is also the real job's whole life over HTTP (it was a second real job of its own in
+tests/api, a second vLLM start for the same path): submit -> running -> reward-schedule PATCH seen by the job in
+its metrics -> succeeded, with its states and events, checkpoints and trajectories (filtered, paged) listed over
+the REST API, and nothing left behind (placement group, embedded head) when the server stops. Killing a driver
+and resuming it from its checkpoint is tested with a stand-in runner in tests/rl_service/test_scheduler.py and
+with the real runner in tests/rl_service/test_scheduler_real_job.py."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from synthetic import chart_data
 from ui_helpers import ThreadedServer, log_in, screenshot, wait_js
 
 from api.app import create_app
+from rl_service.embedded import EMBEDDED_RECORD
 from rl_service.settings import TaperSettings
 from rl_service.store import Store
 
@@ -28,7 +36,7 @@ TINY_JOB = {
     "reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 10},
     "resources": {"learner_cpus": 1, "rollout_cpus": 1},
     "total_steps": 4,
-    "checkpoint_every": 4,
+    "checkpoint_every": 2,
 }
 
 
@@ -62,7 +70,7 @@ def warm_started_tiny_model(out: Path, steps: int = 80) -> Path:
 
 
 @pytest.mark.slow
-def test_real_job_page_updates_takes_a_schedule_patch_and_shows_trajectories(
+def test_real_job_lifecycle_over_http_and_its_page_updates_takes_a_schedule_patch_and_shows_trajectories(
         redis_url: str, ray_local, tmp_path: Path, page) -> None:
     key = Store(redis_url).create_api_key("ui-real")
     checkpoint = warm_started_tiny_model(tmp_path / "warm-start")
@@ -136,3 +144,34 @@ def test_real_job_page_updates_takes_a_schedule_patch_and_shows_trajectories(
         assert "logprob" in page.inner_text("#token-readout")
         screenshot(page, "real-job-done")
         assert page.console_errors == []
+
+        # the same finished job over HTTP: its whole life in the REST API
+        final = api.get(f"/v1/jobs/{job_id}").json()
+        assert final["state"] == "succeeded" and final["attempts"] == 1 and final["step"] == total
+        metrics = api.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
+        train = [m for m in metrics if "schedule/version" in m["metrics"]]
+        assert [m["step"] for m in train] == list(range(1, total + 1))
+        assert train[-1]["metrics"]["schedule/version"] == 2.0  # the PATCH reached the job
+        assert train[-1]["metrics"]["schedule/weight"] == 0.5
+        events = api.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["items"]
+        kinds = [e["kind"] for e in events]
+        for kind in ("submitted", "schedule_patched", "started", "checkpoint", "completed"):
+            assert kind in kinds, (kind, kinds)
+        states = [e["data"]["to"] for e in events if e["kind"] == "state"]
+        assert states == ["starting", "running", "succeeded"]
+        ckpts = api.get(f"/v1/jobs/{job_id}/checkpoints").json()
+        every = TINY_JOB["checkpoint_every"]
+        assert [ck["step"] for ck in ckpts] == list(range(every, total + 1, every))
+        assert all(ck["uri"].startswith("file://") for ck in ckpts)
+        per_step = TINY_JOB["rollout"]["prompts_per_step"] * TINY_JOB["rollout"]["num_generations"]
+        assert len(trajs) == total * per_step
+        one = api.get(f"/v1/jobs/{job_id}/trajectories", params={"step": 1}).json()["items"]
+        assert len(one) == per_step and all(t["train_step"] == 1 for t in one)
+        paged = api.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 3, "offset": 6}).json()["items"]
+        assert [t["id"] for t in paged] == [t["id"] for t in trajs[6:9]]
+        assert all(t["job_id"] == job_id for t in trajs)
+        assert api.get("/metrics").text.count('taper_jobs{state="succeeded"} 1.0') == 1
+    # the finished job's placement group is gone, so later tests get the whole local Ray
+    assert not Store(redis_url).r.smembers(Store(redis_url).k_placed())
+    # the server used this process's Ray: no embedded head was started (it would outlive the test)
+    assert not (tmp_path / EMBEDDED_RECORD).exists()
