@@ -70,10 +70,11 @@ def kda_fwd(
     prec = cfg.dot_precision(q.dtype)
     gcum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
     safe = lower_bound is not None
-    gate_cumsum_kernel[(NC, HV)](
+    BKG = min(cfg.gate_block_k, BK)
+    gate_cumsum_kernel[(NC, HV, triton.cdiv(K, BKG))](
         f, dt_bias, A_log, gcum, cu, chunk_indices, lower_bound if safe else 0.0,
-        HV=HV, K=K, BT=BT, BK=BK, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=dt_bias is not None,
-        num_warps=cfg.num_warps_scores,
+        HV=HV, K=K, BT=BT, BK=BKG, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=dt_bias is not None,
+        num_warps=cfg.num_warps_gate,
     )
     Aqk = torch.empty(T, HV, BT, dtype=k.dtype, device=dev)  # only ever a bf16 dot operand
     Akk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
@@ -99,7 +100,7 @@ def kda_fwd(
     vn = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    BVS = min(cfg.state_block_v, triton.next_power_of_2(V))
+    BVS = min(cfg.fwd_state_block_v, triton.next_power_of_2(V))
     fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         kg, gcum, w, u, vn, h, h0, ht, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, DOT_PREC=prec,
@@ -137,7 +138,7 @@ def kda_bwd(
     dh = torch.empty_like(h)
     dvn = torch.empty(T, HV, V, dtype=cfg.work_dtype or v.dtype, device=dev)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if initial_state is not None else None
-    BVS = min(cfg.state_block_v, triton.next_power_of_2(V))
+    BVS = min(cfg.bwd_state_block_v, triton.next_power_of_2(V))
     bwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         saved["qg"], saved["kg"], gcum, saved["w"], saved["Aqk"], do, dht, dh, dh0, dvn, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, DOT_PREC=prec,
@@ -165,10 +166,11 @@ def kda_bwd(
         DIAG_PREC=(cfg.bwd_score_precision_diag or cfg.bwd_score_precision) if cfg.bwd_fp32_dots else prec,
         num_warps=cfg.num_warps_bwd_intra,
     )
-    bwd_gate_kernel[(NC, HV)](
+    BKG = min(cfg.gate_block_k, BK)
+    bwd_gate_kernel[(NC, HV, triton.cdiv(K, BKG))](
         dgate, dgam, f, dt_bias, cu, chunk_indices, lower_bound if bounded else 0.0,
-        HV=HV, K=K, BT=BT, BK=BK, USE_GATE=use_gate, BOUNDED=bounded, HAS_BIAS=dt_bias is not None,
-        num_warps=cfg.num_warps_scores,
+        HV=HV, K=K, BT=BT, BK=BKG, USE_GATE=use_gate, BOUNDED=bounded, HAS_BIAS=dt_bias is not None,
+        num_warps=cfg.num_warps_gate,
     )
     return dq, dk, dv, dgate, dbeta, dh0
 

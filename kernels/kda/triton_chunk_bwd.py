@@ -261,11 +261,12 @@ def bwd_gate_kernel(
 ):
     """In place in dG, for one chunk and value head: dg = the reverse in-chunk cumsum of the per-token
     terms plus the chunk-end term dgam; for the bounded in-kernel gate, times its derivative (= df).
-    Unbounded gates leave dg to the host (its derivative also feeds A_log)."""
+    Unbounded gates leave dg to the host (its derivative also feeds A_log). One BK-column slice of K per
+    program (program_id(2))."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
     rows = i_t * BT + tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = tl.program_id(2) * BK + tl.arange(0, BK)
     m = (rows < T)[:, None] & (o_k < K)[None, :]
     off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     b_dg = tl.cumsum(tl.load(dG + off, mask=m, other=0.0), 0, reverse=True)

@@ -95,11 +95,12 @@ def gate_cumsum_kernel(
     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """gcum of one chunk and value head: the gate applied to f, then the in-chunk cumulative sum."""
+    """gcum of one chunk and value head on one BK-column slice of K (program_id(2)): the gate applied to f,
+    then the in-chunk cumulative sum."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
     rows = i_t * BT + tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = tl.program_id(2) * BK + tl.arange(0, BK)
     m = (rows < T)[:, None] & (o_k < K)[None, :]
     off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     x = tl.load(f + off, mask=m, other=0.0).to(tl.float32)

@@ -12,7 +12,10 @@ class KDAKernelConfig:
     chunk_size: int = 64  # BT: tokens per chunk
     sub_chunk: int = 16  # BC: intra-chunk block; the lower bound keeps e^(5*BC) in range
     block_v: int = 64  # BV: value columns per program in the output and backward-inter kernels
-    state_block_v: int = 32  # value columns per program of the sequential state kernels (H*V/BV programs)
+    fwd_state_block_v: int = 32  # value columns per program of the sequential state kernels (H*V/BV programs)
+    bwd_state_block_v: int = 32
+    gate_block_k: int = 64  # K columns per program of the gate cumsum kernels (forward and backward)
+    num_warps_gate: int = 4
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
     work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
     num_warps_scores: int = 4
@@ -20,7 +23,7 @@ class KDAKernelConfig:
     num_warps_state: int = 4
     num_warps_out: int = 4
     num_warps_bwd: int = 8  # backward inter
-    num_warps_bwd_intra: int = 8
+    num_warps_bwd_intra: int = 2  # H200, 32K: fwd+bwd 21.6 (8 warps) -> 16.9 ms
     bwd_intra_k_split: int = 2  # backward-intra programs per (chunk, head), each a slice of K: fewer registers
     bwd_fp32_dots: bool = True  # fp32-operand dots for the score-matrix gradients (dg accuracy; see _mm)
     bwd_score_precision: str = "tf32"  # their input_precision (tf32: one pass; tf32x3: ~fp32, three)
