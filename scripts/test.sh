@@ -31,8 +31,8 @@ run_lane() {
   done
 }
 pytest_args=("$@")
-run_lane 1 "tests/ui tests/test_demo.py tests/test_foundation.py" "tests/kernels tests/reward_models tests/deploy" \
-  "tests/rollout_workers" >"$logs/lane2.log" 2>&1 &
+run_lane 1 "tests/ui tests/test_demo.py" "tests/kernels tests/reward_models tests/deploy" \
+  "tests/test_foundation.py tests/rollout_workers" >"$logs/lane2.log" 2>&1 &
 lane2=$!
 run_lane 0 "tests/rl_service tests/api" "tests/model"
 wait $lane2 || true

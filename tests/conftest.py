@@ -6,6 +6,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,6 +77,16 @@ def ray_local() -> Iterator[object]:
 def vllm_env() -> dict[str, str]:
     """The environment the vLLM CPU engine needs in tests (already applied to os.environ)."""
     return dict(VLLM_TEST_ENV)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_llama_dir: Path, vllm_env: dict[str, str]) -> Any:
+    """One real in-process vLLM engine on the tiny Llama, shared by the session (a start costs ~10 s of CPU).
+    Closing another in-process engine tears down vLLM's process-wide state, so a group uses this one before
+    any test builds and closes its own (tests/test_foundation.py runs first in its group)."""
+    from rollout_workers.engine import EngineConfig, VLLMEngine
+
+    return VLLMEngine(EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=1024, kv_cache_gib=0.25, seed=0))
 
 
 @pytest.fixture(scope="session")

@@ -31,12 +31,14 @@ def test_ray_fixture_runs_an_actor_in_another_process(ray_local) -> None:
     ray.kill(actor)
 
 
-def test_vllm_fixture_generates_with_logprobs(tiny_llama_dir, vllm_env) -> None:
-    from vllm import LLM, SamplingParams
+def test_vllm_fixture_generates_with_logprobs(vllm_engine) -> None:
+    from vllm import SamplingParams
 
-    llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32", max_model_len=256, seed=0)
+    # the session's engine (the rollout worker tests share it): a real vLLM LLM on the tiny Llama, called on
+    # the engine's own thread between its steps
     params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, seed=1, ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params)[0].outputs[0]
+    generated = vllm_engine.call(lambda: vllm_engine.llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params))
+    out = generated[0].outputs[0]
     assert len(out.token_ids) == 8
     assert out.logprobs is not None and len(out.logprobs) == 8
     for tok, lp in zip(out.token_ids, out.logprobs, strict=True):

@@ -1,5 +1,5 @@
-"""Fixtures for rollout_workers tests: one real vLLM engine on the tiny Llama (shared by the session),
-the chat format, a real HTTP tool server on 127.0.0.1."""
+"""Fixtures for rollout_workers tests: the chat format, a real HTTP tool server on 127.0.0.1 (the real vLLM
+engine on the tiny Llama, shared by the session, is `vllm_engine` in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,6 @@ def tokenizer(tokenizer_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def vllm_engine(tiny_llama_dir: Path, vllm_env: dict[str, str]) -> Any:
-    from rollout_workers.engine import EngineConfig, VLLMEngine
-
-    return VLLMEngine(EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=1024, kv_cache_gib=0.25, seed=0))
 
 
 class ToolServerState:
