@@ -209,14 +209,11 @@ def time_decode(N: int) -> dict:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "default": {},
-    "bwd_intra_whole_k": dict(bwd_intra_k_split=1),
-    "bwd_intra_1warp": dict(num_warps_bwd_intra=1),
-    "gate_whole_k": dict(gate_block_k=128),
-    "gate_2warps": dict(num_warps_gate=2),
-    "gate_block32": dict(gate_block_k=32, num_warps_gate=2),
     "fwd_state_block_v16": dict(fwd_state_block_v=16),
-    "bwd_inter_4warps": dict(num_warps_bwd=4),
-    "bwd_inter_2stages": dict(num_stages_bwd_inter=2),
+    "out_in_state_kernel": dict(out_in_state_kernel=True),
+    "out_in_state_kernel_v16": dict(out_in_state_kernel=True, fwd_state_block_v=16),
+    "out_in_state_kernel_v64": dict(out_in_state_kernel=True, fwd_state_block_v=64),
+    "gate_block32": dict(gate_block_k=32, num_warps_gate=2),
 }
 
 

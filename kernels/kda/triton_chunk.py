@@ -101,16 +101,17 @@ def kda_fwd(
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     BVS = min(cfg.fwd_state_block_v, triton.next_power_of_2(V))
-    fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
-        kg, gcum, w, u, vn, h, h0, ht, cu, chunk_offsets,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, DOT_PREC=prec,
-        num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
-    )
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
-    fwd_out_kernel[(triton.cdiv(V, BV), NC, HV)](
-        qg, Aqk, vn, h, o, cu, chunk_indices,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, num_warps=cfg.num_warps_out,
+    fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
+        kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu, chunk_offsets,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, DOT_PREC=prec,
+        WITH_OUT=cfg.out_in_state_kernel, num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
+    if not cfg.out_in_state_kernel:
+        fwd_out_kernel[(triton.cdiv(V, BV), NC, HV)](
+            qg, Aqk, vn, h, o, cu, chunk_indices,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, num_warps=cfg.num_warps_out,
+        )
     return dict(o=o, ht=ht, gcum=gcum, Aqk=Aqk, Akk=Akk, Ai=Ai, w=w, u=u, h=h, vn=vn, qg=qg, kg=kg,
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 

@@ -287,11 +287,14 @@ def wu_kernel(
 
 @triton.jit
 def fwd_state_kernel(
-    kg, gcum, w, u, vn, h, h0, ht, cu_seqlens, chunk_offsets,
+    kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    WITH_OUT: tl.constexpr,
 ):
-    """Sequential over a sequence's chunks; one program per (V tile, sequence, value head)."""
+    """Sequential over a sequence's chunks; one program per (V tile, sequence, value head). WITH_OUT: also
+    the output o = (Q e^Gam) h + Aqk vn of each chunk, from the state still in registers (fwd_out_kernel's
+    work, without re-reading h and vn)."""
     i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
     o_t = tl.arange(0, BT)
     b_h = _start_state(h0, i_n, i_hv, s_off, m_kv, HV, K, V, BK, BV, HAS_H0)
@@ -305,6 +308,13 @@ def fwd_state_kernel(
         b_u = tl.load(u + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(kg.dtype.element_ty), b_h.to(kg.dtype.element_ty), input_precision=DOT_PREC)
         tl.store(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        if WITH_OUT:
+            dt = qg.dtype.element_ty
+            b_qg = tl.load(qg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)
+            b_o = tl.dot(b_qg, b_h.to(h.dtype.element_ty).to(dt), input_precision=DOT_PREC)
+            b_o += tl.dot(b_A.to(dt), b_vn.to(vn.dtype.element_ty).to(dt), input_precision=DOT_PREC)
+            tl.store(o + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
         b_kg = tl.load(kg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PREC)

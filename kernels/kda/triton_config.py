@@ -14,6 +14,7 @@ class KDAKernelConfig:
     block_v: int = 64  # BV: value columns per program in the output and backward-inter kernels
     fwd_state_block_v: int = 32  # value columns per program of the sequential state kernels (H*V/BV programs)
     bwd_state_block_v: int = 32
+    out_in_state_kernel: bool = False  # the output computed inside the forward state loop, not by its own kernel
     gate_block_k: int = 64  # K columns per program of the gate cumsum kernels (forward and backward)
     num_warps_gate: int = 4
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
