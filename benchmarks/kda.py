@@ -209,11 +209,9 @@ def time_decode(N: int) -> dict:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "default": {},
-    "fwd_state_block_v16": dict(fwd_state_block_v=16),
-    "out_in_state_kernel": dict(out_in_state_kernel=True),
-    "out_in_state_kernel_v16": dict(out_in_state_kernel=True, fwd_state_block_v=16),
-    "out_in_state_kernel_v64": dict(out_in_state_kernel=True, fwd_state_block_v=64),
-    "gate_block32": dict(gate_block_k=32, num_warps_gate=2),
+    "fwd_state_block_v64": dict(fwd_state_block_v=64),
+    "bwd_intra_whole_k": dict(bwd_intra_k_split=1),
+    "score_all_tf32": dict(bwd_score_precision="tf32", bwd_score_precision_diag=None),
 }
 
 

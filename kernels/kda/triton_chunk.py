@@ -8,7 +8,6 @@ import triton
 from kernels.kda.common import check_cu_seqlens_values
 from kernels.kda.triton_chunk_bwd import bwd_gate_kernel, bwd_inter_kernel, bwd_intra_kernel, bwd_state_kernel
 from kernels.kda.triton_chunk_fwd import (
-    fwd_out_kernel,
     fwd_state_kernel,
     gate_cumsum_kernel,
     intra_scores_kernel,
@@ -105,13 +104,8 @@ def kda_fwd(
     fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, DOT_PREC=prec,
-        WITH_OUT=cfg.out_in_state_kernel, num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
+        num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
-    if not cfg.out_in_state_kernel:
-        fwd_out_kernel[(triton.cdiv(V, BV), NC, HV)](
-            qg, Aqk, vn, h, o, cu, chunk_indices,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, num_warps=cfg.num_warps_out,
-        )
     return dict(o=o, ht=ht, gcum=gcum, Aqk=Aqk, Akk=Akk, Ai=Ai, w=w, u=u, h=h, vn=vn, qg=qg, kg=kg,
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 

@@ -14,7 +14,6 @@ class KDAKernelConfig:
     block_v: int = 64  # BV: value columns per program in the output and backward-inter kernels
     fwd_state_block_v: int = 32  # value columns per program of the sequential state kernels (H*V/BV programs)
     bwd_state_block_v: int = 32
-    out_in_state_kernel: bool = False  # the output computed inside the forward state loop, not by its own kernel
     gate_block_k: int = 64  # K columns per program of the gate cumsum kernels (forward and backward)
     num_warps_gate: int = 4
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
@@ -22,7 +21,6 @@ class KDAKernelConfig:
     num_warps_scores: int = 4
     num_warps_solve: int = 2  # solve and w/u (H200, 32K: forward 4.15 -> 3.94 ms against 4 warps)
     num_warps_state: int = 4
-    num_warps_out: int = 4
     num_warps_bwd: int = 8  # backward inter
     num_warps_bwd_intra: int = 2  # H200, 32K: fwd+bwd 21.6 (8 warps) -> 16.9 ms
     bwd_intra_k_split: int = 2  # backward-intra programs per (chunk, head), each a slice of K: fewer registers

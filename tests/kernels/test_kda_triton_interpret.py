@@ -30,7 +30,7 @@ def results() -> dict:
 
 @pytest.mark.parametrize("case", ["bounded", "unbounded_varlen", "precomputed", "at_bound_chunk64",
                                   "varlen_short_chunks",
-                                  "bwd_intra_whole_k", "out_in_state_kernel"])
+                                  "bwd_intra_whole_k"])
 def test_triton_chunk_forward_and_gradients(results, case):
     r = results[case]
     assert r.pop("finite")

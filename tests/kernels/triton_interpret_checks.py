@@ -96,8 +96,6 @@ def main() -> None:
         # the backward-intra kernel on all of K in one program (the default splits K=32 in two)
         "bwd_intra_whole_k": chunk_case(1, 70, 1, 2, 32, 16, 32, 8, gate="bounded", cu_seqlens=[0, 37, 70],
                                         config=KDAKernelConfig(bwd_intra_k_split=1)),
-        "out_in_state_kernel": chunk_case(1, 70, 1, 2, 32, 16, 32, 9, gate="bounded", cu_seqlens=[0, 37, 70],
-                                          config=KDAKernelConfig(out_in_state_kernel=True)),
         "decode_slots": decode_case(5),
         "decode_varlen": decode_varlen_case(6),
     }
