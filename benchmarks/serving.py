@@ -5,7 +5,11 @@ by the same vLLM (in-process engine, eager, prefix caching off). For each contex
 `--batch` distinct random prompts is submitted at once and `--new-tokens` tokens generated per request:
   prefill time   from submission until every sequence has its first token;
   decode tok/s   tokens produced after that moment over the time since (not "total minus a prefill-only
-                 run", which chunked prefill makes too noisy);
+                 run", which chunked prefill makes too noisy); the prefills are staggered (chunked, one
+                 after another), so by then the first sequences may be done and fewer than `--batch` decode;
+  full-batch     the steps in which all `--batch` sequences decode: tokens/s over their wall time and the
+                 median thread-CPU ms per step (steadier than wall time on a shared box); only when
+                 `--new-tokens` outlasts the stagger (at 16K, batch 8: about 30 steps, so 64 new tokens);
   cache memory   the bytes vLLM's cache needs for the batch at that context: attention layers
                  ceil(T / block) pages per sequence, KDA / gated-delta-net layers one state page per
                  sequence, page sizes as vLLM allocates them (hybrid page padding included).
@@ -24,6 +28,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -145,10 +150,16 @@ def run_worker(args: argparse.Namespace) -> None:
         produced: dict[str, int] = {}
         first_all = tokens_at_first = None
         now = start
+        full_cpu: list[float] = []  # thread-CPU seconds of each step in which all `batch` sequences decode
+        full_wall: list[float] = []
         while engine.has_unfinished_requests():
+            before, cpu0, wall0 = sum(produced.values()), time.thread_time(), now
             for out in engine.step():
                 produced[out.request_id] = len(out.outputs[0].token_ids)
             now = time.perf_counter()
+            if first_all is not None and sum(produced.values()) - before == args.batch:
+                full_cpu.append(time.thread_time() - cpu0)
+                full_wall.append(now - wall0)
             if first_all is None and len(produced) == args.batch and min(produced.values()) >= 1:
                 first_all, tokens_at_first = now, sum(produced.values())
         decode_tokens = sum(produced.values()) - tokens_at_first
@@ -157,7 +168,12 @@ def run_worker(args: argparse.Namespace) -> None:
             "prefill_s": first_all - start,
             "decode_tok_s": decode_tokens / (now - first_all) if now > first_all else float("nan"),
             "decode_tokens": decode_tokens,
+            # steady decode of the whole batch (none while `--new-tokens` is within the prefills' stagger)
+            "full_batch_steps": len(full_cpu),
+            "full_batch_tok_s": args.batch * len(full_wall) / sum(full_wall) if full_wall else float("nan"),
+            "full_batch_step_cpu_ms": 1e3 * statistics.median(full_cpu) if full_cpu else float("nan"),
             "cache_bytes": cache_bytes(kv_cache_config, args.batch, context),
+            "load_avg": os.getloadavg()[0],
         }
         print("RESULT " + json.dumps(row), flush=True)
 
@@ -189,30 +205,43 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             results["models"][name] = {"params": counts, "runs": rows}
             for row in rows:
                 print(f"  T={row['context']:>6}: prefill {row['prefill_s']:.2f}s, decode {row['decode_tok_s']:.1f} tok/s, "
-                      f"cache {row['cache_bytes'] / 2**20:.1f} MiB", flush=True)
+                      f"full batch {row['full_batch_tok_s']:.1f} tok/s / {row['full_batch_step_cpu_ms']:.1f} ms CPU "
+                      f"per step over {row['full_batch_steps']} steps, cache {row['cache_bytes'] / 2**20:.1f} MiB, "
+                      f"load {row['load_avg']:.1f}", flush=True)
     return results
 
 
 def print_table(results: dict[str, Any]) -> None:
+    """One line per model and context; the ratios are against the Llama (/L) and Qwen3-Next (/Q) at the
+    same context, for the decode rate and the full-batch decode rate (full)."""
     models = results["models"]
-    base = models.get("llama")
-    head = f"{'model':<11} {'context':>7} {'prefill s':>10} {'decode tok/s':>13} {'cache MiB':>10}"
+    base, qwen = models.get("llama"), models.get("qwen3_next")
+    head = (f"{'model':<11} {'context':>7} {'prefill s':>10} {'decode tok/s':>13} {'full tok/s':>11} "
+            f"{'step CPU ms':>12} {'cache MiB':>10}")
     if base:
-        head += f" {'prefill/L':>10} {'decode/L':>9} {'cache/L':>8}"
-    if "qwen3_next" in models:
-        head += f" {'decode/Q':>9}"
+        head += f" {'prefill/L':>10} {'decode/L':>9} {'full/L':>7} {'cache/L':>8}"
+    if qwen:
+        head += f" {'decode/Q':>9} {'full/Q':>7}"
     print(head)
     for name, data in models.items():
         for i, row in enumerate(data["runs"]):
             line = (f"{name:<11} {row['context']:>7} {row['prefill_s']:>10.2f} {row['decode_tok_s']:>13.1f} "
+                    f"{row.get('full_batch_tok_s', math.nan):>11.1f} {row.get('full_batch_step_cpu_ms', math.nan):>12.1f} "
                     f"{row['cache_bytes'] / 2**20:>10.1f}")
             if base:
                 ref = base["runs"][i]
                 line += (f" {row['prefill_s'] / ref['prefill_s']:>9.2f}x {row['decode_tok_s'] / ref['decode_tok_s']:>8.2f}x"
-                         f" {row['cache_bytes'] / ref['cache_bytes']:>7.2f}x")
-            if "qwen3_next" in models:
-                line += f" {row['decode_tok_s'] / models['qwen3_next']['runs'][i]['decode_tok_s']:>8.2f}x"
+                         f" {_ratio(row, ref, 'full_batch_tok_s'):>6.2f}x {row['cache_bytes'] / ref['cache_bytes']:>7.2f}x")
+            if qwen:
+                ref = qwen["runs"][i]
+                line += (f" {row['decode_tok_s'] / ref['decode_tok_s']:>8.2f}x"
+                         f" {_ratio(row, ref, 'full_batch_tok_s'):>6.2f}x")
             print(line)
+
+
+def _ratio(row: dict[str, Any], ref: dict[str, Any], key: str) -> float:
+    a, b = row.get(key, math.nan), ref.get(key, math.nan)
+    return a / b if b and not math.isnan(b) else math.nan
 
 
 def main() -> None:
