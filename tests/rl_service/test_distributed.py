@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -23,93 +24,113 @@ def test_sharding_balances_tokens_and_keeps_every_sample() -> None:
     assert m == {"loss": 3.0, "entropy": 4.25, "action_tokens": 4.0}
 
 
-def test_two_ranks_match_one_rank(ray_local, tiny_llama_dir, tmp_path) -> None:
-    """2 FSDP2 ranks over gloo (Ray actors) give the same loss and gradients as one rank on the same global
-    batch, and the job runner's data-parallel step trains the same weights as its single learner."""
+@pytest.fixture(scope="module")
+def dp_runs(ray_local, tiny_llama_dir, tmp_path_factory) -> dict[str, Any]:
+    """One data-parallel run serves both tests below (a pair of FSDP2 ranks costs two Ray worker processes that
+    import torch and the model: started twice here, not three times). 2 ranks over gloo train steps 1-3 (linear
+    LR decay) with a checkpoint after step 2; before its first step the pair's loss and gradients are compared
+    with one learner's on the same global batch, and step 1 is repeated by a single-learner runner of the same
+    spec. A new runner with new ranks then resumes from the checkpoint and trains step 3 again. Fixed
+    trajectories stand in for rollouts, so the learner is all that runs."""
     import ray
 
-    from rl_service.job import InMemoryHooks, JobRunner
-    from tests.rl_service.learner_helpers import fake_trajectory
-    from tests.rl_service.test_job import make_spec
-
-    samples = make_samples(7, seed=4)  # odd count: the ranks get different numbers of samples
-    results = {}
-    for n in (1, 2):
-        r = JobRunner(f"dp{n}", make_spec(tiny_llama_dir, resources={"num_learners": n}), InMemoryHooks(),
-                      tmp_path / str(n))
-        r.setup()
-        task_a, task_b = r.train_tasks[:2]
-        trajs = [fake_trajectory(task_a, "a", 0, seed=1), fake_trajectory(task_a, "a", 0, seed=2),
-                 fake_trajectory(task_b, "b", 0, seed=3), fake_trajectory(task_b, "b", 0, seed=4),
-                 fake_trajectory(task_b, "b", 0, seed=5)]
-        try:
-            if n == 2:
-                assert all("fsdp" in ray.get(a.ping.remote()) for a in r.dp.ranks)
-                single = Learner(copy.deepcopy(r.model), r.learner.config)
-                loss = single.accumulate(single.micro_batches(samples, LossNorm.of(samples)))["loss"]
-                got = r.dp.gradients(samples)
-                assert float(got.pop("__loss__")) == pytest.approx(loss, rel=1e-5, abs=1e-7)
-                for k, p in single.model.named_parameters():
-                    torch.testing.assert_close(got[k], p.grad, rtol=1e-4, atol=1e-7, msg=k)
-            results[n] = (r._train_step(0, trajs, {}), {k: v.clone() for k, v in r.model.state_dict().items()})
-        finally:
-            if r.dp is not None:
-                r.dp.shutdown()
-    (m1, w1), (m2, w2) = results[1], results[2]
-    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
-    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
-    assert m2["entropy"] == pytest.approx(m1["entropy"], rel=1e-5)
-    # Adam's first step moves each weight by ~lr·sign(g): where |g| is at rounding level the sign may
-    # differ, so a few elements may be off by up to 2·lr
-    lr = 0.05
-    diffs = torch.cat([(w2[k] - w1[k]).abs().flatten() for k in w1])
-    assert float(diffs.max()) <= 2 * lr + 1e-6
-    assert float((diffs > 1e-5).float().mean()) < 0.01
-
-
-def test_data_parallel_resume_restores_optimizer_and_schedule_exactly(ray_local, tiny_llama_dir, tmp_path) -> None:
-    """2 FSDP2 ranks over gloo: steps 1-3 in one run == steps 1-2, a checkpoint, and step 3 in a new runner with
-    new ranks, bit for bit. Needs the ranks' AdamW moments and LR schedule in the checkpoint (zero moments or
-    the linear decay started afresh would give other weights). Fixed trajectories stand in for rollouts, so the
-    learner is all that runs."""
     from rl_service.checkpoint import latest_checkpoint
     from rl_service.job import InMemoryHooks, JobRunner
     from tests.rl_service.learner_helpers import fake_trajectory
     from tests.rl_service.test_job import make_spec
 
-    spec = make_spec(tiny_llama_dir, total_steps=3, algorithm={"lr_scheduler_type": "linear", "learning_rate": 0.02},
-                     resources={"num_learners": 2, "learner_cpus": 0.5})
+    tmp = tmp_path_factory.mktemp("dp")
+    over = {"total_steps": 3, "algorithm": {"lr_scheduler_type": "linear", "learning_rate": 0.02}}
+    spec = make_spec(tiny_llama_dir, **over, resources={"num_learners": 2, "learner_cpus": 0.5})
+    out: dict[str, Any] = {}
+
+    def first_batch(runner: JobRunner) -> list:  # odd count: the ranks get different numbers of samples
+        task_a, task_b = runner.train_tasks[:2]
+        return [fake_trajectory(task_a, "a", 0, seed=1), fake_trajectory(task_a, "a", 0, seed=2),
+                fake_trajectory(task_b, "b", 0, seed=3), fake_trajectory(task_b, "b", 0, seed=4),
+                fake_trajectory(task_b, "b", 0, seed=5)]
 
     def batch(runner: JobRunner, t: int) -> list:
+        if t == 0:
+            return first_batch(runner)
         tasks = runner.train_tasks[2 * t: 2 * t + 2]
         return [fake_trajectory(task, f"g{t}-{i}", t, seed=100 * t + 10 * i + j)
                 for i, task in enumerate(tasks) for j in range(3)]
 
-    first = JobRunner("dpr", spec, InMemoryHooks(), tmp_path)
+    first = JobRunner("dpr", spec, InMemoryHooks(), tmp / "dp")
     assert first.setup()[0] == 0
     try:
-        lr = [first._train_step(t, batch(first, t), {})["learning_rate"] for t in range(2)]
+        out["pings"] = ray.get([a.ping.remote() for a in first.dp.ranks])
+        samples = make_samples(7, seed=4)  # odd count again
+        single = Learner(copy.deepcopy(first.model), first.learner.config)
+        out["single_loss"] = single.accumulate(single.micro_batches(samples, LossNorm.of(samples)))["loss"]
+        out["single_grads"] = {k: p.grad.clone() for k, p in single.model.named_parameters()}
+        out["dp_grads"] = first.dp.gradients(samples)
+        steps = [first._train_step(0, batch(first, 0), {})]
+        out["step1"] = (steps[0], {k: v.clone() for k, v in first.model.state_dict().items()})
+        steps.append(first._train_step(1, batch(first, 1), {}))
         first._checkpoint(2)
-        lr.append(first._train_step(2, batch(first, 2), {})["learning_rate"])
-        want = {k: v.clone() for k, v in first.model.state_dict().items()}
+        steps.append(first._train_step(2, batch(first, 2), {}))
+        out["lr"] = [m["learning_rate"] for m in steps]
+        out["want"] = {k: v.clone() for k, v in first.model.state_dict().items()}
     finally:
         first.dp.shutdown()
-    saved = latest_checkpoint(tmp_path / "checkpoints")
+    out["saved"] = latest_checkpoint(tmp / "dp" / "checkpoints")
+
+    one = JobRunner("dp1", make_spec(tiny_llama_dir, **over, resources={"num_learners": 1}), InMemoryHooks(),
+                    tmp / "one")
+    one.setup()
+    assert one.dp is None
+    out["one_step1"] = (one._train_step(0, batch(one, 0), {}), {k: v.clone() for k, v in one.model.state_dict().items()})
+
+    out["resume_hooks"] = hooks = InMemoryHooks()
+    second = JobRunner("dpr", spec, hooks, tmp / "dp")
+    out["resume_start"] = second.setup()[0]
+    try:
+        out["resume_lr"] = second._train_step(2, batch(second, 2), {})["learning_rate"]
+        out["resumed"] = {k: v.clone() for k, v in second.model.state_dict().items()}
+    finally:
+        second.dp.shutdown()
+    return out
+
+
+def test_two_ranks_match_one_rank(dp_runs) -> None:
+    """2 FSDP2 ranks over gloo (Ray actors) give the same loss and gradients as one rank on the same global
+    batch, and the job runner's data-parallel step trains the same weights as its single learner."""
+    assert all("fsdp" in ping for ping in dp_runs["pings"])
+    got = dict(dp_runs["dp_grads"])
+    assert float(got.pop("__loss__")) == pytest.approx(dp_runs["single_loss"], rel=1e-5, abs=1e-7)
+    for k, g in dp_runs["single_grads"].items():
+        torch.testing.assert_close(got[k], g, rtol=1e-4, atol=1e-7, msg=k)
+    (m1, w1), (m2, w2) = dp_runs["one_step1"], dp_runs["step1"]
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-7)
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+    assert m2["entropy"] == pytest.approx(m1["entropy"], rel=1e-5)
+    # Adam's first step moves each weight by ~lr·sign(g): where |g| is at rounding level the sign may
+    # differ, so a few elements may be off by up to 2·lr
+    lr = m1["learning_rate"]
+    assert lr == m2["learning_rate"] > 0
+    diffs = torch.cat([(w2[k] - w1[k]).abs().flatten() for k in w1])
+    assert float(diffs.max()) <= 2 * lr + 1e-6
+    assert float((diffs > 1e-5).float().mean()) < 0.01
+
+
+def test_data_parallel_resume_restores_optimizer_and_schedule_exactly(dp_runs) -> None:
+    """2 FSDP2 ranks over gloo: steps 1-3 in one run == steps 1-2, a checkpoint, and step 3 in a new runner with
+    new ranks, bit for bit. Needs the ranks' AdamW moments and LR schedule in the checkpoint (zero moments or
+    the linear decay started afresh would give other weights)."""
+    saved = dp_runs["saved"]
     state = saved.learner_state()
     assert saved.step == 2 and state["world_size"] == 2 and state["optimizer_steps"] == 2
     assert {"exp_avg", "exp_avg_sq"} <= set(next(iter(state["optimizer_by_name"]["state"].values())))
 
-    hooks = InMemoryHooks()
-    second = JobRunner("dpr", spec, hooks, tmp_path)
-    assert second.setup()[0] == 2 and not hooks.events_of("warning")
-    try:
-        got_lr = second._train_step(2, batch(second, 2), {})["learning_rate"]
-    finally:
-        second.dp.shutdown()
-    assert got_lr == lr[2] < lr[0]
+    assert dp_runs["resume_start"] == 2 and not dp_runs["resume_hooks"].events_of("warning")
+    lr = dp_runs["lr"]
+    assert dp_runs["resume_lr"] == lr[2] < lr[0]
+    want = dp_runs["want"]
     moved = [k for k in want if not torch.equal(want[k], _weights_at(saved.path)[k])]
     assert moved  # step 3 changed the weights
-    for k, v in second.model.state_dict().items():
+    for k, v in dp_runs["resumed"].items():
         torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
 
 
