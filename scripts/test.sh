@@ -21,6 +21,11 @@ for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; slee
 # spin-wait when they outnumber the cores (measured: a tiny-model SFT step 20 s instead of 0.4 s).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 logs=$(mktemp -d)
+trap 'kill $redis_pid 2>/dev/null || true; rm -rf "$logs"' EXIT
+# One vLLM cache for every group of this run (tests/conftest.py keeps it): vLLM inspects a model class in a
+# fresh interpreter (~13 s of CPU) the first time an engine starts with an empty cache; shared, that happens
+# once per model class and run instead of once per group.
+export VLLM_CACHE_ROOT="$logs/vllm-cache"
 run_lane() {
   local db=$1; shift
   for group in "$@"; do

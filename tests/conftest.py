@@ -10,13 +10,16 @@ from typing import Any
 
 import pytest
 
-# vLLM on CPU: in-process engine, eager mode, a small KV cache and caches under a private temp dir.
+# vLLM on CPU: in-process engine, eager mode, a small KV cache and caches under a private temp dir (or the
+# VLLM_CACHE_ROOT the caller set: scripts/test.sh shares one between its pytest processes, so the model-class
+# inspection vLLM otherwise runs in a fresh interpreter at each engine's first start, ~13 s of CPU, is done
+# once per run; vLLM keys that cache by the model module's file hash).
 # Set at import time so Ray workers started later inherit them too.
 _SCRATCH = Path(tempfile.mkdtemp(prefix="taper-tests-"))
 VLLM_TEST_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CACHE_ROOT": str(_SCRATCH / "vllm-cache"),
+    "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(_SCRATCH / "vllm-cache"),
     "VLLM_CONFIGURE_LOGGING": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
