@@ -2,8 +2,9 @@
 
 q = W_q x (or W_qb RMSNorm(W_qa x) with q_lora_rank); c = RMSNorm(W_kva x); [k; v] = W_kvb c per head;
 causal softmax attention with scale 1/sqrt(Dqk); out = W_o(attn * sigmoid(W_g x)).
-Keys/values are cached up-projected ([B, Hq, T, D]), so the layer is ordinary multi-head attention from
-the cache's point of view (that is also how vLLM serves it).
+Here (the HF model) keys/values are cached up-projected ([B, Hq, T, D]), so the layer is ordinary
+multi-head attention from the cache's point of view. The vLLM plugin on CPU caches the latent c instead
+(one shared head) and decodes with the key up-projection absorbed into the queries (model/vllm_plugin/layers.py).
 """
 
 from __future__ import annotations
