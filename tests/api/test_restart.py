@@ -1,19 +1,44 @@
-"""Killing the API server mid-job loses nothing: drivers are detached Ray actors and all state is in Redis."""
+"""Killing the API server mid-job loses nothing: drivers are detached Ray actors and all state is in Redis.
+
+With no Redis or Ray configured, the server starts the embedded defaults of its data dir (a private Redis and a
+local Ray head): they outlive the killed server, are found again by the next one (and by any process joining
+the head through RAY_ADDRESS, as a job's entrypoint does), and are stopped by `taper down`. One restart covers
+both (a second Ray head started only to test the embedded defaults would cost its start-up again)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
+from typer.testing import CliRunner
 
+from api.cli import app as cli
 from api.launcher import ApiServerProcess
-from rl_service.embedded import embedded_ray_head, embedded_redis, stop_embedded
+from rl_service.embedded import (
+    EMBEDDED_RECORD,
+    embedded_ray_head,
+    embedded_redis,
+    ensure_embedded_ray_head,
+    ensure_embedded_redis,
+    pid_alive,
+    stop_embedded,
+)
+from rl_service.settings import get_settings
 from rl_service.store import Store
 
 STANDIN_DIR = Path(__file__).resolve().parent.parent / "rl_service"
+# a separate process joins the head named by RAY_ADDRESS and runs a task there, as a job's entrypoint does
+JOIN = """
+import ray
+from rl_service.embedded import ensure_ray
+ensure_ray()
+print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.get_runtime_context().gcs_address.rsplit(":", 1)[1])
+"""
 
 
 def wait_for(pred, timeout: float = 90.0, what: str = "condition"):
@@ -32,19 +57,9 @@ def api_process(env: dict[str, str], data_dir: Path) -> ApiServerProcess:
     return ApiServerProcess(data_dir / f"api-{time.monotonic_ns()}.log", env=env, cwd=STANDIN_DIR)
 
 
-@pytest.fixture(params=["external", "embedded"])
-def services(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
-    """The server's environment: an external Redis and Ray, or none (the embedded defaults of its data dir,
-    which must outlive the killed server, and are stopped here)."""
-    if request.param == "external":
-        ray_address = request.getfixturevalue("ray_local").get_runtime_context().gcs_address
-        yield {"TAPER_REDIS_URL": request.getfixturevalue("redis_url"), "RAY_ADDRESS": ray_address}
-        return
-    yield {"RAY_ADDRESS": ""}
-    stop_embedded(tmp_path)
-
-
-def test_api_crash_and_restart_mid_job_loses_nothing(services: dict[str, str], tmp_path: Path) -> None:
+def restart_mid_job(services: dict[str, str], tmp_path: Path) -> None:
+    """A job runs through an API crash: with no API at all it keeps training, and the restarted API sees it
+    finish, with every step, the schedule patch made before the crash, and the one driver it ever had."""
     first = api_process(services, tmp_path).start()
     redis_url = services.get("TAPER_REDIS_URL") or embedded_redis(tmp_path).url
     key = Store(redis_url).create_api_key("restart")
@@ -80,3 +95,50 @@ def test_api_crash_and_restart_mid_job_loses_nothing(services: dict[str, str], t
         assert wait_for(lambda: not store.r.smembers(store.k_placed()), 120, "the placement to be released")
     finally:
         second.stop()
+
+
+def test_api_crash_and_restart_mid_job_loses_nothing(redis_url: str, ray_local, tmp_path: Path) -> None:
+    """External services: the Redis and Ray of the test session."""
+    restart_mid_job({"TAPER_REDIS_URL": redis_url, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address},
+                    tmp_path)
+
+
+def test_embedded_services_outlive_an_api_crash_and_are_stopped_by_taper_down(tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """No Redis or Ray configured: the embedded defaults of the data dir, which must outlive the killed server."""
+    server = head = None
+    try:
+        restart_mid_job({"RAY_ADDRESS": ""}, tmp_path)
+        server, head = embedded_redis(tmp_path), embedded_ray_head(tmp_path)
+        assert server is not None and head is not None
+        record = json.loads((tmp_path / EMBEDDED_RECORD).read_text())
+        assert record == {"redis": {"url": server.url, "pid": server.pid},
+                          "ray": {"address": head.address, "pid": head.pid, "temp_dir": head.temp_dir}}
+        # started once: the next caller finds the same ones
+        assert ensure_embedded_redis(tmp_path).pid == server.pid
+        assert ensure_embedded_ray_head(tmp_path).pid == head.pid
+        Store(server.url).create_api_key("kept")
+        out = subprocess.run([sys.executable, "-c", JOIN], capture_output=True, text=True, timeout=180,
+                             env={**os.environ, "RAY_ADDRESS": head.address})
+        # the task ran on this head (its GCS port), not on a Ray the joining process started for itself
+        port = head.address.rsplit(":", 1)[1]
+        assert out.returncode == 0 and out.stdout.split() == ["42", port], out.stderr[-2000:]
+
+        monkeypatch.setenv("TAPER_DATA_DIR", str(tmp_path))
+        monkeypatch.delenv("TAPER_REDIS_URL", raising=False)
+        get_settings.cache_clear()
+        result = CliRunner().invoke(cli, ["down"], catch_exceptions=False)
+        assert result.exit_code == 0
+        assert head.address in result.output and server.url in result.output, result.output
+        assert not pid_alive(head.pid) and not pid_alive(server.pid) and not Path(head.temp_dir).exists()
+        assert embedded_ray_head(tmp_path) is None and embedded_redis(tmp_path) is None
+        assert not (tmp_path / EMBEDDED_RECORD).exists()
+        assert "nothing was running" in CliRunner().invoke(cli, ["down"]).output
+
+        # a new Redis on the same data dir replays the append-only file: the data survived
+        again = ensure_embedded_redis(tmp_path)
+        assert again.pid != server.pid and Store(again.url).has_api_keys()
+    finally:
+        stop_embedded(tmp_path)
+        get_settings.cache_clear()
+    assert not pid_alive(head.pid) and not pid_alive(server.pid)
