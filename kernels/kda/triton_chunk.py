@@ -72,7 +72,7 @@ def kda_fwd(
     BKG = min(cfg.gate_block_k, BK)
     gate_cumsum_kernel[(NC, HV, triton.cdiv(K, BKG))](
         f, dt_bias, A_log, gcum, cu, chunk_indices, lower_bound if safe else 0.0,
-        HV=HV, K=K, BT=BT, BK=BKG, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=dt_bias is not None,
+        HV=HV, K=K, BT=BT, BK=BKG, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=use_gate and dt_bias is not None,
         num_warps=cfg.num_warps_gate,
     )
     Aqk = torch.empty(T, HV, BT, dtype=k.dtype, device=dev)  # only ever a bf16 dot operand
@@ -164,7 +164,7 @@ def kda_bwd(
     BKG = min(cfg.gate_block_k, BK)
     bwd_gate_kernel[(NC, HV, triton.cdiv(K, BKG))](
         dgate, dgam, f, dt_bias, cu, chunk_indices, lower_bound if bounded else 0.0,
-        HV=HV, K=K, BT=BT, BK=BKG, USE_GATE=use_gate, BOUNDED=bounded, HAS_BIAS=dt_bias is not None,
+        HV=HV, K=K, BT=BT, BK=BKG, USE_GATE=use_gate, BOUNDED=bounded, HAS_BIAS=use_gate and dt_bias is not None,
         num_warps=cfg.num_warps_gate,
     )
     return dq, dk, dv, dgate, dbeta, dh0

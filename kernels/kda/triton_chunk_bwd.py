@@ -17,9 +17,9 @@ import triton.language as tl
 
 from kernels.kda.gate import gate_grad_fn
 from kernels.kda.triton_chunk_fwd import (
-    _chunk_coords,
     _chunk_head_coords,
     _gate_at_chunk_end,
+    _gate_program,
     _start_state,
     _state_program,
 )
@@ -263,17 +263,9 @@ def bwd_gate_kernel(
     terms plus the chunk-end term dgam; for the bounded in-kernel gate, times its derivative (= df).
     Unbounded gates leave dg to the host (its derivative also feeds A_log). One BK-column slice of K per
     program (program_id(2))."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
-    _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
-    rows = i_t * BT + tl.arange(0, BT)
-    o_k = tl.program_id(2) * BK + tl.arange(0, BK)
-    m = (rows < T)[:, None] & (o_k < K)[None, :]
-    off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    i_c, i_hv, o_k, m, off, x = _gate_program(f, dt_bias, cu_seqlens, chunk_indices, HV, K, BT, BK, HAS_BIAS)
     b_dg = tl.cumsum(tl.load(dG + off, mask=m, other=0.0), 0, reverse=True)
     b_dg += tl.load(dgam + (i_c * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)[None, :]
     if USE_GATE and BOUNDED:
-        x = tl.load(f + off, mask=m, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            x += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
         b_dg = b_dg * gate_grad_fn(x, 0.0, lower_bound, BOUNDED)
     tl.store(dG + off, b_dg, mask=m)

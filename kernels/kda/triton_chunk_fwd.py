@@ -90,13 +90,10 @@ def _right_factor(k, gcum, bos, rows, T, ref, i_h, i_hv, o_k, m_k, H: tl.constex
 
 
 @triton.jit
-def gate_cumsum_kernel(
-    f, dt_bias, a_log, gcum, cu_seqlens, chunk_indices, lower_bound,
-    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    """gcum of one chunk and value head on one BK-column slice of K (program_id(2)): the gate applied to f,
-    then the in-chunk cumulative sum."""
+def _gate_program(f, dt_bias, cu_seqlens, chunk_indices, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Of a (chunk, value head, K slice) program of the gate kernels: chunk i_c, value head i_hv, the
+    [BT, BK] tile's K offsets, mask and offsets into [T, HV, K], and the gate's input f (+ dt_bias) in fp32."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, i_c)
     rows = i_t * BT + tl.arange(0, BT)
@@ -104,9 +101,21 @@ def gate_cumsum_kernel(
     m = (rows < T)[:, None] & (o_k < K)[None, :]
     off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     x = tl.load(f + off, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+    return i_c, i_hv, o_k, m, off, x
+
+
+@triton.jit
+def gate_cumsum_kernel(
+    f, dt_bias, a_log, gcum, cu_seqlens, chunk_indices, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """gcum of one chunk and value head on one BK-column slice of K (program_id(2)): the gate applied to f,
+    then the in-chunk cumulative sum. Without USE_GATE, f is already the log-decay."""
+    _, i_hv, o_k, m, off, x = _gate_program(f, dt_bias, cu_seqlens, chunk_indices, HV, K, BT, BK, HAS_BIAS)
     if USE_GATE:
-        if HAS_BIAS:
-            x += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
         a = 0.0
         if not BOUNDED:
             a = tl.load(a_log + i_hv).to(tl.float32)
