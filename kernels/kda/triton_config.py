@@ -11,7 +11,7 @@ import torch
 class KDAKernelConfig:
     chunk_size: int = 64  # BT: tokens per chunk
     sub_chunk: int = 16  # BC: intra-chunk block; the lower bound keeps e^(5*BC) in range
-    block_v: int = 64  # BV: value columns per program in the output and backward-inter kernels
+    block_v: int = 64  # BV: value columns per backward-inter program (and per u tile of the w/u kernel, at most 64)
     fwd_state_block_v: int = 32  # value columns per program of the sequential state kernels (H*V/BV programs)
     bwd_state_block_v: int = 32
     gate_block_k: int = 64  # K columns per program of the gate cumsum kernels (forward and backward)
