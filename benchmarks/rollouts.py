@@ -12,6 +12,9 @@ batch from the same prompts (ignore_eos), none of the loop's turns, tools or par
   episodes can reach it: its tail, where the last long episodes run nearly alone, is not there.
 - "matched": each sequence generates exactly as many tokens as its episode sampled, i.e. the same
   work with the same length tail, without the loop. loop / matched is the loop's own cost.
+Each level runs `--repeats` paired rounds (the loop, then both baselines right after it on the same
+prompts) and reports medians: one closed batch of short episodes ends in about a second, and single runs
+of the baselines moved up to 1.9x between back-to-back runs on a 2-core machine.
 Target: loop tokens/s >= 80% of standalone with tools under 10 ms.
 Writes a table to stdout and JSON to benchmarks/results/rollouts_cpu.json.
 """
@@ -23,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -153,14 +157,10 @@ def _standalone(engine: Any, prompts: list[list[int]], tokens_per_seq: list[int]
 
     params = [SamplingParams(max_tokens=max(1, n), ignore_eos=True, temperature=1.0, logprobs=0, detokenize=False)
               for n in tokens_per_seq]
-    best = 0.0
-    for _ in range(2):  # best of two: the machine is shared, noise only ever slows a run down
-        engine.llm.reset_prefix_cache()
-        t0 = time.monotonic()
-        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        wall = time.monotonic() - t0
-        best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / wall)
-    return best
+    engine.llm.reset_prefix_cache()
+    t0 = time.monotonic()
+    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.monotonic() - t0)
 
 
 def run_pool(model_dir: str, workers: int, concurrencies: list[int], sampling: SamplingConfig,
@@ -205,6 +205,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 96])
     ap.add_argument("--tool-latency-ms", type=float, default=5.0)
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (vLLM's CPU default: 128)")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="paired rounds per level (loop, then both baselines); medians are reported")
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--pool-workers", type=int, default=2, help="0 skips the pool measurement")
     ap.add_argument("--model-dir", default=None, help="an existing model to use instead of the SFT'd tiny Llama")
@@ -224,25 +227,33 @@ def main() -> None:
         print(f"  done in {time.monotonic() - t0:.0f} s; reuse it with --model-dir {model_dir}")
 
     sampling = SamplingConfig(max_tokens_per_turn=48, max_turns=3, max_total_tokens=1024, temperature=1.0, tool_timeout_s=5.0)
-    engine = VLLMEngine(EngineConfig(model_dir=model_dir, max_model_len=1024, kv_cache_gib=0.5, max_num_seqs=256))
+    engine_kwargs = {"block_size": args.block_size} if args.block_size else {}
+    engine = VLLMEngine(EngineConfig(model_dir=model_dir, max_model_len=1024, kv_cache_gib=0.5, max_num_seqs=256,
+                                     engine_kwargs=engine_kwargs))
     env_factory = make_env_factory(args.tool_latency_ms / 1000.0)
     run_loop(engine, env_factory, CalculatorEnv.generate_tasks(8, seed=99), sampling)  # warm-up
 
     rows = []
     for c in args.concurrency:
         tasks = CalculatorEnv.generate_tasks(c, seed=1)
-        runs = []
-        for _ in range(2):  # best of two, each from a cold prefix cache like the standalone runs
+        rounds = []
+        for _ in range(args.repeats):  # loop, then its two baselines right after it: one paired round
             engine.call(engine.llm.reset_prefix_cache)
-            runs.append(run_loop(engine, env_factory, tasks, sampling))
-        loop = max(runs, key=lambda r: r["tokens_per_s"])
-        prompts, lengths = loop.pop("prompt_ids"), loop.pop("episode_tokens")
-        base = standalone(engine, prompts, [max(1, round(loop["sampled_tokens_per_episode"]))] * len(prompts))
-        matched = standalone(engine, prompts, lengths)
-        row = {"concurrency": c, **loop, "standalone_tokens_per_s": base, "loop_vs_standalone": loop["tokens_per_s"] / base,
-               "matched_standalone_tokens_per_s": matched, "loop_vs_matched": loop["tokens_per_s"] / matched}
+            loop = run_loop(engine, env_factory, tasks, sampling)
+            prompts, lengths = loop.pop("prompt_ids"), loop.pop("episode_tokens")
+            base = standalone(engine, prompts, [max(1, round(loop["sampled_tokens_per_episode"]))] * len(prompts))
+            matched = standalone(engine, prompts, lengths)
+            rounds.append({"loop": loop, "uniform": base, "matched": matched})
+        loop = sorted((r["loop"] for r in rounds), key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
+        row = {"concurrency": c, **loop, "rounds": len(rounds),
+               "standalone_tokens_per_s": statistics.median(r["uniform"] for r in rounds),
+               "loop_vs_standalone": statistics.median(r["loop"]["tokens_per_s"] / r["uniform"] for r in rounds),
+               "matched_standalone_tokens_per_s": statistics.median(r["matched"] for r in rounds),
+               "loop_vs_matched": statistics.median(r["loop"]["tokens_per_s"] / r["matched"] for r in rounds),
+               "loop_vs_matched_per_round": [r["loop"]["tokens_per_s"] / r["matched"] for r in rounds]}
         rows.append(row)
-        print(f"  concurrency {c}: {row['tokens_per_s']:.0f} tok/s loop vs {base:.0f} uniform / {matched:.0f} matched standalone; "
+        print(f"  concurrency {c} (median of {len(rounds)} rounds): {row['tokens_per_s']:.0f} tok/s loop vs "
+              f"{row['standalone_tokens_per_s']:.0f} uniform / {row['matched_standalone_tokens_per_s']:.0f} matched standalone; "
               f"{row['turns_per_episode']:.2f} turns/ep, {row['sampled_tokens_per_episode']:.1f} tok/ep, "
               f"{row['engine_steps']:.0f} engine steps, {row['mean_running_sequences']:.1f} live seqs/step, "
               f"success {row['success_rate']:.2f}", flush=True)
