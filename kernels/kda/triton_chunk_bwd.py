@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels.kda.gate import gate_grad_fn
 from kernels.kda.triton_chunk_fwd import (
+    _block_reference,
     _chunk_head_coords,
     _gate_at_chunk_end,
     _gate_program,
@@ -190,8 +191,7 @@ def bwd_intra_kernel(
         b_q_i = tl.load(q + qk_i, mask=m_i, other=0.0).to(tl.float32) * scale
         b_k_i = tl.load(k + qk_i, mask=m_i, other=0.0).to(tl.float32)
         # rows of block i against columns s <= its end: reference Gam just before block i
-        ref = tl.load(gcum + (bos + i_t * BT + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k & (o_k * 0 + i > 0),
-                      other=0.0)
+        ref = _block_reference(gcum, bos, i_t * BT, i, i_hv, o_k, m_k, HV, K, BC)
         da_P = tl.zeros([BC, BK], dtype=tl.float32)
         da_A = tl.zeros([BC, BK], dtype=tl.float32)
         db_P = tl.zeros([BC, BK], dtype=tl.float32)

@@ -80,6 +80,15 @@ def _gate_at_chunk_end(gcum, bos, chunk_start, T, i_hv, o_k, HV: tl.constexpr, K
 
 
 @triton.jit
+def _block_reference(gcum, bos, chunk_start, i, i_hv, o_k, m_k, HV: tl.constexpr, K: tl.constexpr,
+                     BC: tl.constexpr):
+    """Gam just before row block i (a program's runtime index) of the chunk starting at chunk_start, zeros
+    for the first block: the reference point of that block's factorised scores."""
+    return tl.load(gcum + (bos + chunk_start + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k & (o_k * 0 + i > 0),
+                   other=0.0)
+
+
+@triton.jit
 def _right_factor(k, gcum, bos, rows, T, ref, i_h, i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
                   K: tl.constexpr):
     """k_s e^(ref - Gam_s) in fp32 for the rows of an earlier sub-block (zero outside the sequence)."""
@@ -167,8 +176,7 @@ def intra_scores_kernel(
     qk_off_i = (bos + rows_i)[:, None] * (H * K) + i_h * K + o_k[None, :]
     g_off_i = (bos + rows_i)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
     b_g_i = tl.load(gcum + g_off_i, mask=m_i, other=0.0)
-    # Gam just before the block (zeros for the first): the reference of its factorised scores
-    ref = tl.load(gcum + (bos + i_t * BT + i * BC - 1) * (HV * K) + i_hv * K + o_k, mask=m_k & (o_k * 0 + i > 0), other=0.0)
+    ref = _block_reference(gcum, bos, i_t * BT, i, i_hv, o_k, m_k, HV, K, BC)
     e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
     b_q = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
     b_k = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)

@@ -1,10 +1,13 @@
 """The mixers as vLLM layers. Each subclasses the HF layer (so parameters, names and math are the HF
 model's) and adds what serving needs: KDA keeps its states in vLLM's hybrid (mamba-style) state cache and
-reads the gated-delta-net backend's per-request metadata; MLA is ordinary vLLM `Attention` over the
-up-projected keys/values (NoPE); the MoE routes with its frozen balancing bias and records nothing, and
-small batches (decode) run all experts densely instead of a loop over the chosen ones."""
+reads the gated-delta-net backend's per-request metadata; MLA is vLLM `Attention` over the cached latent
+on CPU and over the up-projected keys/values elsewhere (NoPE); the MoE routes with its frozen balancing
+bias and records nothing, and small batches (decode) run all experts densely instead of a loop over the
+chosen ones."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from vllm.config import VllmConfig
@@ -195,8 +198,6 @@ class VllmGatedMLA(GatedMLA):
         """A step with prefill tokens: the latents are cached first; the leading one-token requests (decodes)
         attend as in `_latent_attention` (vLLM's kernel on that subset), every other request runs standard
         attention over its up-projected cached latents (its own new ones included)."""
-        import dataclasses
-
         from vllm import _custom_ops as ops
         from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 
