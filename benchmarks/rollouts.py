@@ -6,13 +6,18 @@ and how close the agent loop keeps the engine to its standalone generation speed
 A tiny Llama (random init) is first fine-tuned for a few hundred steps on calculator demonstrations,
 so that it really writes `<tool_call>` spans and the loop runs multi-turn episodes with tool calls
 (a random model would only ever be cut off). Each concurrency level is one closed batch of episodes,
-as one rollout call of a worker is. Two standalone baselines, both the same engine generating in one
-batch from the same prompts (ignore_eos), none of the loop's turns, tools or parsing:
+as one rollout call of a worker is. Three standalone baselines, all the same engine generating from the
+same prompts (ignore_eos), none of the loop's tools or parsing:
 - "uniform": every sequence generates the episodes' mean token count. No batch of variable-length
   episodes can reach it: its tail, where the last long episodes run nearly alone, is not there.
-- "matched": each sequence generates exactly as many tokens as its episode sampled, i.e. the same
-  work with the same length tail, without the loop. loop / matched is the loop's own cost.
-Each level runs `--repeats` paired rounds (the loop, then both baselines right after it on the same
+- "matched": each sequence generates exactly as many tokens as its episode sampled, in one turn: the
+  same sampled tokens with the same length tail, but none of the multi-turn work.
+- "replay": the loop's own turn requests (each turn's recorded prompt ids and length), each added the
+  moment the episode's previous turn finishes, on the engine alone. The engine does the loop's
+  multi-turn work (a new request per turn, prefill of the inserted tokens and of the partial last KV
+  block) with no tool call, parsing or event loop: loop / replay is the loop's own cost, replay /
+  matched the cost of multi-turn requests in the engine.
+Each level runs `--repeats` paired rounds (the loop, then the baselines right after it on the same
 prompts) and reports medians: one closed batch of short episodes ends in about a second, and single runs
 of the baselines moved up to 1.9x between back-to-back runs on a 2-core machine.
 Target: loop tokens/s >= 80% of standalone with tools under 10 ms.
@@ -139,7 +144,17 @@ def run_loop(engine: Any, env_factory: Any, tasks: list[dict[str, Any]], samplin
         "statuses": dict(stats.statuses),
         "prompt_ids": [t.prompt_ids for t in trajs],
         "episode_tokens": [sum(len(s.action_ids) for s in t.steps) for t in trajs],
+        "turn_requests": [turn_requests(t) for t in trajs],
     }
+
+
+def turn_requests(traj: Any) -> list[tuple[list[int], int]]:
+    """The (prompt ids, sampled token count) of each turn the loop sent the engine for this episode."""
+    context, turns = list(traj.prompt_ids), []
+    for step in traj.steps:
+        turns.append((list(context), len(step.action_ids)))
+        context += step.action_ids + step.observation_ids
+    return turns
 
 
 def standalone(engine: Any, prompts: list[list[int]], tokens_per_seq: list[int]) -> float:
@@ -161,6 +176,45 @@ def _standalone(engine: Any, prompts: list[list[int]], tokens_per_seq: list[int]
     t0 = time.monotonic()
     outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.monotonic() - t0)
+
+
+def replay(engine: Any, episodes: list[list[tuple[list[int], int]]]) -> float:
+    """Tokens/s of the engine alone on the loop's own turn requests: each episode's next turn (its
+    recorded prompt, its recorded length) is added the moment the previous one finishes, in the same
+    engine step, with no tool call, parsing or event loop in between. The engine does the same
+    multi-turn work as in the loop (prefill of the inserted tokens and of each turn's partial last KV
+    block), so loop / replay is what the loop itself costs."""
+    return engine.call(lambda: _replay(engine, episodes))
+
+
+def _replay(engine: Any, episodes: list[list[tuple[list[int], int]]]) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    core = engine.llm.llm_engine
+    position: dict[str, tuple[int, int]] = {}
+
+    def add(episode: int, turn: int) -> None:
+        prompt, n = episodes[episode][turn]
+        request_id = f"replay-{episode}-{turn}"
+        position[request_id] = (episode, turn)
+        core.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+            max_tokens=max(1, n), ignore_eos=True, temperature=1.0, logprobs=0, detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True))
+
+    engine.llm.reset_prefix_cache()
+    t0, tokens = time.monotonic(), 0
+    for e in range(len(episodes)):
+        add(e, 0)
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+                episode, turn = position.pop(out.request_id)
+                if turn + 1 < len(episodes[episode]):
+                    add(episode, turn + 1)
+    return tokens / (time.monotonic() - t0)
 
 
 def run_pool(model_dir: str, workers: int, concurrencies: list[int], sampling: SamplingConfig,
@@ -237,26 +291,29 @@ def main() -> None:
     for c in args.concurrency:
         tasks = CalculatorEnv.generate_tasks(c, seed=1)
         rounds = []
-        for _ in range(args.repeats):  # loop, then its two baselines right after it: one paired round
+        for _ in range(args.repeats):  # loop, then its three baselines right after it: one paired round
             engine.call(engine.llm.reset_prefix_cache)
             loop = run_loop(engine, env_factory, tasks, sampling)
             prompts, lengths = loop.pop("prompt_ids"), loop.pop("episode_tokens")
-            base = standalone(engine, prompts, [max(1, round(loop["sampled_tokens_per_episode"]))] * len(prompts))
-            matched = standalone(engine, prompts, lengths)
-            rounds.append({"loop": loop, "uniform": base, "matched": matched})
+            rounds.append({
+                "loop": loop,
+                "uniform": standalone(engine, prompts, [max(1, round(loop["sampled_tokens_per_episode"]))] * len(prompts)),
+                "matched": standalone(engine, prompts, lengths),
+                "replay": replay(engine, loop.pop("turn_requests")),
+            })
         loop = sorted((r["loop"] for r in rounds), key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
-        row = {"concurrency": c, **loop, "rounds": len(rounds),
-               "standalone_tokens_per_s": statistics.median(r["uniform"] for r in rounds),
-               "loop_vs_standalone": statistics.median(r["loop"]["tokens_per_s"] / r["uniform"] for r in rounds),
-               "matched_standalone_tokens_per_s": statistics.median(r["matched"] for r in rounds),
-               "loop_vs_matched": statistics.median(r["loop"]["tokens_per_s"] / r["matched"] for r in rounds),
-               "loop_vs_matched_per_round": [r["loop"]["tokens_per_s"] / r["matched"] for r in rounds]}
+        row = {"concurrency": c, **loop, "rounds": len(rounds)}
+        for name in ("uniform", "matched", "replay"):  # each ratio is the median of the rounds' own ratios
+            row[f"{name}_tokens_per_s"] = statistics.median(r[name] for r in rounds)
+            row[f"loop_vs_{name}"] = statistics.median(r["loop"]["tokens_per_s"] / r[name] for r in rounds)
+        row["replay_vs_matched"] = statistics.median(r["replay"] / r["matched"] for r in rounds)
+        row["loop_vs_matched_per_round"] = [r["loop"]["tokens_per_s"] / r["matched"] for r in rounds]
         rows.append(row)
         print(f"  concurrency {c} (median of {len(rounds)} rounds): {row['tokens_per_s']:.0f} tok/s loop vs "
-              f"{row['standalone_tokens_per_s']:.0f} uniform / {row['matched_standalone_tokens_per_s']:.0f} matched standalone; "
-              f"{row['turns_per_episode']:.2f} turns/ep, {row['sampled_tokens_per_episode']:.1f} tok/ep, "
-              f"{row['engine_steps']:.0f} engine steps, {row['mean_running_sequences']:.1f} live seqs/step, "
-              f"success {row['success_rate']:.2f}", flush=True)
+              f"{row['uniform_tokens_per_s']:.0f} uniform / {row['matched_tokens_per_s']:.0f} matched / "
+              f"{row['replay_tokens_per_s']:.0f} replay; {row['turns_per_episode']:.2f} turns/ep, "
+              f"{row['sampled_tokens_per_episode']:.1f} tok/ep, {row['engine_steps']:.0f} engine steps, "
+              f"{row['mean_running_sequences']:.1f} live seqs/step, success {row['success_rate']:.2f}", flush=True)
 
     pool_rows = []
     if args.pool_workers:
@@ -266,12 +323,14 @@ def main() -> None:
 
     print()
     print(f"one worker, in-process vLLM (CPU), calculator env, tool latency {args.tool_latency_ms:g} ms")
-    print(f"{'conc':>5} {'traj/s':>8} {'tok/s':>8} {'turns/s':>8} {'uniform':>8} {'ratio':>6} {'matched':>8} {'ratio':>6} {'tok/ep':>7} "
-          f"{'turns/ep':>8} {'tool p50':>9} {'tool p99':>9} {'steps':>6} {'live/step':>9} {'success':>7}")
+    print(f"{'conc':>5} {'traj/s':>8} {'tok/s':>8} {'turns/s':>8} {'uniform':>8} {'ratio':>6} {'matched':>8} {'ratio':>6} "
+          f"{'replay':>8} {'ratio':>6} {'tok/ep':>7} {'turns/ep':>8} {'tool p50':>9} {'tool p99':>9} {'steps':>6} "
+          f"{'live/step':>9} {'success':>7}")
     for r in rows:
         print(f"{r['concurrency']:>5} {r['trajectories_per_s']:>8.2f} {r['tokens_per_s']:>8.0f} {r['turns_per_s']:>8.1f} "
-              f"{r['standalone_tokens_per_s']:>8.0f} {r['loop_vs_standalone']:>6.2f} {r['matched_standalone_tokens_per_s']:>8.0f} "
-              f"{r['loop_vs_matched']:>6.2f} {r['sampled_tokens_per_episode']:>7.1f} "
+              f"{r['uniform_tokens_per_s']:>8.0f} {r['loop_vs_uniform']:>6.2f} {r['matched_tokens_per_s']:>8.0f} "
+              f"{r['loop_vs_matched']:>6.2f} {r['replay_tokens_per_s']:>8.0f} {r['loop_vs_replay']:>6.2f} "
+              f"{r['sampled_tokens_per_episode']:>7.1f} "
               f"{r['turns_per_episode']:>8.2f} {r['tool_latency_p50_ms']:>8.1f}ms {r['tool_latency_p99_ms']:>8.1f}ms "
               f"{r['engine_steps']:>6.0f} {r['mean_running_sequences']:>9.1f} {r['success_rate']:>7.2f}")
     if pool_rows:
@@ -290,8 +349,9 @@ def main() -> None:
         "sampling": sampling.model_dump(),
         "single_worker": rows,
         "pool": pool_rows,
-        "target": "loop tokens/s >= 0.8 of standalone with tools under 10 ms (loop_vs_standalone: uniform-length "
-                  "baseline; loop_vs_matched: the episodes' own lengths)",
+        "target": "loop tokens/s >= 0.8 of standalone with tools under 10 ms (loop_vs_uniform: uniform-length "
+                  "baseline; loop_vs_matched: the episodes' own lengths in one turn; loop_vs_replay: the loop's own "
+                  "turn requests, back to back)",
     }, indent=2))
     print(f"\nwrote {args.out}")
 

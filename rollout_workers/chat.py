@@ -10,6 +10,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _PLACEHOLDER = "\u2063TAPER_ASSISTANT_CONTENT\u2063"
+# a conversation up to an assistant turn: the loop's inserted text is what rendering tool messages after it adds
+_TOOL_TURN_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
 
 
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
@@ -32,7 +34,10 @@ class ChatFormat:
         if tokenizer.pad_token_id is not None and tokenizer.pad_token == "<|endoftext|>":
             stops.add(tokenizer.pad_token_id)
         self.stop_token_ids: list[int] = sorted(stops)
-        self._closing = self._assistant_closing()
+        self._before_tool_messages = self.render(_TOOL_TURN_BASE, None, add_generation_prompt=False)
+        # what the template writes after an assistant message's content (e.g. "<|im_end|>\n")
+        before = self._before_tool_messages
+        self._closing = before[before.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -57,18 +62,11 @@ class ChatFormat:
         text = self.render(messages, tools, add_generation_prompt=True)
         return text, self.encode(text)
 
-    def _assistant_closing(self) -> str:
-        """What the template writes after an assistant message's content (e.g. "<|im_end|>\\n")."""
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
-        text = self.render(base, None, add_generation_prompt=False)
-        return text[text.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
-
     def observation_text(self, tool_messages: list[dict[str, Any]], ended_with_eos: bool) -> str:
         """The text inserted after a policy turn: the rest of the assistant closing (the policy already
         wrote the end-of-turn token when `ended_with_eos`), the tool messages, the next assistant header."""
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
-        before = self.render(base, None, add_generation_prompt=False)
-        after = self.render(base + tool_messages, None, add_generation_prompt=True)
+        before = self._before_tool_messages
+        after = self.render(_TOOL_TURN_BASE + tool_messages, None, add_generation_prompt=True)
         if not after.startswith(before):
             raise RuntimeError("chat template: rendering tool messages changed the text before them")
         closing = self._closing

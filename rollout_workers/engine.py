@@ -381,6 +381,7 @@ class VLLMEngine(ContinuousBatchingEngine):
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            skip_clone=True,  # built for this request alone: vLLM's defensive deep copy is not needed
         )
         self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
 
