@@ -34,9 +34,8 @@ class ChatFormat:
         if tokenizer.pad_token_id is not None and tokenizer.pad_token == "<|endoftext|>":
             stops.add(tokenizer.pad_token_id)
         self.stop_token_ids: list[int] = sorted(stops)
-        self._before_tool_messages = self.render(_TOOL_TURN_BASE, None, add_generation_prompt=False)
+        before = self._before_tool_messages = self.render(_TOOL_TURN_BASE, None, add_generation_prompt=False)
         # what the template writes after an assistant message's content (e.g. "<|im_end|>\n")
-        before = self._before_tool_messages
         self._closing = before[before.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> str:
