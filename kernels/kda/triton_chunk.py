@@ -148,7 +148,7 @@ def kda_bwd(
     bwd_inter_kernel[(NC, HV)](
         q, k, v, beta, gcum, saved["Akk"], saved["Ai"], saved["w"], saved["u"], saved["vn"], h, dh, do, dvn,
         dv, dAqk, dAkk, dq_p, dk_p, dg_p, dgam, dbeta, cu, chunk_indices, scale,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PREC=prec, num_warps=cfg.num_warps_bwd,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=min(cfg.bwd_inter_block_k, BK), BV=BV, DOT_PREC=prec, num_warps=cfg.num_warps_bwd,
         num_stages=cfg.num_stages_bwd_inter,
     )
     dq, dk, dgate = (torch.empty(T, HV, K, **f32) for _ in range(3))

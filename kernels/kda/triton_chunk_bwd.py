@@ -64,72 +64,84 @@ def bwd_inter_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    """One program per (chunk, value head). A first pass over V gives the [BT, BT] parts (dAqk, dv and
+    the value side of dAkk); then one pass over V per K slice of width BK gives that slice's dq, dk, dg
+    and dgam, and adds its share of dAkk's key side. Slices keep the live accumulators to three
+    [BT, BK] tiles instead of three [BT, K] ones (register pressure), at the price of re-reading do,
+    vn and dvn once per slice (they stay in L2)."""
     i_c, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     rows = i_t * BT + tl.arange(0, BT)
     ok = rows < T
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_tk = ok[:, None] & (o_k < K)[None, :]
     m_tt = ok[:, None] & (o_t < BT)[None, :]
     a_off = (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :]
     dt = k.dtype.element_ty
-    b_M = tl.load(Ai + a_off, mask=m_tt, other=0.0)
-    b_Mt = tl.trans(b_M).to(dt)
+    b_Mt = tl.trans(tl.load(Ai + a_off, mask=m_tt, other=0.0)).to(dt)
     b_beta = tl.load(beta + (bos + rows) * HV + i_hv, mask=ok, other=0.0).to(tl.float32)
     d_P = tl.zeros([BT, BT], dtype=tl.float32)
-    d_Lv = tl.zeros([BT, BT], dtype=tl.float32)
-    d_QE = tl.zeros([BT, BK], dtype=tl.float32)
-    d_Kd = tl.zeros([BT, BK], dtype=tl.float32)
-    d_W = tl.zeros([BT, BK], dtype=tl.float32)
-    d_gam_h = tl.zeros([BK], dtype=tl.float32)
+    d_Lv = tl.zeros([BT, BT], dtype=tl.float32)  # becomes -dL: the value side, then each slice's key side
     d_beta = tl.zeros([BT], dtype=tl.float32)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_tv = ok[:, None] & (o_v < V)[None, :]
-        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
         tv_off = (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-        s_off = (i_c * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         b_do = tl.load(do + tv_off, mask=m_tv, other=0.0).to(dt)
         b_vn = tl.load(vn + tv_off, mask=m_tv, other=0.0).to(dt)
         b_dvn = tl.load(dvn + tv_off, mask=m_tv, other=0.0).to(dt)
         b_u = tl.load(u + tv_off, mask=m_tv, other=0.0).to(dt)
         b_v = tl.load(v + tv_off, mask=m_tv, other=0.0).to(tl.float32)
-        b_h = tl.load(h + s_off, mask=m_kv, other=0.0)
-        b_dh = tl.load(dh + s_off, mask=m_kv, other=0.0)
         d_P += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PREC)
-        d_QE += tl.dot(b_do, tl.trans(b_h.to(dt)), input_precision=DOT_PREC)
-        d_Kd += tl.dot(b_vn, tl.trans(b_dh.to(dt)), input_precision=DOT_PREC)
-        d_W -= tl.dot(b_dvn, tl.trans(b_h.to(dt)), input_precision=DOT_PREC)
-        d_gam_h += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), 1)
         b_dBv = tl.dot(b_Mt, b_dvn, input_precision=DOT_PREC)
         tl.store(dv + tv_off, (b_dBv * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         d_beta += tl.sum(b_dBv * b_v, 1)
         d_Lv += tl.dot(b_dBv.to(dt), tl.trans(b_u), input_precision=DOT_PREC)
-    tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    qk_off = (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_w = tl.load(w + tk_off, mask=m_tk, other=0.0).to(dt)
-    d_Bk = tl.dot(b_Mt, d_W.to(dt), input_precision=DOT_PREC)
-    d_L = -(d_Lv + tl.dot(d_Bk.to(dt), tl.trans(b_w), input_precision=DOT_PREC))
-    d_L = tl.where(o_t[:, None] > o_t[None, :], d_L, 0.0)
+    tl.store(dAqk + a_off, tl.where(o_t[:, None] >= o_t[None, :], d_P, 0.0), mask=m_tt)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_tk = ok[:, None] & (o_k < K)[None, :]
+        d_QE = tl.zeros([BT, BK], dtype=tl.float32)
+        d_Kd = tl.zeros([BT, BK], dtype=tl.float32)
+        d_W = tl.zeros([BT, BK], dtype=tl.float32)
+        d_gam_h = tl.zeros([BK], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            m_tv = ok[:, None] & (o_v < V)[None, :]
+            m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+            tv_off = (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+            s_off = (i_c * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+            b_do = tl.load(do + tv_off, mask=m_tv, other=0.0).to(dt)
+            b_vn = tl.load(vn + tv_off, mask=m_tv, other=0.0).to(dt)
+            b_dvn = tl.load(dvn + tv_off, mask=m_tv, other=0.0).to(dt)
+            b_h = tl.load(h + s_off, mask=m_kv, other=0.0)
+            b_dh = tl.load(dh + s_off, mask=m_kv, other=0.0)
+            d_QE += tl.dot(b_do, tl.trans(b_h.to(dt)), input_precision=DOT_PREC)
+            d_Kd += tl.dot(b_vn, tl.trans(b_dh.to(dt)), input_precision=DOT_PREC)
+            d_W -= tl.dot(b_dvn, tl.trans(b_h.to(dt)), input_precision=DOT_PREC)
+            d_gam_h += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), 1)
+        tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        qk_off = (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_w = tl.load(w + tk_off, mask=m_tk, other=0.0).to(dt)
+        d_Bk = tl.dot(b_Mt, d_W.to(dt), input_precision=DOT_PREC)
+        d_Lv += tl.dot(d_Bk.to(dt), tl.trans(b_w), input_precision=DOT_PREC)
+        g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
+        b_g = tl.load(gcum + tk_off, mask=m_tk, other=0.0)
+        b_q = tl.load(q + qk_off, mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + qk_off, mask=m_tk, other=0.0).to(tl.float32)
+        e_g = tl.where(m_tk, tl.exp(b_g), 0.0)
+        e_lg = tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)
+        d_beta += tl.sum(d_Bk * b_k * e_g, 1)
+        d_QE = d_QE * scale * e_g
+        d_Kd = d_Kd * e_lg
+        d_Bk = d_Bk * b_beta[:, None] * e_g
+        tl.store(dq_p + tk_off, d_QE, mask=m_tk)
+        tl.store(dk_p + tk_off, d_Kd + d_Bk, mask=m_tk)
+        tl.store(dg_p + tk_off, (d_QE * b_q) - (d_Kd * b_k) + (d_Bk * b_k), mask=m_tk)
+        d_gam = tl.sum(d_Kd * b_k, 0) + d_gam_h * tl.exp(g_last)
+        tl.store(dgam + (i_c * HV + i_hv) * K + o_k, d_gam, mask=o_k < K)
+    d_L = tl.where(o_t[:, None] > o_t[None, :], -d_Lv, 0.0)
     b_Akk = tl.load(Akk + a_off, mask=m_tt, other=0.0)
     d_beta += tl.sum(d_L * b_Akk, 1)
     tl.store(dAkk + a_off, d_L * b_beta[:, None], mask=m_tt)
-    tl.store(dAqk + a_off, tl.where(o_t[:, None] >= o_t[None, :], d_P, 0.0), mask=m_tt)
-    g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
-    b_g = tl.load(gcum + tk_off, mask=m_tk, other=0.0)
-    b_q = tl.load(q + qk_off, mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + qk_off, mask=m_tk, other=0.0).to(tl.float32)
-    e_g = tl.where(m_tk, tl.exp(b_g), 0.0)
-    e_lg = tl.where(m_tk, tl.exp(g_last[None, :] - b_g), 0.0)
-    d_beta += tl.sum(d_Bk * b_k * e_g, 1)
-    d_QE = d_QE * scale * e_g
-    d_Kd = d_Kd * e_lg
-    d_Bk = d_Bk * b_beta[:, None] * e_g
-    tl.store(dq_p + tk_off, d_QE, mask=m_tk)
-    tl.store(dk_p + tk_off, d_Kd + d_Bk, mask=m_tk)
-    tl.store(dg_p + tk_off, (d_QE * b_q) - (d_Kd * b_k) + (d_Bk * b_k), mask=m_tk)
-    d_gam = tl.sum(d_Kd * b_k, 0) + d_gam_h * tl.exp(g_last)
-    tl.store(dgam + (i_c * HV + i_hv) * K + o_k, d_gam, mask=o_k < K)
     tl.store(dbeta + (bos + rows) * HV + i_hv, d_beta, mask=ok)
 
 

@@ -21,7 +21,10 @@ class KDAKernelConfig:
     num_warps_scores: int = 4
     num_warps_solve: int = 2  # solve and w/u (H200, 32K: forward 4.15 -> 3.94 ms against 4 warps)
     num_warps_state: int = 4
-    num_warps_bwd: int = 8  # backward inter
+    num_warps_bwd: int = 4  # backward inter
+    # K slice of backward inter's key side (one pass over V per slice). H200, 32K, fwd+bwd: 16.5 ms with
+    # all of K at 8 warps, 15.6 with slices of 64 at 8 warps, 14.7 with slices of 32 at 4 warps
+    bwd_inter_block_k: int = 32
     num_warps_bwd_intra: int = 2  # H200, 32K: fwd+bwd 21.6 (8 warps) -> 16.9 ms
     bwd_intra_k_split: int = 2  # backward-intra programs per (chunk, head), each a slice of K: fewer registers
     bwd_fp32_dots: bool = True  # fp32-operand dots for the score-matrix gradients (dg accuracy; see _mm)
@@ -34,7 +37,7 @@ class KDAKernelConfig:
     # faster but its ~1e-3 error flips near-tied MoE routes of a whole fp32 model (measured on an H200).
     fp32_dot_precision: str = "ieee"
     decode_block_v: int = 32
-    decode_num_warps: int = 4
+    decode_num_warps: int = 1  # H200, 256 sequences: 423 us at 4 warps, 355 at 1 (fla-core 0.6.0: 375)
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:

@@ -87,12 +87,14 @@ def main() -> None:
     results = {
         "bounded": chunk_case(2, 45, 1, 2, 32, 16, 32, 1, gate="bounded", beta_logits=True),
         "unbounded_varlen": chunk_case(1, 70, 1, 2, 32, 16, 32, 2, gate="unbounded", cu_seqlens=[0, 7, 40, 70]),
-        "precomputed": chunk_case(1, 40, 2, 2, 16, 32, 32, 3, gate="precomputed", l2norm=False),
+        # value tiles of 16: the w/u and backward-inter loops over V take two steps
+        "precomputed": chunk_case(1, 40, 2, 2, 16, 32, 32, 3, gate="precomputed", l2norm=False,
+                                  config=KDAKernelConfig(block_v=16)),
         # every gate at the bound: the diagonal-block factors reach e^75..e^80, still finite
         "at_bound_chunk64": chunk_case(1, 64, 1, 1, 16, 16, 64, 4, gate="bounded", f_shift=30.0),
-        # short last chunks of varlen sequences; the gate kernels on two K slices
+        # short last chunks of varlen sequences; the gate kernels and backward inter on two K slices
         "varlen_short_chunks": chunk_case(1, 150, 1, 2, 32, 16, 64, 7, gate="bounded", cu_seqlens=[0, 37, 130, 150],
-                                          config=KDAKernelConfig(gate_block_k=16)),
+                                          config=KDAKernelConfig(gate_block_k=16, bwd_inter_block_k=16)),
         # the backward-intra kernel on all of K in one program (the default splits K=32 in two)
         "bwd_intra_whole_k": chunk_case(1, 70, 1, 2, 32, 16, 32, 8, gate="bounded", cu_seqlens=[0, 37, 70],
                                         config=KDAKernelConfig(bwd_intra_k_split=1)),
