@@ -67,8 +67,8 @@ def bwd_inter_kernel(
     """One program per (chunk, value head). A first pass over V gives the [BT, BT] parts (dAqk, dv and
     the value side of dAkk); then one pass over V per K slice of width BK gives that slice's dq, dk, dg
     and dgam, and adds its share of dAkk's key side. Slices keep the live accumulators to three
-    [BT, BK] tiles instead of three [BT, K] ones (register pressure), at the price of re-reading do,
-    vn and dvn once per slice (they stay in L2)."""
+    [BT, BK] tiles instead of three [BT, K] ones (register pressure), at the price of reading do, vn
+    and dvn once more per slice."""
     i_c, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
     rows = i_t * BT + tl.arange(0, BT)
     ok = rows < T
