@@ -152,6 +152,7 @@ class AgentLoop:
             seed=request_seed(
                 self.sampling.seed, ep.traj.task_id, ep.spec.sample_index, len(ep.traj.steps), self.train_step
             ),
+            session=ep.traj.id,
         )
         loop = asyncio.get_running_loop()
         relay = self._relays.get(loop)
@@ -298,6 +299,11 @@ class AgentLoop:
             self.stats.record_turn(inserted)
 
     async def _close(self, ep: _Episode) -> None:
+        if ep.traj.steps:
+            try:
+                self.engine.end_session(ep.traj.id)
+            except Exception:  # a closed or failed engine keeps nothing
+                pass
         if ep.lane is None:
             return
         try:

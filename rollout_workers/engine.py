@@ -11,11 +11,19 @@ model/vllm_plugin registration, or any HF model vLLM supports). Weights are push
 engine in place (`load_weights`), never by restarting it: a push waits until the turns submitted before
 it have finished (turns submitted after it wait for it), so it lands between engine steps and every turn
 is sampled by exactly one weight version.
+
+Multi-turn sessions (`EngineConfig.keep_turn_state`): a turn that carries its episode's key and extends
+that episode's previous turn continues the same vLLM request (a streaming-input session), so the engine
+keeps the episode's KV cache and recurrent state between turns and prefills only the ids inserted since.
+Without it every turn is a new request that prefills its context again from the last whole cached block
+(a hybrid model's state is cached only at aligned blocks). A weight push ends every session: their KV
+came from the old weights.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import hashlib
 import itertools
 import queue
@@ -58,6 +66,12 @@ class EngineConfig(BaseModel):
         "processed_logprobs", description="processed = after temperature/top-p, i.e. the sampling policy."
     )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for vllm.LLM.")
+    keep_turn_state: bool = Field(
+        True,
+        description="Keep an episode's KV cache (and recurrent state) in the engine between its turns, as a "
+        "vLLM streaming-input session: a later turn prefills only the ids inserted since, not its whole "
+        "context (prefix caching reuses whole blocks only; a hybrid model's state only at aligned blocks).",
+    )
 
 
 @dataclass
@@ -65,6 +79,9 @@ class TurnRequest:
     prompt_ids: list[int]
     max_tokens: int
     seed: int | None = None
+    # the episode's key: an engine that keeps turn state continues the episode's previous turn when
+    # prompt_ids extends that turn's context, and prefills only the new ids
+    session: str | None = None
 
 
 @dataclass
@@ -113,6 +130,9 @@ class Engine(Protocol):
 
     def counters(self) -> EngineCounters:
         """A copy of the engine's cumulative step counters."""
+
+    def end_session(self, session: str) -> None:
+        """The episode `session` is over: free whatever the engine kept for its turns."""
 
 
 def request_seed(base: int | None, *parts: object) -> int | None:
@@ -185,6 +205,9 @@ class ContinuousBatchingEngine(ABC):
     def _apply_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace the weights in place (called with no live sequence)."""
 
+    def _end_session(self, session: str) -> None:  # noqa: B027 - optional: most engines keep nothing
+        """Free what the engine kept for the episode's turns."""
+
     # ---------------------------------------------------------------- public API (any thread)
     def submit(
         self, request: TurnRequest, sampling: SamplingConfig, stop_token_ids: list[int]
@@ -214,6 +237,11 @@ class ContinuousBatchingEngine(ABC):
 
     def counters(self) -> EngineCounters:
         return self._counters.copy()
+
+    def end_session(self, session: str) -> None:
+        """Free what the engine kept for the episode `session` (applied between steps; does not wait)."""
+        if self._failure is None and not self._closed:
+            self._send(_Call(lambda: self._end_session(session), concurrent.futures.Future(), drain=False))
 
     def close(self) -> None:
         """Stop the engine thread (turns still queued or running fail); idempotent."""
@@ -363,6 +391,12 @@ class VLLMEngine(ContinuousBatchingEngine):
             rewind_cpu_generators_exactly()
         self.llm = LLM(**kwargs)
         self._engine = self.llm.llm_engine
+        self._supported_tasks = self._engine.get_supported_tasks()
+        self._turn_of: dict[str, str] = {}  # live vLLM request id -> the turn's request id
+        self._sessions: dict[str, _Session] = {}  # episode key -> its session
+        self._session_of: dict[str, _Session] = {}  # the session's vLLM request id -> the session
+        self._closing: set[str] = set()  # sessions closed while their turn ran
+        self._session_ids = itertools.count()
 
     def _add(self, request_id: str, request: TurnRequest, sampling: SamplingConfig, stop_token_ids: list[int]) -> None:
         from vllm import SamplingParams
@@ -383,25 +417,95 @@ class VLLMEngine(ContinuousBatchingEngine):
             output_kind=RequestOutputKind.FINAL_ONLY,
             skip_clone=True,  # built for this request alone: vLLM's defensive deep copy is not needed
         )
-        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+        session = self._session_for(request)
+        if session is None:
+            self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+            self._turn_of[request_id] = request_id
+            return
+        # a continuation starts with the previous turn's last sampled id: vLLM never computed its KV
+        chunk = list(request.prompt_ids[len(session.context) - 1 :]) if session.context else list(request.prompt_ids)
+        core_request = self._engine.input_processor.process_inputs(
+            session.vllm_id, TokensPrompt(prompt_token_ids=chunk), params,
+            supported_tasks=self._supported_tasks, resumable=True,
+        )
+        core_request.external_req_id = session.vllm_id
+        self._engine.output_processor.add_request(core_request, None, None, 0)
+        # its own id list: in one process the output processor and the scheduler would otherwise share
+        # (and both extend) the prompt list
+        own = copy.copy(core_request)
+        own.prompt_token_ids = list(chunk)
+        self._engine.engine_core.add_request(own)
+        session.context = list(request.prompt_ids)
+        self._turn_of[session.vllm_id] = request_id
+
+    def _session_for(self, request: TurnRequest) -> _Session | None:
+        """The session this turn continues or opens; None for a plain request."""
+        if not self.config.keep_turn_state or request.session is None:
+            return None
+        session = self._sessions.get(request.session)
+        if session is not None:
+            continues = (session.vllm_id not in self._turn_of and len(request.prompt_ids) > len(session.context)
+                         and request.prompt_ids[: len(session.context)] == session.context)
+            if continues:
+                return session
+            self._close_session(request.session)
+        # open sessions hold a request slot each: leave room for plain requests and continuations
+        if len(self._sessions) >= self.config.max_num_seqs // 2:
+            return None
+        session = self._sessions[request.session] = _Session(vllm_id=f"session-{next(self._session_ids)}")
+        self._session_of[session.vllm_id] = session
+        return session
+
+    def _close_session(self, key: str) -> None:
+        session = self._sessions.pop(key, None)
+        if session is None:
+            return
+        if session.vllm_id in self._turn_of:
+            self._closing.add(session.vllm_id)  # its turn is running: abort once it has finished
+        else:
+            del self._session_of[session.vllm_id]
+            self._engine.abort_request([session.vllm_id])
+
+    def _end_session(self, session: str) -> None:
+        self._close_session(session)
 
     def _step(self) -> list[FinishedTurn]:
         finished = []
         for out in self._engine.step():
-            if not out.finished:
-                continue
             c = out.outputs[0]
+            if c.finish_reason is None:
+                continue
+            turn_id = self._turn_of.pop(out.request_id)
             ids = list(c.token_ids)
             logprobs = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs or [], strict=True)]
+            session = self._session_of.get(out.request_id)
+            if session is not None:  # a session's outputs run on over its turns: this turn's are the new ones
+                ids, logprobs, session.emitted = ids[session.emitted :], logprobs[session.emitted :], len(ids)
+                session.context = session.context + ids
+            if out.request_id in self._closing:
+                self._closing.discard(out.request_id)
+                del self._session_of[out.request_id]
+                self._engine.abort_request([out.request_id])
             reason = "length" if c.finish_reason == "length" else "stop"
-            finished.append(FinishedTurn(out.request_id, ids, logprobs, reason))
+            finished.append(FinishedTurn(turn_id, ids, logprobs, reason))
         return finished
 
     def _num_unfinished(self) -> int:
-        return self._engine.get_num_unfinished_requests()
+        return len(self._turn_of)  # sessions between turns are not live: vLLM counts them, we do not step for them
 
     def _apply_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        for key in list(self._sessions):  # their KV was computed by the old weights
+            self._close_session(key)
         load_weights_into_llm(self.llm, state_dict)
+
+
+@dataclass
+class _Session:
+    """An episode's vLLM streaming-input request, kept between its turns."""
+
+    vllm_id: str
+    context: list[int] = field(default_factory=list)  # the ids of its last turn: prompt, then sampled
+    emitted: int = 0  # output ids vLLM has reported for it so far (they accumulate over turns)
 
 
 def load_weights_into_llm(llm: Any, state_dict: Mapping[str, torch.Tensor]) -> None:

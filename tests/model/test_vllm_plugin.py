@@ -226,3 +226,31 @@ def test_weight_push_equals_fresh_engine_that_preempts(
         _shutdown(fresh)
     assert preemptions, "the small cache was meant to force a preemption"
     assert pushed == expected
+
+
+def test_later_turn_of_a_session_continues_from_the_kept_state_and_matches_hf(model_dir: Path, hf_model) -> None:
+    """The rollout engine's multi-turn sessions on the hybrid model: the second turn continues the
+    episode's request from the KDA state and latent cache vLLM kept, prefilling only the ids after the
+    first turn (in pieces: the token budget is 16), and its greedy tokens and logprobs match the HF model
+    run over the whole context."""
+    from rollout_workers.engine import EngineConfig, TurnRequest, VLLMEngine
+    from rollout_workers.sampling import SamplingConfig
+
+    torch.set_num_threads(1)
+    engine = VLLMEngine(EngineConfig(model_dir=str(model_dir), max_model_len=512, kv_cache_gib=1 / 16, max_num_seqs=8,
+                                     engine_kwargs={"max_num_batched_tokens": 16}))
+    greedy = SamplingConfig(max_tokens_per_turn=MAX_TOKENS, max_total_tokens=512, temperature=0.0)
+    prompt, inserted = _prompts([40, 23], seed=5)
+    try:
+        first = engine.submit(TurnRequest(prompt, MAX_TOKENS, session="episode"), greedy, []).result(timeout=300)
+        context = prompt + first.token_ids + inserted
+        second = engine.submit(TurnRequest(context, MAX_TOKENS, session="episode"), greedy, []).result(timeout=300)
+        assert engine.call(engine.llm.llm_engine.get_num_unfinished_requests) == 1  # kept for a third turn
+    finally:
+        engine.close()
+        _shutdown(engine.llm)
+    expected = _hf_greedy(hf_model, context, MAX_TOKENS)
+    assert first.token_ids == _hf_greedy(hf_model, prompt, MAX_TOKENS)[: len(first.token_ids)]
+    assert second.token_ids and second.token_ids == expected[: len(second.token_ids)]
+    torch.testing.assert_close(torch.tensor(second.logprobs), _hf_logprobs(hf_model, context, second.token_ids),
+                               atol=LOGPROB_TOL, rtol=0)

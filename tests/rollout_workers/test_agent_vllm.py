@@ -181,6 +181,59 @@ def test_weight_push_updates_the_running_engine(vllm_engine: Any, tiny_llama_dir
     assert after.weight_versions() == [start_version + 2] * len(after.steps)
 
 
+def test_a_later_turn_continues_its_session_as_a_fresh_request_would(vllm_engine: Any, tiny_llama_dir: Path) -> None:
+    """keep_turn_state: vLLM holds an episode's request between its turns, and the next turn, which
+    prefills only the ids after the previous one, samples (greedy) what a fresh request over the whole
+    context samples. end_session frees it. A weight push drops it (its KV came from the old weights),
+    so the next turn is computed afresh under the new weights."""
+    from safetensors.torch import load_file
+
+    engine = vllm_engine
+    greedy = SamplingConfig(max_tokens_per_turn=10, max_total_tokens=600, temperature=0.0)
+    gen = torch.Generator().manual_seed(11)
+    vocab = len(engine.tokenizer) - 100
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, vocab, (n,), generator=gen).tolist()
+
+    def turn(prompt: list[int], session: str | None) -> TurnOutput:
+        return engine.submit(TurnRequest(prompt, 10, session=session), greedy, []).result(timeout=120)
+
+    def held() -> int:
+        return engine.call(engine.llm.llm_engine.get_num_unfinished_requests)
+
+    def assert_same(a: TurnOutput, b: TurnOutput) -> None:
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+    prompt = ids(70)
+    first = turn(prompt, "episode")
+    assert len(first.token_ids) == 10
+    assert held() == 1  # the session waits for its next turn
+    second_prompt = prompt + first.token_ids + ids(9)
+    second = turn(second_prompt, "episode")
+    assert_same(second, turn(second_prompt, None))
+    third_prompt = second_prompt + second.token_ids + ids(5)
+    assert_same(turn(third_prompt, "episode"), turn(third_prompt, None))
+    engine.end_session("episode")
+    assert held() == 0
+
+    original = load_file(str(tiny_llama_dir / "model.safetensors"))
+    changed = dict(original)
+    name = "model.layers.0.self_attn.v_proj.weight"  # changes every cached value vector
+    changed[name] = original[name] * 2.0
+    version = engine.weight_version
+    first = turn(prompt, "episode-2")
+    try:
+        engine.load_weights(changed, version + 1)
+        assert held() == 0
+        second_prompt = prompt + first.token_ids + ids(9)
+        assert_same(turn(second_prompt, "episode-2"), turn(second_prompt, None))
+    finally:
+        engine.end_session("episode-2")
+        engine.load_weights(original, version + 2)
+
+
 @contextlib.contextmanager
 def _engine_held(engine: Any) -> Iterator[None]:
     """Hold the engine thread between two steps while the body submits, then let it go."""
