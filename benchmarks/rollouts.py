@@ -1,11 +1,12 @@
 """Rollout throughput on CPU: trajectories/s and tokens/s of one worker and of a pool vs concurrency,
 and how close the agent loop keeps the engine to its standalone generation speed.
 
-    python benchmarks/rollouts.py [--concurrency 8 32 128] [--pool-workers 2] [--tool-latency-ms 5]
+    python benchmarks/rollouts.py [--model llama|taper] [--concurrency 8 32 96] [--pool-workers 2]
+                                  [--tool-latency-ms 5] [--no-keep-turn-state]
 
-A tiny Llama (random init) is first fine-tuned for a few hundred steps on calculator demonstrations,
-so that it really writes `<tool_call>` spans and the loop runs multi-turn episodes with tool calls
-(a random model would only ever be cut off). Each concurrency level is one closed batch of episodes,
+A tiny Llama (random init; or, with --model taper, the service's tiny Taper model) is first fine-tuned
+on calculator demonstrations, so that it really writes `<tool_call>` spans and the loop runs multi-turn
+episodes with tool calls (a random model would only ever be cut off). Each concurrency level is one closed batch of episodes,
 as one rollout call of a worker is. Three standalone baselines, all the same engine generating from the
 same prompts (ignore_eos), none of the loop's tools or parsing:
 - "uniform": every sequence generates the episodes' mean token count. No batch of variable-length
@@ -16,7 +17,9 @@ same prompts (ignore_eos), none of the loop's tools or parsing:
   moment the episode's previous turn finishes, on the engine alone. The engine does the loop's
   multi-turn work (a new request per turn, prefill of the inserted tokens and of the partial last KV
   block) with no tool call, parsing or event loop: loop / replay is the loop's own cost, replay /
-  matched the cost of multi-turn requests in the engine.
+  matched the cost of multi-turn requests in the engine. Replay's turns are plain requests: with the
+  engine's multi-turn sessions (on by default; --no-keep-turn-state) the loop prefills less than it,
+  and loop / replay can pass 1.
 Each level runs `--repeats` paired rounds (the loop, then the baselines right after it on the same
 prompts) and reports medians: one closed batch of short episodes ends in about a second, and single runs
 of the baselines moved up to 1.9x between back-to-back runs on a 2-core machine.
@@ -218,7 +221,7 @@ def _replay(engine: Any, episodes: list[list[tuple[list[int], int]]]) -> float:
 
 
 def run_pool(model_dir: str, workers: int, concurrencies: list[int], sampling: SamplingConfig,
-             latency_s: float) -> list[dict[str, Any]]:
+             latency_s: float, keep_turn_state: bool) -> list[dict[str, Any]]:
     """One pool of `workers` Ray actors; each concurrency level is one pool.generate call over that many
     tasks (spread over the workers)."""
     import ray
@@ -230,7 +233,8 @@ def run_pool(model_dir: str, workers: int, concurrencies: list[int], sampling: S
              runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CONFIGURE_LOGGING": "0"}})
     rows = []
     try:
-        pool = RolloutPool(EngineConfig(model_dir=model_dir, max_model_len=1024, kv_cache_gib=0.5),
+        pool = RolloutPool(EngineConfig(model_dir=model_dir, max_model_len=1024, kv_cache_gib=0.5,
+                                        keep_turn_state=keep_turn_state),
                            make_env_factory(latency_s), num_workers=workers, num_cpus_per_worker=1)
         pool.generate(CalculatorEnv.generate_tasks(8, seed=99), n=1, sampling=sampling)  # warm-up
         for c in concurrencies:
@@ -264,7 +268,12 @@ def main() -> None:
                     help="paired rounds per level (loop, then both baselines); medians are reported")
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--pool-workers", type=int, default=2, help="0 skips the pool measurement")
-    ap.add_argument("--model-dir", default=None, help="an existing model to use instead of the SFT'd tiny Llama")
+    ap.add_argument("--model", choices=["llama", "taper"], default="llama",
+                    help="the model SFT'd on calculator demonstrations: a tiny Llama (plain attention), or the "
+                         "service's own tiny Taper model (KDA-hybrid MoE, served through the vLLM plugin)")
+    ap.add_argument("--model-dir", default=None, help="an existing model to use instead of SFT'ing one")
+    ap.add_argument("--no-keep-turn-state", dest="keep_turn_state", action="store_false",
+                    help="every turn a new request (no multi-turn sessions in the engine)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
@@ -276,14 +285,19 @@ def main() -> None:
     if model_dir is None:
         model_dir = str(work / "tool-caller")
         t0 = time.monotonic()
-        print(f"fine-tuning a tiny Llama on calculator demonstrations ({args.sft_steps} steps)")
-        train_tool_caller(Path(model_dir), str(TOKENIZER_DIR), args.sft_steps)
+        print(f"fine-tuning a tiny {args.model} model on calculator demonstrations ({args.sft_steps} steps)")
+        if args.model == "taper":
+            from api.demo import warm_start
+
+            warm_start("calculator", Path(model_dir), steps=args.sft_steps, examples=2048, seed=0)
+        else:
+            train_tool_caller(Path(model_dir), str(TOKENIZER_DIR), args.sft_steps)
         print(f"  done in {time.monotonic() - t0:.0f} s; reuse it with --model-dir {model_dir}")
 
     sampling = SamplingConfig(max_tokens_per_turn=48, max_turns=3, max_total_tokens=1024, temperature=1.0, tool_timeout_s=5.0)
     engine_kwargs = {"block_size": args.block_size} if args.block_size else {}
     engine = VLLMEngine(EngineConfig(model_dir=model_dir, max_model_len=1024, kv_cache_gib=0.5, max_num_seqs=256,
-                                     engine_kwargs=engine_kwargs))
+                                     engine_kwargs=engine_kwargs, keep_turn_state=args.keep_turn_state))
     env_factory = make_env_factory(args.tool_latency_ms / 1000.0)
     run_loop(engine, env_factory, CalculatorEnv.generate_tasks(8, seed=99), sampling)  # warm-up
 
@@ -319,7 +333,8 @@ def main() -> None:
     if args.pool_workers:
         engine.close()
         del engine  # the pool's workers build their own engines
-        pool_rows = run_pool(model_dir, args.pool_workers, args.concurrency, sampling, args.tool_latency_ms / 1000.0)
+        pool_rows = run_pool(model_dir, args.pool_workers, args.concurrency, sampling, args.tool_latency_ms / 1000.0,
+                             args.keep_turn_state)
 
     print()
     print(f"one worker, in-process vLLM (CPU), calculator env, tool latency {args.tool_latency_ms:g} ms")
@@ -343,8 +358,10 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "load_average_1m_at_end": os.getloadavg()[0]},
-        "model": "tiny Llama (hidden 128, 2 layers), SFT on calculator demonstrations"
+        "model": ("tiny Llama (hidden 128, 2 layers)" if args.model == "llama" else "tiny Taper (the service's preset)")
+                 + ", SFT on calculator demonstrations"
                  + ("" if args.model_dir is None else f" (reused with --model-dir, folder {Path(args.model_dir).name!r})"),
+        "keep_turn_state": args.keep_turn_state,
         "tool_latency_ms": args.tool_latency_ms,
         "sampling": sampling.model_dump(),
         "single_worker": rows,
