@@ -6,8 +6,8 @@ and how close the agent loop keeps the engine to its standalone generation speed
 
 A tiny Llama (random init; or, with --model taper, the service's tiny Taper model) is first fine-tuned
 on calculator demonstrations, so that it really writes `<tool_call>` spans and the loop runs multi-turn
-episodes with tool calls (a random model would only ever be cut off). Each concurrency level is one closed batch of episodes,
-as one rollout call of a worker is. Three standalone baselines, all the same engine generating from the
+episodes with tool calls (a random model would only ever be cut off). Each concurrency level is one
+closed batch of episodes, as one rollout call of a worker is. Three standalone baselines, all the same engine generating from the
 same prompts (ignore_eos), none of the loop's tools or parsing:
 - "uniform": every sequence generates the episodes' mean token count. No batch of variable-length
   episodes can reach it: its tail, where the last long episodes run nearly alone, is not there.
@@ -265,7 +265,7 @@ def main() -> None:
     ap.add_argument("--tool-latency-ms", type=float, default=5.0)
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (vLLM's CPU default: 128)")
     ap.add_argument("--repeats", type=int, default=7,
-                    help="paired rounds per level (loop, then both baselines); medians are reported")
+                    help="paired rounds per level (loop, then its baselines); medians are reported")
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--pool-workers", type=int, default=2, help="0 skips the pool measurement")
     ap.add_argument("--model", choices=["llama", "taper"], default="llama",

@@ -481,7 +481,7 @@ class VLLMEngine(ContinuousBatchingEngine):
             session = self._session_of.get(out.request_id)
             if session is not None:  # a session's outputs run on over its turns: this turn's are the new ones
                 ids, logprobs, session.emitted = ids[session.emitted :], logprobs[session.emitted :], len(ids)
-                session.context = session.context + ids
+                session.context += ids
             if out.request_id in self._closing:
                 self._closing.discard(out.request_id)
                 del self._session_of[out.request_id]
