@@ -18,7 +18,6 @@ loops over chunks (T / C steps of small matmuls), batched over sequences and hea
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.kda.common import sequence_bounds
 
@@ -93,11 +92,18 @@ def chunk_kda_torch(
     max_len = max(end - start for _, start, end in bounds)
     Tp = max(C, -(-max_len // C) * C)
 
-    def to_rows(x: torch.Tensor) -> torch.Tensor:
-        # [B, T, HV, D] -> [N*HV, Tp, D], zero-padded at each sequence's end; zero k, v, g, beta
-        # tokens leave the state unchanged, so padding is exact.
-        seqs = [F.pad(x[b, s:e], (0, 0, 0, 0, 0, Tp - (e - s))) for b, s, e in bounds]
-        return torch.stack(seqs, 0).permute(0, 2, 1, 3).reshape(N * HV, Tp, x.shape[-1])
+    # Row n of the padded layout reads tokens start_n .. start_n + Tp - 1 of the flattened batch, and a zero
+    # row (index B*T) past its end: zero k, v, g, beta tokens leave the state unchanged, so padding is exact.
+    # One gather per tensor (not one pad per sequence): steps that continue many short turns stay cheap.
+    first = torch.tensor([b * T + s for b, s, _ in bounds], device=q.device)
+    lengths = torch.tensor([e - s for _, s, e in bounds], device=q.device)
+    offsets = torch.arange(Tp, device=q.device)
+    valid = offsets < lengths[:, None]  # [N, Tp]
+    gather = torch.where(valid, first[:, None] + offsets, B * T)
+
+    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [B, T, HV, D] -> [N*HV, Tp, D]
+        flat = torch.cat([x.reshape(B * T, HV, x.shape[-1]), x.new_zeros(1, HV, x.shape[-1])])
+        return flat[gather].permute(0, 2, 1, 3).reshape(N * HV, Tp, x.shape[-1])
 
     qr, kr, vr, gr = to_rows(q), to_rows(k), to_rows(v), to_rows(g)
     br = to_rows(beta[..., None])[..., 0]
@@ -130,8 +136,5 @@ def chunk_kda_torch(
         outs.append(qg @ S + p @ Vn)
         S = decay[:, :, None] * S + kt @ Vn
     o_rows = torch.cat(outs, 1).reshape(N, HV, Tp, V).permute(0, 2, 1, 3)  # [N, Tp, HV, V]
-    if cu_seqlens is None:
-        o = o_rows[:, :T]
-    else:
-        o = torch.cat([o_rows[n, : e - s] for n, (_, s, e) in enumerate(bounds)], 0)[None]
+    o = o_rows[:, :T] if cu_seqlens is None else o_rows[valid][None]
     return o, S.reshape(N, HV, K, V)

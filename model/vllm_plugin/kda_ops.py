@@ -108,6 +108,35 @@ def _decode(
     return o[:, 0]
 
 
+def _prefill_conv(
+    layer: KimiDeltaAttention, qkv: torch.Tensor, conv_init: torch.Tensor, query_start_loc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`layer.short_conv` over back-to-back sequences in one depthwise conv: qkv [T, C], conv_init
+    [n, C, W-1] -> q, k [T, H, K], v [T, HV, V] and the new conv states [n, C, W-1]. The rows are laid out
+    as each sequence's W-1 initial inputs followed by its tokens; the conv's outputs at windows that cross
+    from one sequence into the next are dropped. One op for the whole step instead of one per sequence,
+    whose fixed cost dominated CPU steps that continue many short turns."""
+    T, C = qkv.shape
+    n, W1 = conv_init.shape[0], conv_init.shape[-1]
+    device = qkv.device
+    lengths = query_start_loc[1:] - query_start_loc[:-1]
+    seq = torch.arange(n, device=device)
+    # each sequence's rows in the extended layout start at its token offset plus W-1 per earlier sequence
+    ext_start = query_start_loc[:-1].long() + seq * W1
+    init_rows = (ext_start[:, None] + torch.arange(W1, device=device)).flatten()
+    token_rows = torch.arange(T, device=device) + torch.repeat_interleave((seq + 1) * W1, lengths, output_size=T)
+    ext = qkv.new_empty(T + n * W1, C)
+    ext[init_rows] = conv_init.transpose(1, 2).reshape(n * W1, C).to(qkv.dtype)
+    ext[token_rows] = qkv
+    y = F.conv1d(ext.t()[None], layer.conv_weight().to(qkv.dtype), groups=C)[0].t()  # row r: window ending at r+W-1
+    y = F.silu(y[token_rows - W1])
+    last_rows = (ext_start + lengths + W1)[:, None] - W1 + torch.arange(W1, device=device)  # each one's last W-1
+    new_conv = ext[last_rows].transpose(1, 2)
+    q, k, v = y.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    return (q.view(T, layer.num_heads, layer.head_dim), k.view(T, layer.num_heads, layer.head_dim),
+            v.view(T, layer.num_v_heads, layer.v_head_dim), new_conv)
+
+
 def _prefill(
     layer: KimiDeltaAttention, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
     conv_state: torch.Tensor, recurrent_state: torch.Tensor, query_start_loc: torch.Tensor,
@@ -115,24 +144,17 @@ def _prefill(
 ) -> torch.Tensor:
     """Back-to-back prompts (chunks): qkv [T, C] ... -> o [T, HV, V]; slots updated with the final states."""
     idx = slots.long()
-    starts = query_start_loc.tolist()
     keep = None if has_initial_state is None else has_initial_state.to(torch.bool)
     conv_init = conv_state.index_select(0, idx)
     rec_init = recurrent_state.index_select(0, idx).float()
     if keep is not None:
         conv_init = conv_init * keep[:, None, None].to(conv_init.dtype)
         rec_init = rec_init * keep[:, None, None, None].to(rec_init.dtype)
-    qs, ks, vs, new_convs = [], [], [], []
-    for n, (a, b) in enumerate(zip(starts, starts[1:], strict=False)):
-        q, k, v, new_conv = layer.short_conv(qkv[None, a:b], conv_init[n:n + 1])
-        qs.append(q[0])
-        ks.append(k[0])
-        vs.append(v[0])
-        new_convs.append(new_conv[0])
-    conv_state.index_copy_(0, idx, torch.stack(new_convs).to(conv_state.dtype))
+    q, k, v, new_conv = _prefill_conv(layer, qkv, conv_init, query_start_loc)
+    conv_state.index_copy_(0, idx, new_conv.to(conv_state.dtype))
     extra = {} if qkv.is_cuda else {"chunk_size": CPU_PREFILL_CHUNK_SIZE}
     o, final = chunk_kda(
-        torch.cat(qs)[None], torch.cat(ks)[None], torch.cat(vs)[None], f[None], beta[None],
+        q[None], k[None], v[None], f[None], beta[None],
         initial_state=rec_init, output_final_state=True, cu_seqlens=query_start_loc, **_kernel_kwargs(layer),
         **extra,
     )

@@ -54,10 +54,12 @@ def test_varlen_matches_naive_and_separate_sequences():
     assert rel_err(o1, o[:, sl]) < 1e-6 and rel_err(s1, s[1:2]) < 1e-6
 
 
-@pytest.mark.parametrize("gate", ["bounded", "unbounded", "precomputed"])
-def test_chunk_gradients_match_naive(gate):
+@pytest.mark.parametrize("gate,cu_seqlens", [("bounded", None), ("unbounded", None), ("precomputed", None),
+                                             ("bounded", [0, 5, 21])])
+def test_chunk_gradients_match_naive(gate, cu_seqlens):
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
     x = make_inputs(1, 21, 1, 2, 8, 8, gate=gate, initial_state=True, beta_logits=gate == "bounded",
-                    dtype=torch.float64, seed=7)
+                    dtype=torch.float64, cu_seqlens=cu, seed=7)
     x.kwargs["initial_state"] = x.kwargs["initial_state"].double()
     leaves = [x.q, x.k, x.v, x.g, x.beta, x.kwargs["initial_state"]]
     leaves += [x.kwargs[n] for n in ("dt_bias", "A_log") if n in x.kwargs]
@@ -65,7 +67,7 @@ def test_chunk_gradients_match_naive(gate):
         t.requires_grad_(True)
     gen = torch.Generator().manual_seed(0)
     do = torch.randn(1, 21, 2, 8, generator=gen, dtype=torch.float64)
-    ds = torch.randn(1, 2, 8, 8, generator=gen, dtype=torch.float64)
+    ds = torch.randn(x.kwargs["initial_state"].shape, generator=gen, dtype=torch.float64)
 
     def grads(fn):
         o, s = fn(*x.args(), output_final_state=True, **x.kwargs)

@@ -19,14 +19,16 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = dict(rtol=1e-3, atol=1e-4) if DEVICE.type == "cuda" else dict(rtol=1e-4, atol=2e-5)
 
 # Engine-like steps: (sequence, new tokens, state slot); decodes first, then prefills. Sequence 2's prompt
-# is split over two steps (chunked prefill), sequence 3 starts while others decode, and sequence 1's state
-# moves to another slot before step 2 (as vLLM's prefix-cache alignment does).
+# is split over two steps (chunked prefill), sequence 3 starts while others decode, sequence 1's state
+# moves to another slot before step 2 (as vLLM's prefix-cache alignment does), and in step 3 two turns
+# continue with fewer new tokens than the conv window holds (W-1 = 3).
 STEPS = [
     dict(num_decodes=0, entries=[(0, 5, 3), (1, 39, 0), (2, 64, 6)]),
     dict(num_decodes=2, entries=[(0, 1, 3), (1, 1, 0), (2, 26, 6), (3, 20, 1)]),
     dict(num_decodes=4, entries=[(0, 1, 3), (1, 1, 5), (2, 1, 6), (3, 1, 1)]),
+    dict(num_decodes=1, entries=[(2, 1, 6), (1, 2, 5), (0, 6, 3), (3, 2, 1)]),
 ]
-LENGTHS = [7, 41, 91, 21]
+LENGTHS = [13, 43, 92, 23]
 
 
 def _layer(gate: str) -> KimiDeltaAttention:
