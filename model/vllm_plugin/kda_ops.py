@@ -130,7 +130,7 @@ def _prefill_conv(
     ext[token_rows] = qkv
     y = F.conv1d(ext.t()[None], layer.conv_weight().to(qkv.dtype), groups=C)[0].t()  # row r: window ending at r+W-1
     y = F.silu(y[token_rows - W1])
-    last_rows = (ext_start + lengths + W1)[:, None] - W1 + torch.arange(W1, device=device)  # each one's last W-1
+    last_rows = (ext_start + lengths)[:, None] + torch.arange(W1, device=device)  # each sequence's last W-1
     new_conv = ext[last_rows].transpose(1, 2)
     q, k, v = y.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     return (q.view(T, layer.num_heads, layer.head_dim), k.view(T, layer.num_heads, layer.head_dim),

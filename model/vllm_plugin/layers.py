@@ -275,9 +275,9 @@ class VllmStableLatentMoE(StableLatentMoE):
         expert_ids, weights = self.router.select(scores)
         z = outs[0]
         pairs = expert_ids.numel()
-        experts = self.experts
-        dense_macs = x.shape[0] * experts.n_experts * 3 * experts.intermediate_size * z.shape[-1]
-        if 2 * pairs >= self.n_experts and (x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS or dense_macs <= DENSE_EXPERTS_MAX_MACS):
+        dense_macs = x.shape[0] * self.n_experts * 3 * self.experts.intermediate_size * z.shape[-1]
+        small_batch = x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS or dense_macs <= DENSE_EXPERTS_MAX_MACS
+        if small_batch and 2 * pairs >= self.n_experts:
             y = self._dense_experts(z, expert_ids, weights)
         elif pairs <= GATHERED_EXPERTS_MAX_PAIRS:
             y = self._gathered_experts(z, expert_ids, weights)
