@@ -176,6 +176,22 @@ def test_moe_matches_a_dense_reference_and_runs_standalone():
                                rtol=1e-4, atol=1e-5)
 
 
+def test_grouped_experts_match_the_loop_over_experts_with_gradients():
+    torch.manual_seed(0)
+    experts = StableLatentMoE(TINY).experts
+    _randomise(experts, torch.Generator().manual_seed(4))
+    assert experts._groups(torch.zeros(1))  # the pinned torch has a CPU fp32 grouped GEMM
+    rows = torch.randn(50, TINY.moe_latent_size, requires_grad=True)
+    counts = torch.tensor([9, 0, 14, 3, 0, 11, 6, 7])  # empty experts included
+    grad_out = torch.randn(50, TINY.moe_latent_size)
+    results = []
+    for path in (experts._grouped, experts._looped):
+        out = path(rows, counts)
+        results.append((out, *torch.autograd.grad((out * grad_out).sum(), [rows, *experts.parameters()])))
+    for grouped, looped in zip(*results, strict=True):
+        torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
+
+
 def test_quantile_target_is_the_centred_negative_quantile():
     scores = torch.rand(4000, 8) ** torch.linspace(0.2, 3.0, 8)
     target = quantile_balancing_target(scores, top_k=2)
