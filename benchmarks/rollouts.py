@@ -13,13 +13,12 @@ same prompts (ignore_eos), none of the loop's tools or parsing:
   episodes can reach it: its tail, where the last long episodes run nearly alone, is not there.
 - "matched": each sequence generates exactly as many tokens as its episode sampled, in one turn: the
   same sampled tokens with the same length tail, but none of the multi-turn work.
-- "replay": the loop's own turn requests (each turn's recorded prompt ids and length), each added the
-  moment the episode's previous turn finishes, on the engine alone. The engine does the loop's
-  multi-turn work (a new request per turn, prefill of the inserted tokens and of the partial last KV
-  block) with no tool call, parsing or event loop: loop / replay is the loop's own cost, replay /
-  matched the cost of multi-turn requests in the engine. Replay's turns are plain requests: with the
-  engine's multi-turn sessions (on by default; --no-keep-turn-state) the loop prefills less than it,
-  and loop / replay can pass 1.
+- "replay": the loop's own turns on the engine alone: each turn samples its recorded length and is
+  submitted the moment the episode's previous turn finishes, with the tokens the loop inserted after that
+  turn; through the engine's own API, so with its multi-turn sessions (on by default; --no-keep-turn-state)
+  an episode's turns continue one session, as in the loop. The engine does the loop's multi-turn work
+  with no tool call, parsing or event loop: loop / replay is the loop's own cost, replay / matched the
+  cost of multi-turn requests in the engine.
 Each level runs `--repeats` paired rounds (the loop, then the baselines right after it on the same
 prompts) and reports medians: one closed batch of short episodes ends in about a second, and single runs
 of the baselines moved up to 1.9x between back-to-back runs on a 2-core machine.
@@ -31,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ import torch  # noqa: E402
 
 from rollout_workers.agent import AgentLoop, make_group_specs  # noqa: E402
 from rollout_workers.chat import as_template_tools  # noqa: E402
+from rollout_workers.engine import TurnRequest  # noqa: E402
 from rollout_workers.environments.calculator import CalculatorEnv  # noqa: E402
 from rollout_workers.sampling import SamplingConfig  # noqa: E402
 from rollout_workers.stats import RolloutStats  # noqa: E402
@@ -181,43 +183,50 @@ def _standalone(engine: Any, prompts: list[list[int]], tokens_per_seq: list[int]
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.monotonic() - t0)
 
 
-def replay(engine: Any, episodes: list[list[tuple[list[int], int]]]) -> float:
-    """Tokens/s of the engine alone on the loop's own turn requests: each episode's next turn (its
-    recorded prompt, its recorded length) is added the moment the previous one finishes, in the same
-    engine step, with no tool call, parsing or event loop in between. The engine does the same
-    multi-turn work as in the loop (prefill of the inserted tokens and of each turn's partial last KV
-    block), so loop / replay is what the loop itself costs."""
-    return engine.call(lambda: _replay(engine, episodes))
+def replay(engine: Any, episodes: list[list[tuple[list[int], int]]], sampling: SamplingConfig) -> float:
+    """Tokens/s of the engine alone on the loop's own turns: each episode's turns are submitted through the
+    engine's own API the moment the previous one finishes (its completion callback runs on the engine
+    thread, so the next turn joins the very next step), with no tool call, parsing or event loop in between.
+    Each turn samples its recorded length (min_tokens = max_tokens); the next prompt is this replay's own
+    context plus the tokens the loop inserted after that turn, so with the engine's multi-turn sessions an
+    episode's turns continue one session, as in the loop. Loop / replay is what the loop itself costs."""
+    key = f"replay-{next(_replay_rounds)}"
+    finished = threading.Event()
+    lock = threading.Lock()
+    state = {"tokens": 0, "open": len(episodes)}
+
+    def submit(episode: int, turn: int, prompt: list[int]) -> None:
+        n = max(1, episodes[episode][turn][1])
+        request = TurnRequest(prompt, max_tokens=n, min_tokens=n, session=f"{key}-{episode}")
+        future = engine.submit(request, sampling, [])
+        future.add_done_callback(lambda f: done(episode, turn, prompt, f))
+
+    def done(episode: int, turn: int, prompt: list[int], future: Any) -> None:
+        out = future.result()
+        turns = episodes[episode]
+        if turn + 1 < len(turns):
+            recorded, n = turns[turn]
+            inserted = turns[turn + 1][0][len(recorded) + n:]
+            submit(episode, turn + 1, prompt + out.token_ids + inserted)
+        else:
+            engine.end_session(f"{key}-{episode}")
+        with lock:
+            state["tokens"] += len(out.token_ids)
+            if turn + 1 == len(turns):
+                state["open"] -= 1
+                if state["open"] == 0:
+                    finished.set()
+
+    engine.call(engine.llm.reset_prefix_cache)
+    t0 = time.monotonic()
+    for e, turns in enumerate(episodes):
+        submit(e, 0, turns[0][0])
+    if not finished.wait(timeout=600):
+        raise RuntimeError("the replay did not finish (a turn failed in the engine?)")
+    return state["tokens"] / (time.monotonic() - t0)
 
 
-def _replay(engine: Any, episodes: list[list[tuple[list[int], int]]]) -> float:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    core = engine.llm.llm_engine
-    position: dict[str, tuple[int, int]] = {}
-
-    def add(episode: int, turn: int) -> None:
-        prompt, n = episodes[episode][turn]
-        request_id = f"replay-{episode}-{turn}"
-        position[request_id] = (episode, turn)
-        core.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), SamplingParams(
-            max_tokens=max(1, n), ignore_eos=True, temperature=1.0, logprobs=0, detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True))
-
-    engine.llm.reset_prefix_cache()
-    t0, tokens = time.monotonic(), 0
-    for e in range(len(episodes)):
-        add(e, 0)
-    while core.has_unfinished_requests():
-        for out in core.step():
-            if out.finished:
-                tokens += len(out.outputs[0].token_ids)
-                episode, turn = position.pop(out.request_id)
-                if turn + 1 < len(episodes[episode]):
-                    add(episode, turn + 1)
-    return tokens / (time.monotonic() - t0)
+_replay_rounds = itertools.count()
 
 
 def run_pool(model_dir: str, workers: int, concurrencies: list[int], sampling: SamplingConfig,
@@ -313,7 +322,7 @@ def main() -> None:
                 "loop": loop,
                 "uniform": standalone(engine, prompts, [max(1, round(loop["sampled_tokens_per_episode"]))] * len(prompts)),
                 "matched": standalone(engine, prompts, lengths),
-                "replay": replay(engine, loop.pop("turn_requests")),
+                "replay": replay(engine, loop.pop("turn_requests"), sampling),
             })
         loop = sorted((r["loop"] for r in rounds), key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
         row = {"concurrency": c, **loop, "rounds": len(rounds)}

@@ -82,6 +82,9 @@ class TurnRequest:
     # the episode's key: an engine that keeps turn state continues the episode's previous turn when
     # prompt_ids extends that turn's context, and prefills only the new ids
     session: str | None = None
+    # neither the end-of-sequence token nor a stop id ends the turn before this many tokens (vLLM's
+    # min_tokens); a replay of recorded turns sets it to max_tokens to sample each turn's recorded length
+    min_tokens: int = 0
 
 
 @dataclass
@@ -409,6 +412,7 @@ class VLLMEngine(ContinuousBatchingEngine):
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             max_tokens=request.max_tokens,
+            min_tokens=request.min_tokens,
             seed=request.seed,
             logprobs=0,  # the sampled token's logprob only
             stop_token_ids=stop_token_ids,

@@ -234,6 +234,24 @@ def test_a_later_turn_continues_its_session_as_a_fresh_request_would(vllm_engine
         engine.load_weights(original, version + 2)
 
 
+def test_min_tokens_holds_a_turn_past_its_stop_ids(vllm_engine: Any) -> None:
+    greedy = SamplingConfig(max_tokens_per_turn=10, max_total_tokens=600, temperature=0.0)
+    prompt = torch.randint(10, len(vllm_engine.tokenizer) - 100, (40,), generator=torch.Generator().manual_seed(5))
+
+    def turn(stop: list[int], min_tokens: int = 0) -> TurnOutput:
+        request = TurnRequest(prompt.tolist(), 10, min_tokens=min_tokens)
+        return vllm_engine.submit(request, greedy, stop).result(timeout=120)
+
+    free = turn([])
+    stop_id = free.token_ids[2]
+    k = free.token_ids.index(stop_id)
+    stopped = turn([stop_id])
+    assert stopped.token_ids == free.token_ids[: k + 1] and stopped.finish_reason == "stop"
+    held = turn([stop_id], min_tokens=10)
+    assert len(held.token_ids) == 10 and held.finish_reason == "length"
+    assert held.token_ids[:k] == free.token_ids[:k] and stop_id not in held.token_ids
+
+
 @contextlib.contextmanager
 def _engine_held(engine: Any) -> Iterator[None]:
     """Hold the engine thread between two steps while the body submits, then let it go."""
