@@ -7,8 +7,8 @@ and how close the agent loop keeps the engine to its standalone generation speed
 A tiny Llama (random init; or, with --model taper, the service's tiny Taper model) is first fine-tuned
 on calculator demonstrations, so that it really writes `<tool_call>` spans and the loop runs multi-turn
 episodes with tool calls (a random model would only ever be cut off). Each concurrency level is one
-closed batch of episodes, as one rollout call of a worker is. Three standalone baselines, all the same engine generating from the
-same prompts (ignore_eos), none of the loop's tools or parsing:
+closed batch of episodes, as one rollout call of a worker is. Three standalone baselines, all the same engine on the
+same prompts, none of the loop's tools or parsing:
 - "uniform": every sequence generates the episodes' mean token count. No batch of variable-length
   episodes can reach it: its tail, where the last long episodes run nearly alone, is not there.
 - "matched": each sequence generates exactly as many tokens as its episode sampled, in one turn: the

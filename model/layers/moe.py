@@ -91,7 +91,7 @@ class LatentExperts(nn.Module):
         weight_of = weights.reshape(-1)[order]
         counts = torch.bincount(flat, minlength=self.n_experts)
         rows = z.index_select(0, token_of)
-        if self._groups(z):
+        if self._uses_grouped_mm(z):
             out = self._grouped(rows, counts)
         else:
             out = self._looped(rows, counts)
@@ -102,7 +102,7 @@ class LatentExperts(nn.Module):
     # bf16 on CUDA and in fp32 on CPU (there 2.7-3.3x faster than the loop over experts at 48-192 rows).
     use_grouped_mm: bool = hasattr(torch, "_grouped_mm")
 
-    def _groups(self, z: torch.Tensor) -> bool:
+    def _uses_grouped_mm(self, z: torch.Tensor) -> bool:
         supported = torch.bfloat16 if z.is_cuda else torch.float32 if z.device.type == "cpu" else None
         return self.use_grouped_mm and z.dtype == supported
 

@@ -180,7 +180,7 @@ def test_grouped_experts_match_the_loop_over_experts_with_gradients():
     torch.manual_seed(0)
     experts = StableLatentMoE(TINY).experts
     _randomise(experts, torch.Generator().manual_seed(4))
-    assert experts._groups(torch.zeros(1))  # the pinned torch has a CPU fp32 grouped GEMM
+    assert experts._uses_grouped_mm(torch.zeros(1))  # the pinned torch has a CPU fp32 grouped GEMM
     rows = torch.randn(50, TINY.moe_latent_size, requires_grad=True)
     counts = torch.tensor([9, 0, 14, 3, 0, 11, 6, 7])  # empty experts included
     grad_out = torch.randn(50, TINY.moe_latent_size)
