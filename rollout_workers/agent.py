@@ -183,6 +183,7 @@ class AgentLoop:
         try:
             ep.env = self.env_factory()
             env = ep.env
+            ep.lane.cooperative = bool(getattr(env, "cooperative", False))
             messages = await ep.lane.run(bound(env.reset, ep.spec.task), self.sampling.tool_timeout_s)
             tools = env.tools()
             ep.tools = {t["name"]: t for t in tools}

@@ -1,10 +1,12 @@
 """Run environment calls off the agent loop's event loop, with a timeout that always returns.
 
 Coroutines (the `async def` Environment methods) run on a per-episode tools event loop in its own
-thread (a "lane"); plain functions run in a shared thread pool. The agent loop's own event loop never
-runs environment code: an environment that blocks inside `async def` stalls only its own episode,
-whose call times out, and the blocked loop is abandoned. Calling into a live loop costs tens of
-microseconds, so fast tools stay fast.
+thread (a "lane"); plain functions run in a shared thread pool. The agent loop's own event loop runs no
+environment code by default: an environment that blocks inside `async def` stalls only its own episode,
+whose call times out, and the blocked loop is abandoned. An environment that declares itself
+cooperative (its coroutines only await, never block) has its coroutines run on the caller's loop: beside
+a busy engine thread each hop between threads waits for the GIL, and the two hops of a call cost a few
+milliseconds, more than a tool that answers at once.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class ToolRunner:
 class ToolLane:
     def __init__(self, runner: ToolRunner) -> None:
         self._runner = runner
+        self.cooperative = False  # run coroutines on the caller's event loop (see the module docstring)
         self._loop_thread: _LoopThread | None = None
         self._timed_out = False  # a loop that saw a timeout is never reused
 
@@ -105,6 +108,11 @@ class ToolLane:
         its value and how long it ran where it ran (queueing on the agent loop excluded);
         TimeoutError after `timeout_s`."""
         lt = None
+        if self.cooperative and (inspect.iscoroutinefunction(fn) or _returns_coroutine(fn)):
+            try:
+                return await asyncio.wait_for(_await_timed(fn), timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"no answer within {timeout_s:g}s") from None
         if inspect.iscoroutinefunction(fn) or _returns_coroutine(fn):
             if self._loop_thread is None:
                 self._loop_thread = self._runner._take_loop()

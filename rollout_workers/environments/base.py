@@ -84,6 +84,11 @@ class Environment(ABC):
     """A tool environment. Subclasses set `name` and implement the abstract methods."""
 
     name: ClassVar[str] = ""
+    # True when every `async def` method only awaits and never blocks its thread (blocking work goes
+    # through `asyncio.to_thread` or an async client): the agent loop then runs them on its own event
+    # loop, which saves two thread hops per call. Leave False for code that may block: it then runs on
+    # its episode's own tools loop, where a blocked call times out without stalling other episodes.
+    cooperative: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         self.options = options

@@ -58,6 +58,7 @@ def evaluate_expression(expression: str) -> int:
 
 class CalculatorEnv(Environment):
     name = "calculator"
+    cooperative = True
 
     def tools(self) -> list[dict[str, Any]]:
         return [

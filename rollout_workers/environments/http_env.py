@@ -86,6 +86,7 @@ class HttpEnvironment(Environment):
     """Subclassed per registration by the registry (`config` set on the subclass)."""
 
     config: ClassVar[EnvironmentRegistration]
+    cooperative = True  # its requests run in threads (asyncio.to_thread)
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -29,6 +29,7 @@ _FILLER = "the dusty shelves hold old maps jars of ink and a quiet clock that ti
 
 class LongHorizonEnv(Environment):
     name = "long_horizon"
+    cooperative = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -62,6 +62,7 @@ _PUZZLES: list[tuple[str, str, Any, tuple[int, int]]] = [
 
 class PythonEnv(Environment):
     name = "python"
+    cooperative = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -73,6 +73,7 @@ def load_corpus(path: str = str(DEFAULT_CORPUS)) -> Corpus:
 
 class RetrievalEnv(Environment):
     name = "retrieval"
+    cooperative = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -52,6 +52,17 @@ class ToyEnv(Environment):
         return 1.0
 
 
+class CooperativeToyEnv(ToyEnv):
+    """ToyEnv declaring its coroutines cooperative: they run on the agent loop's own event loop."""
+
+    cooperative = True
+    loops: list[asyncio.AbstractEventLoop] = []  # noqa: RUF012 - the loops its tool calls ran on, for tests
+
+    async def call(self, tool: str, args: dict[str, Any]) -> str:
+        self.loops.append(asyncio.get_running_loop())
+        return await super().call(tool, args)
+
+
 class BadSchemaEnv(ToyEnv):
     def tools(self) -> list[dict[str, Any]]:
         return [{"name": "x", "description": "", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}]

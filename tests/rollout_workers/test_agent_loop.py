@@ -23,7 +23,7 @@ from rollout_workers.environments.calculator import CalculatorEnv
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.trajectory import TrajectoryStatus
 
-from helper_envs import ToyEnv  # isort: skip
+from helper_envs import CooperativeToyEnv, ToyEnv  # isort: skip
 
 
 def plan_script(ctx: str, turn: int) -> str:
@@ -116,6 +116,19 @@ def test_hanging_tool_is_timed_out_and_others_continue(tokenizer: Any) -> None:
     assert elapsed < 8.0  # the blocked tools loop was replaced instead of stalling everyone for 10 s
     assert loop.tool_runner.retired_loops >= 1
     assert loop.stats.snapshot()["status_tool_timeout"] == 2
+
+
+def test_a_cooperative_environment_runs_on_the_agent_loop_and_its_hanging_tool_times_out(tokenizer: Any) -> None:
+    CooperativeToyEnv.loops.clear()
+    plans = [[call("hang")], [call("add", a=1, b=2), call("add", a=3, b=4)], [call("add", a=5, b=6)]]
+    trajs, _, _ = run_plans(plans, SamplingConfig(tool_timeout_s=0.5, max_total_tokens=2048), tokenizer=tokenizer,
+                            env_factory=CooperativeToyEnv)
+    hang, ok, ok2 = trajs
+    assert hang.status == TrajectoryStatus.TOOL_TIMEOUT and hang.steps[-1].tool_calls[0].error_kind == "timeout"
+    assert ok.status == ok2.status == TrajectoryStatus.OK
+    assert [c.result for s in ok.steps for c in s.tool_calls] == ["3", "7"]
+    # every call of every episode ran on one event loop, the agent loop's (lanes would use a loop each)
+    assert len(CooperativeToyEnv.loops) == 4 and len(set(map(id, CooperativeToyEnv.loops))) == 1
 
 
 def test_crashing_environment_marks_env_error_only_for_its_episode(tokenizer: Any) -> None:

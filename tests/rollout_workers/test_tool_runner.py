@@ -74,3 +74,27 @@ def test_idle_list_is_bounded(max_idle: int) -> None:
         assert a is not b and runner._idle_loops == []
     finally:
         runner.close()
+
+
+def test_a_cooperative_lane_runs_coroutines_on_the_callers_loop_and_still_times_out() -> None:
+    runner = ToolRunner()
+    env = Env()
+
+    async def main() -> None:
+        here = asyncio.get_running_loop()
+        isolated, cooperative = runner.lane(), runner.lane()
+        cooperative.cooperative = True
+        try:
+            assert await isolated.run(bound(env.where), 1.0) is not here
+            assert await cooperative.run(bound(env.where), 1.0) is here
+            with pytest.raises(TimeoutError, match="no answer within 0.2s"):
+                await cooperative.run(bound(env.hang), 0.2)
+            assert await cooperative.run(bound(env.where), 1.0) is here  # the loop goes on
+        finally:
+            isolated.close()
+            cooperative.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        runner.close()
