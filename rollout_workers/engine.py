@@ -452,7 +452,7 @@ class VLLMEngine(ContinuousBatchingEngine):
                          and request.prompt_ids[: len(session.context)] == session.context)
             if continues:
                 return session
-            self._close_session(request.session)
+            self._end_session(request.session)
         # open sessions hold a request slot each: leave room for plain requests and continuations
         if len(self._sessions) >= self.config.max_num_seqs // 2:
             return None
@@ -460,7 +460,7 @@ class VLLMEngine(ContinuousBatchingEngine):
         self._session_of[session.vllm_id] = session
         return session
 
-    def _close_session(self, key: str) -> None:
+    def _end_session(self, key: str) -> None:
         session = self._sessions.pop(key, None)
         if session is None:
             return
@@ -469,9 +469,6 @@ class VLLMEngine(ContinuousBatchingEngine):
         else:
             del self._session_of[session.vllm_id]
             self._engine.abort_request([session.vllm_id])
-
-    def _end_session(self, session: str) -> None:
-        self._close_session(session)
 
     def _step(self) -> list[FinishedTurn]:
         finished = []
@@ -499,7 +496,7 @@ class VLLMEngine(ContinuousBatchingEngine):
 
     def _apply_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         for key in list(self._sessions):  # their KV was computed by the old weights
-            self._close_session(key)
+            self._end_session(key)
         load_weights_into_llm(self.llm, state_dict)
 
 

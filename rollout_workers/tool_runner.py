@@ -104,27 +104,28 @@ class ToolLane:
         return (await self.run_timed(fn, timeout_s))[0]
 
     async def run_timed(self, fn: Callable[[], Awaitable[T] | T], timeout_s: float) -> tuple[T, float]:
-        """`fn()` is a coroutine (run on this lane's loop) or a plain call (run in the pool). Returns
-        its value and how long it ran where it ran (queueing on the agent loop excluded);
-        TimeoutError after `timeout_s`."""
-        lt = None
-        if self.cooperative and (inspect.iscoroutinefunction(fn) or _returns_coroutine(fn)):
-            try:
-                return await asyncio.wait_for(_await_timed(fn), timeout_s)
-            except TimeoutError:
-                raise TimeoutError(f"no answer within {timeout_s:g}s") from None
-        if inspect.iscoroutinefunction(fn) or _returns_coroutine(fn):
-            if self._loop_thread is None:
-                self._loop_thread = self._runner._take_loop()
-            lt = self._loop_thread
-            cfut = asyncio.run_coroutine_threadsafe(_await_timed(fn), lt.loop)
+        """`fn()` is a coroutine (run on this lane's loop, or on the caller's when the lane is
+        cooperative) or a plain call (run in the pool). Returns its value and how long it ran where it ran
+        (queueing on the agent loop excluded); TimeoutError after `timeout_s`."""
+        lt, cfut = None, None
+        is_coroutine = inspect.iscoroutinefunction(fn) or _returns_coroutine(fn)
+        if is_coroutine and self.cooperative:
+            work: Awaitable[tuple[T, float]] = _await_timed(fn)
         else:
-            cfut = self._runner._pool.submit(_call_timed, fn)
+            if is_coroutine:
+                if self._loop_thread is None:
+                    self._loop_thread = self._runner._take_loop()
+                lt = self._loop_thread
+                cfut = asyncio.run_coroutine_threadsafe(_await_timed(fn), lt.loop)
+            else:
+                cfut = self._runner._pool.submit(_call_timed, fn)
+            work = asyncio.wrap_future(cfut)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(cfut), timeout_s)
+            return await asyncio.wait_for(work, timeout_s)
         except TimeoutError:
-            self._timed_out = True
-            cfut.cancel()
+            if cfut is not None:  # a call on the caller's loop was cancelled by wait_for itself
+                self._timed_out = True
+                cfut.cancel()
             if lt is not None and not await _responsive(lt.loop):
                 self._loop_thread = None  # blocked: abandon it (a daemon thread), start afresh if needed
                 self._runner.retired_loops += 1
