@@ -140,6 +140,7 @@ def run_loop(engine: Any, env_factory: Any, tasks: list[dict[str, Any]], samplin
         "sampled_tokens_per_episode": snap["sampled_tokens"] / len(trajs),
         "turns_per_episode": snap["turns"] / len(trajs),
         "tool_calls": snap["tool_calls"],
+        "tool_errors": {kind: n for kind, n in stats.tool_errors.items()},
         "tool_latency_p50_ms": snap["tool_latency_p50_ms"],
         "tool_latency_p99_ms": snap["tool_latency_p99_ms"],
         "engine_busy_fraction": snap["engine_busy_fraction"],
@@ -348,7 +349,7 @@ def main() -> None:
     print()
     print(f"one worker, in-process vLLM (CPU), calculator env, tool latency {args.tool_latency_ms:g} ms")
     print(f"{'conc':>5} {'traj/s':>8} {'tok/s':>8} {'turns/s':>8} {'uniform':>8} {'ratio':>6} {'matched':>8} {'ratio':>6} "
-          f"{'replay':>8} {'ratio':>6} {'tok/ep':>7} {'turns/ep':>8} {'tool p50':>9} {'tool p99':>9} {'steps':>6} "
+          f"{'replay':>8} {'ratio':>6} {'tok/ep':>7} {'turns/ep':>8} {'tool p50':>9} {'tool p99':>9} {'tool err':>8} {'steps':>6} "
           f"{'live/step':>9} {'success':>7}")
     for r in rows:
         print(f"{r['concurrency']:>5} {r['trajectories_per_s']:>8.2f} {r['tokens_per_s']:>8.0f} {r['turns_per_s']:>8.1f} "
@@ -356,6 +357,7 @@ def main() -> None:
               f"{r['loop_vs_matched']:>6.2f} {r['replay_tokens_per_s']:>8.0f} {r['loop_vs_replay']:>6.2f} "
               f"{r['sampled_tokens_per_episode']:>7.1f} "
               f"{r['turns_per_episode']:>8.2f} {r['tool_latency_p50_ms']:>8.1f}ms {r['tool_latency_p99_ms']:>8.1f}ms "
+              f"{sum(r['tool_errors'].values()) / max(r['tool_calls'], 1):>8.2f} "
               f"{r['engine_steps']:>6.0f} {r['mean_running_sequences']:>9.1f} {r['success_rate']:>7.2f}")
     if pool_rows:
         print(f"\npool of {args.pool_workers} Ray workers (each one in-process vLLM engine, 1 CPU)")

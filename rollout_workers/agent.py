@@ -243,7 +243,7 @@ class AgentLoop:
 
         for call in step.tool_calls:
             if call.error is not None:
-                self.stats.record_tool(0.0, call.error_kind)
+                self.stats.record_tool(None, call.error_kind)
                 continue
             failure = await self._call_tool(ep, call)
             if failure is not None:

@@ -28,7 +28,8 @@ class RolloutStats:
         self.busy_seconds = 0.0  # wall time inside run() calls
         self.statuses: Counter[str] = Counter()
         self.tool_errors: Counter[str] = Counter()
-        self.tool_calls = 0
+        self.tool_calls = 0  # every call the model wrote
+        self.tool_calls_run = 0  # the calls that reached the environment (the latency window's samples)
         self._tool_latency: deque[float] = deque(maxlen=latency_window)
 
     def record_generate(self, sampled_tokens: int) -> None:
@@ -40,10 +41,14 @@ class RolloutStats:
             self.turns += 1
             self.inserted_tokens += inserted_tokens
 
-    def record_tool(self, latency_s: float, error_kind: str | None) -> None:
+    def record_tool(self, latency_s: float | None, error_kind: str | None) -> None:
+        """One tool call; latency_s is None for a call rejected before it reached the environment (bad
+        format, unknown tool, bad arguments): it counts as an error but not as a latency sample."""
         with self._lock:
             self.tool_calls += 1
-            self._tool_latency.append(latency_s)
+            if latency_s is not None:
+                self.tool_calls_run += 1
+                self._tool_latency.append(latency_s)
             if error_kind:
                 self.tool_errors[error_kind] += 1
 
@@ -81,6 +86,7 @@ class RolloutStats:
                 "engine_busy_fraction": min(1.0, self.engine_seconds / busy),
                 "mean_running_sequences": self.engine_sequence_steps / max(self.engine_steps, 1),
                 "tool_calls": float(self.tool_calls),
+                "tool_calls_run": float(self.tool_calls_run),
                 "tool_latency_p50_ms": float(np.percentile(lat, 50)),
                 "tool_latency_p90_ms": float(np.percentile(lat, 90)),
                 "tool_latency_p99_ms": float(np.percentile(lat, 99)),

@@ -96,7 +96,10 @@ def test_errors_are_steps_the_model_sees(tokenizer: Any) -> None:
         assert first.observation_text.count("<tool_response>Error: ") == 1
         assert first.tool_calls[0].error in first.observation_text
     assert trajs[0].steps[1].tool_calls[0].result == "7"
-    assert loop.stats.snapshot()["tool_errors_format"] == 1
+    stats = loop.stats.snapshot()
+    assert stats["tool_errors_format"] == 1 and stats["tool_calls"] == 5
+    # only the two calls that reached the environment (the add, and the rejected reject) are latency samples
+    assert stats["tool_calls_run"] == 2
 
 
 def test_hanging_tool_is_timed_out_and_others_continue(tokenizer: Any) -> None:
