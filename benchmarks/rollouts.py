@@ -22,7 +22,9 @@ same prompts, none of the loop's tools or parsing:
 Each level runs `--repeats` paired rounds (the loop, then the baselines right after it on the same
 prompts) and reports medians: one closed batch of short episodes ends in about a second, and single runs
 of the baselines moved up to 1.9x between back-to-back runs on a 2-core machine.
-Target: loop tokens/s >= 80% of standalone with tools under 10 ms.
+Target: with tools under 10 ms, loop tokens/s >= 80% of standalone: of replay, the engine alone doing the
+loop's own turns (the loop, parsing and tool calls must not starve it). Matched and uniform put that
+in context: they also leave out the multi-turn work itself, which any agent loop must have done.
 Writes a table to stdout and JSON to benchmarks/results/rollouts_cpu.json.
 """
 
@@ -58,6 +60,7 @@ from rollout_workers.sampling import SamplingConfig  # noqa: E402
 from rollout_workers.stats import RolloutStats  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "rollouts_cpu.json"
+TARGET = 0.8  # loop tokens/s over replay's
 
 
 class SlowCalculatorEnv(CalculatorEnv):
@@ -359,6 +362,9 @@ def main() -> None:
               f"{r['turns_per_episode']:>8.2f} {r['tool_latency_p50_ms']:>8.1f}ms {r['tool_latency_p99_ms']:>8.1f}ms "
               f"{sum(r['tool_errors'].values()) / max(r['tool_calls'], 1):>8.2f} "
               f"{r['engine_steps']:>6.0f} {r['mean_running_sequences']:>9.1f} {r['success_rate']:>7.2f}")
+    verdict = ", ".join(f"{r['concurrency']}: {r['loop_vs_replay']:.2f} {'met' if r['loop_vs_replay'] >= TARGET else 'NOT met'}"
+                        for r in rows)
+    print(f"target, loop >= {TARGET} x replay: {verdict}")
     if pool_rows:
         print(f"\npool of {args.pool_workers} Ray workers (each one in-process vLLM engine, 1 CPU)")
         print(f"{'conc':>5} {'traj/s':>8} {'tok/s':>8}")
@@ -377,9 +383,10 @@ def main() -> None:
         "sampling": sampling.model_dump(),
         "single_worker": rows,
         "pool": pool_rows,
-        "target": "loop tokens/s >= 0.8 of standalone with tools under 10 ms (loop_vs_uniform: uniform-length "
-                  "baseline; loop_vs_matched: the episodes' own lengths in one turn; loop_vs_replay: the loop's own "
-                  "turn requests, back to back)",
+        "target": f"loop_vs_replay >= {TARGET} with tools under 10 ms (replay: the loop's own turn requests on the "
+                  "engine alone; loop_vs_matched: the episodes' own lengths in one turn each; loop_vs_uniform: every "
+                  "episode the mean length)",
+        "target_met": {str(r["concurrency"]): r["loop_vs_replay"] >= TARGET for r in rows},
     }, indent=2))
     print(f"\nwrote {args.out}")
 
