@@ -24,7 +24,7 @@ prompts) and reports medians: one closed batch of short episodes ends in about a
 of the baselines moved up to 1.9x between back-to-back runs on a 2-core machine.
 Target: with tools under 10 ms, loop tokens/s >= 80% of standalone: of replay, the engine alone doing the
 loop's own turns (the loop, parsing and tool calls must not starve it). Matched and uniform put that
-in context: they also leave out the multi-turn work itself, which any agent loop must have done.
+in context: they also leave out the multi-turn work itself, which any agent loop has to do.
 Writes a table to stdout and JSON to benchmarks/results/rollouts_cpu.json.
 """
 

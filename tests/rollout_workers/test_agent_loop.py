@@ -98,7 +98,7 @@ def test_errors_are_steps_the_model_sees(tokenizer: Any) -> None:
     assert trajs[0].steps[1].tool_calls[0].result == "7"
     stats = loop.stats.snapshot()
     assert stats["tool_errors_format"] == 1 and stats["tool_calls"] == 5
-    # only the two calls that reached the environment (the add, and the rejected reject) are latency samples
+    # only the two calls that reached the environment (the add, and `reject`, which raised) are latency samples
     assert stats["tool_calls_run"] == 2
 
 
