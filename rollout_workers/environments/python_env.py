@@ -1,8 +1,7 @@
-"""Python: integer puzzles the model solves by running code in the sandbox (`run_python`)."""
+"""Python: integer puzzles the model solves by running code in the sandbox (`run_python_async`)."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,7 @@ from rollout_workers.environments.base import (
     parse_int,
     tool_call_message,
 )
-from rollout_workers.environments.sandbox import SandboxLimits, run_python
+from rollout_workers.environments.sandbox import SandboxLimits, run_python_async
 
 if TYPE_CHECKING:
     from rollout_workers.trajectory import Trajectory
@@ -93,7 +92,7 @@ class PythonEnv(Environment):
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool != "run_python":
             raise ToolError(f"unknown tool {tool!r}")
-        result = await asyncio.to_thread(run_python, str(args["code"]), self.limits)
+        result = await run_python_async(str(args["code"]), self.limits)
         return result.summary()
 
     def outcome(self, trajectory: Trajectory) -> float:

@@ -10,6 +10,7 @@ process group, so a wall-clock timeout kills it and anything it spawned.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -97,6 +98,12 @@ class SandboxResult:
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code` under `limits`; never raises for anything the code does."""
+    return asyncio.run(run_python_async(code, limits))
+
+
+async def run_python_async(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """`run_python` on an event loop. Cancelling it (e.g. a tool timeout shorter than the wall-clock limit)
+    kills the program at once instead of leaving it to run to its own limit."""
     with tempfile.TemporaryDirectory(prefix="taper-sandbox-") as work:
         src = os.path.join(work, "main.py")
         with open(src, "w") as f:
@@ -108,11 +115,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         start = time.monotonic()
         timed_out = False
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                [
-                    sys.executable, "-I", "-S", "-c", _LAUNCHER, _BOOTSTRAP, src, netns_flag,
-                    str(limits.cpu_seconds), str(limits.memory_bytes), str(limits.output_bytes + 1),
-                ],
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", "-c", _LAUNCHER, _BOOTSTRAP, src, netns_flag,
+                str(limits.cpu_seconds), str(limits.memory_bytes), str(limits.output_bytes + 1),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
@@ -121,10 +126,13 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
                 start_new_session=True,
             )
             try:
-                proc.wait(timeout=limits.wall_seconds)
-            except subprocess.TimeoutExpired:
+                await asyncio.wait_for(proc.wait(), timeout=limits.wall_seconds)
+            except TimeoutError:
                 timed_out = True
-                _kill_group(proc)
+                await _kill_group(proc)
+            except asyncio.CancelledError:
+                await _kill_group(proc)
+                raise
         duration = time.monotonic() - start
         stdout, out_trunc = _read_capped(out_path, limits.output_bytes)
         stderr, err_trunc = _read_capped(err_path, limits.output_bytes)
@@ -139,12 +147,12 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         )
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait()
+    await proc.wait()
 
 
 def _read_capped(path: str, cap: int) -> tuple[str, bool]:

@@ -4,12 +4,15 @@ process components check the steps against the task; the python sandbox's limits
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollout_workers.environments import BUILTIN_ENVIRONMENTS, ToolError
 from rollout_workers.environments.calculator import evaluate_expression
+from rollout_workers.environments.python_env import PythonEnv
 from rollout_workers.environments.sandbox import SandboxLimits, run_python
 from rollout_workers.trajectory import Step, ToolCall, Trajectory
 
@@ -118,6 +121,23 @@ def test_sandbox_wall_clock_kill_and_output_cap() -> None:
     assert "wall-clock" in r.summary()
     r = run_python("print('x' * 100000)", LIMITS)
     assert r.output_truncated and len(r.stdout) == LIMITS.output_bytes
+
+
+def test_python_env_call_cut_by_a_tool_timeout_kills_the_program(tmp_path: Path) -> None:
+    """The agent loop times a tool call out by cancelling it: the sandboxed program must die then, not
+    run on to its own (longer) wall-clock limit."""
+    pid_file = tmp_path / "pid"
+    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)"
+    env = PythonEnv(wall_seconds=60)
+
+    async def call_with_timeout() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(env.call("run_python", {"code": code}), timeout=3.0)
+        pid = int(pid_file.read_text())  # the program had started
+        with pytest.raises(ProcessLookupError):  # and is gone (reaped) as soon as the call is
+            os.kill(pid, 0)
+
+    asyncio.run(call_with_timeout())
 
 
 def test_sandbox_cpu_limit() -> None:
