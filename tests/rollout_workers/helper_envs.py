@@ -15,6 +15,7 @@ _INT_PAIR = {
     "additionalProperties": False,
 }
 _NONE = {"type": "object", "properties": {}, "additionalProperties": False}
+_MS = {"type": "object", "properties": {"ms": {"type": "integer"}}, "required": ["ms"], "additionalProperties": False}
 
 
 class ToyEnv(Environment):
@@ -23,6 +24,7 @@ class ToyEnv(Environment):
     def tools(self) -> list[dict[str, Any]]:
         return [
             {"name": "add", "description": "a + b", "parameters": _INT_PAIR},
+            {"name": "wait", "description": "answers after ms milliseconds (async)", "parameters": _MS},
             {"name": "hang", "description": "never answers (async)", "parameters": _NONE},
             {"name": "block", "description": "blocks its thread for 10 s", "parameters": _NONE},
             {"name": "crash", "description": "raises", "parameters": _NONE},
@@ -37,6 +39,9 @@ class ToyEnv(Environment):
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool == "add":
             return str(args["a"] + args["b"])
+        if tool == "wait":
+            await asyncio.sleep(args["ms"] / 1000)
+            return "waited"
         if tool == "hang":
             await asyncio.sleep(3600)
         if tool == "block":

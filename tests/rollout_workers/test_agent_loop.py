@@ -8,6 +8,7 @@ import json
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from scripted_engine import ScriptedEngine
 
@@ -100,6 +101,19 @@ def test_errors_are_steps_the_model_sees(tokenizer: Any) -> None:
     assert stats["tool_errors_format"] == 1 and stats["tool_calls"] == 5
     # only the two calls that reached the environment (the add, and `reject`, which raised) are latency samples
     assert stats["tool_calls_run"] == 2
+
+
+def test_tool_latency_percentiles_come_from_the_calls_that_ran(tokenizer: Any) -> None:
+    waits_ms = [20 * (i + 1) for i in range(10)]  # 20 .. 200 ms
+    plans = [[call("wait", ms=ms)] for ms in waits_ms] + [['<tool_call>{"name": }</tool_call>']]
+    trajs, _, loop = run_plans(plans, tokenizer=tokenizer)
+    assert all(t.status == TrajectoryStatus.OK for t in trajs)
+    stats = loop.stats.snapshot()
+    assert stats["tool_calls"] == 11 and stats["tool_calls_run"] == 10
+    # a call takes at least its wait; the slack above it is for a loaded machine
+    for q in (50, 90, 99):
+        nominal = float(np.percentile(waits_ms, q))
+        assert nominal <= stats[f"tool_latency_p{q}_ms"] < nominal + 500, q
 
 
 def test_hanging_tool_is_timed_out_and_others_continue(tokenizer: Any) -> None:
