@@ -48,7 +48,8 @@ def test_data_parallel_job_survives_a_hung_driver(redis_url, ray_local, tiny_lla
     assert got.state == JobState.SUCCEEDED, [e for e in events if e["kind"] == "error"]
     assert got.attempts == 2 and got.step == 2
     hung = [e["data"] for e in events if e["kind"] == "driver_hung"]
-    assert len(hung) == 1 and hung[0]["step"] == 1 and hung[0]["silent_s"] > 20.0
+    # silent_s is rounded to the millisecond: a kill just past the 20 s timeout can read 20.0
+    assert len(hung) == 1 and hung[0]["step"] == 1 and hung[0]["silent_s"] >= 20.0
     assert [e["data"]["step"] for e in events if e["kind"] == "resumed"] == [1]
     assert [m["step"] for m in store.metrics(job.id) if "loss" in m["metrics"]] == [1, 2]
     ckpts = list_checkpoints(Path(got.work_dir) / "checkpoints")
