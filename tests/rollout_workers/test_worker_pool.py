@@ -3,6 +3,7 @@ environment and takes weight pushes; a worker killed mid-batch, or whose engine 
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import helper_envs
 import pytest
 import scripted_engine
+import torch
 
 from rollout_workers.engine import EngineConfig
 from rollout_workers.pool import RolloutPool
@@ -66,11 +68,20 @@ def test_vllm_worker_contains_env_crashes_and_keeps_going(vllm_pool: RolloutPool
 def test_weight_push_reaches_the_worker_engine(vllm_pool: RolloutPool, tiny_llama_dir: Path) -> None:
     from safetensors.torch import load_file
 
-    seconds = vllm_pool.push_weights(load_file(str(tiny_llama_dir / "model.safetensors")), version=3)
-    assert seconds > 0
+    original = load_file(str(tiny_llama_dir / "model.safetensors"))
+    zero_head = {**original, "lm_head.weight": torch.zeros_like(original["lm_head.weight"])}
+    assert vllm_pool.push_weights(zero_head, version=3) > 0
     (group,) = vllm_pool.generate([{"id": "a", "question": "[]"}], n=2, sampling=SAMPLING)
     assert all(t.weight_versions() == [3] * len(t.steps) for t in group)
     assert vllm_pool.stats()["weight_version"] == 3
+    # the worker's engine samples from the pushed weights: a zero head gives every token the same logprob
+    uniform = -math.log(original["lm_head.weight"].shape[0])
+    assert all(abs(lp - uniform) < 1e-4 for t in group for s in t.steps for lp in s.action_logprobs)
+
+    vllm_pool.push_weights(original, version=4)
+    (group,) = vllm_pool.generate([{"id": "a", "question": "[]"}], n=2, sampling=SAMPLING)
+    assert all(t.weight_versions() == [4] * len(t.steps) for t in group)
+    assert any(abs(lp - uniform) > 0.1 for t in group for s in t.steps for lp in s.action_logprobs)
 
 
 def test_killing_a_worker_mid_batch_loses_no_group(by_value: Any, tokenizer_dir: Path) -> None:
