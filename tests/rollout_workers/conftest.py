@@ -1,5 +1,6 @@
-"""Fixtures for rollout_workers tests: the chat format, a real HTTP tool server on 127.0.0.1 (the real vLLM
-engine on the tiny Llama, shared by the session, is `vllm_engine` in tests/conftest.py)."""
+"""Fixtures for rollout_workers tests: the chat format, a real HTTP tool server on 127.0.0.1, a tiny Llama
+that always calls a tool (the real vLLM engine on the random tiny Llama, shared by the session, is
+`vllm_engine` in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,45 @@ def tool_server() -> Iterator[tuple[str, ToolServerState]]:
     yield f"http://127.0.0.1:{server.server_address[1]}", state
     server.shutdown()
     server.server_close()
+
+
+PROBE_CALL = '<tool_call>{"name": "probe", "arguments": {}}</tool_call>'
+
+
+@pytest.fixture(scope="session")
+def tool_calling_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny Llama that calls `probe` (helper_envs.ProbeEnv) on every turn, for real-engine tests that need
+    tool calls (a random model never writes one). The call is one added token, so a next-token table can
+    write it: after the assistant header's newline the model writes that token, after anything else its
+    end-of-turn token. Its one layer adds nothing (zero output projections), so the logits read only the
+    current token's embedding; each embedding is one of three directions."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens([AddedToken(PROBE_CALL, special=False, normalized=False)])
+    call_id = tok.convert_tokens_to_ids(PROBE_CALL)
+    (newline,) = tok.encode("\n", add_special_tokens=False)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb[:, 0] = 1.0  # any token ...
+        emb[newline] = torch.eye(64)[1]  # ... but the newline ...
+        emb[call_id] = torch.eye(64)[2]  # ... and the call
+        head[call_id, 1] = 10.0  # newline -> the call
+        head[tok.eos_token_id, 0] = head[tok.eos_token_id, 2] = 10.0  # call or anything else -> end of turn
+    out = tmp_path_factory.mktemp("tool-calling-llama")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -57,6 +57,29 @@ class ToyEnv(Environment):
         return 1.0
 
 
+class ProbeEnv(Environment):
+    """One argument-free tool, `probe`, for the tool-calling test model (which always calls it). What it
+    does is the task's choice: answer "42" at once, or hang."""
+
+    name = "probe"
+    cooperative = True
+
+    def tools(self) -> list[dict[str, Any]]:
+        return [{"name": "probe", "description": "answers 42, or never", "parameters": _NONE}]
+
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        self.mode = task.get("probe", "answer")
+        return [{"role": "user", "content": task["question"]}]
+
+    async def call(self, tool: str, args: dict[str, Any]) -> str:
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        return "42"
+
+    def outcome(self, trajectory: Any) -> float:
+        return 1.0
+
+
 class CooperativeToyEnv(ToyEnv):
     """ToyEnv declaring its coroutines cooperative: they run on the agent loop's own event loop."""
 

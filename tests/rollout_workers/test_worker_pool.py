@@ -84,6 +84,49 @@ def test_weight_push_reaches_the_worker_engine(vllm_pool: RolloutPool, tiny_llam
     assert any(abs(lp - uniform) > 0.1 for t in group for s in t.steps for lp in s.action_logprobs)
 
 
+def test_a_vllm_worker_inserts_real_tool_results_and_times_out_a_hanging_tool(
+    by_value: Any, tool_calling_llama_dir: Path, vllm_pool: RolloutPool
+) -> None:
+    """The tool-calling tiny Llama on a real vLLM worker: every turn calls `probe`. Its answers are inserted
+    token-exactly (mask 0); where the tool hangs, the call times out and is recorded, and the rest of the
+    batch finishes. (`vllm_pool` is requested so that its CPU is taken before this pool's: Ray has 2.)"""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tool_calling_llama_dir)
+    pool = RolloutPool(
+        EngineConfig(model_dir=str(tool_calling_llama_dir), max_model_len=1024, kv_cache_gib=0.25),
+        helper_envs.ProbeEnv,
+        num_workers=1,
+        num_cpus_per_worker=0.5,
+    )
+    try:
+        tasks = [{"id": "answers", "question": "call it"}, {"id": "hangs", "question": "call it", "probe": "hang"}]
+        sampling = SamplingConfig(max_tokens_per_turn=4, max_turns=2, max_total_tokens=1024, tool_timeout_s=1.0)
+        answers, hangs = pool.generate(tasks, n=2, sampling=sampling)
+        for t in answers:
+            assert t.status == TrajectoryStatus.TRUNCATED and len(t.steps) == 2  # a call on every turn
+            for step in t.steps:
+                (call,) = step.tool_calls
+                assert (call.name, call.arguments, call.result, call.error) == ("probe", {}, "42", None)
+            first = t.steps[0]
+            assert "<tool_response>42</tool_response>" in first.observation_text
+            assert first.observation_ids == tok.encode(first.observation_text, add_special_tokens=False)
+            n_act, n_obs = len(first.action_ids), len(first.observation_ids)
+            assert t.loss_mask()[: n_act + n_obs] == [1] * n_act + [0] * n_obs
+            assert len(t.completion_logprobs()) == len(t.completion_ids())
+            assert tok.decode(t.prompt_ids + t.completion_ids()) == t.prompt_text + "".join(
+                s.action_text + s.observation_text for s in t.steps
+            )
+        for t in hangs:
+            assert t.status == TrajectoryStatus.TOOL_TIMEOUT and len(t.steps) == 1
+            (call,) = t.steps[0].tool_calls
+            assert call.error_kind == "timeout" and 1.0 <= call.latency_s < 5.0
+        stats = pool.stats()
+        assert stats["status_tool_timeout"] == 2 and stats["tool_calls_run"] == 6  # 2 x 2 answers, 2 hangs
+    finally:
+        pool.shutdown()
+
+
 def test_killing_a_worker_mid_batch_loses_no_group(by_value: Any, tokenizer_dir: Path) -> None:
     import functools
 
