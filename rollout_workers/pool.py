@@ -100,10 +100,8 @@ class RolloutPool:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[slot])
-        actor = RolloutWorker.options(**options).remote(*self._spawn_args)
-        if self._weights is not None:
-            actor.load_weights.remote(*self._weights)  # actor calls run in order: before any batch
-        return actor
+        # The weights go to the constructor: the actor is threaded, so a separate load call could race its first batch.
+        return RolloutWorker.options(**options).remote(*self._spawn_args, *(self._weights or ()))
 
     def _replace(self, slot: int, dead: Any) -> None:
         if self._workers[slot] is dead:

@@ -44,8 +44,12 @@ class RolloutWorkerImpl:
         engine: EngineConfig | EngineFactory,
         env: EnvSource,
         env_options: dict[str, Any] | None = None,
+        weights: Mapping[str, torch.Tensor] | None = None,
+        weight_version: int = 0,
     ) -> None:
-        """`env`: a built-in name, a registration, or (in-process code only) a zero-argument factory."""
+        """`env`: a built-in name, a registration, or (in-process code only) a zero-argument factory.
+        `weights` (with their `weight_version`) are loaded before the actor takes any call: a replacement
+        worker samples its first token from the latest pushed weights."""
         # In-process vLLM engine core: one process per worker is enough on CPU and keeps startup short.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if isinstance(env, str | EnvironmentRegistration):
@@ -55,6 +59,8 @@ class RolloutWorkerImpl:
             self.env_name = str(getattr(env, "name", "") or type(env).__name__)
             self.env_factory = env
         self.engine = build_engine(engine)
+        if weights is not None:
+            self.engine.load_weights(weights, weight_version)
         self.max_model_len = engine.max_model_len if isinstance(engine, EngineConfig) else None
         self.stats_ = RolloutStats()
         self.tool_runner = ToolRunner()

@@ -59,7 +59,7 @@ class ToyEnv(Environment):
 
 class ProbeEnv(Environment):
     """One argument-free tool, `probe`, for the tool-calling test model (which always calls it). What it
-    does is the task's choice: answer "42" at once, or hang."""
+    does is the task's choice: answer "42" at once, after `wait_s` seconds, or never."""
 
     name = "probe"
     cooperative = True
@@ -68,12 +68,11 @@ class ProbeEnv(Environment):
         return [{"name": "probe", "description": "answers 42, or never", "parameters": _NONE}]
 
     async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        self.mode = task.get("probe", "answer")
+        self.mode, self.wait_s = task.get("probe", "answer"), float(task.get("wait_s", 0.0))
         return [{"role": "user", "content": task["question"]}]
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
-        if self.mode == "hang":
-            await asyncio.sleep(3600)
+        await asyncio.sleep(3600 if self.mode == "hang" else self.wait_s)
         return "42"
 
     def outcome(self, trajectory: Any) -> float:

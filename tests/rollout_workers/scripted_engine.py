@@ -71,13 +71,6 @@ def answer_script(context: str, turn: int) -> str:
     return "The answer is 7."
 
 
-def make_slow_engine(tokenizer_dir: str, step_delay_s: float) -> ScriptedEngine:
-    """A picklable engine factory for Ray workers: every step sleeps `step_delay_s`."""
-    from transformers import AutoTokenizer
-
-    return ScriptedEngine(AutoTokenizer.from_pretrained(tokenizer_dir), answer_script, step_delay_s)
-
-
 class _BreakingEngine(ScriptedEngine):
     """Its step loop raises at step `break_at` (as a crashed model forward would)."""
 

@@ -25,7 +25,7 @@ def helper_module(monkeypatch: pytest.MonkeyPatch) -> str:
 def test_valid_python_registration_builds_environments(helper_module: str) -> None:
     reg = validate_registration({"kind": "python", "name": "toy", "import_path": f"{helper_module}:ToyEnv"})
     env = make_env_factory(reg)()
-    assert [t["name"] for t in env.tools()][:2] == ["add", "hang"]
+    assert {"add", "wait", "hang"} <= {t["name"] for t in env.tools()}
     # JSON round trip: what the control plane stores is enough to rebuild it
     again = EnvironmentRegistration.model_validate_json(reg.model_dump_json())
     assert again == reg

@@ -1,5 +1,7 @@
 """Ray rollout workers and the pool, on a real local Ray: a real vLLM worker keeps going past a crashing
-environment and takes weight pushes; a worker killed mid-batch, or whose engine broke, loses no group."""
+environment, takes weight pushes, inserts real tool results and times out a hanging tool; a vLLM worker
+killed mid-batch, or a worker whose engine broke, loses no group, and a replacement starts on the latest
+weights."""
 
 from __future__ import annotations
 
@@ -127,25 +129,34 @@ def test_a_vllm_worker_inserts_real_tool_results_and_times_out_a_hanging_tool(
         pool.shutdown()
 
 
-def test_killing_a_worker_mid_batch_loses_no_group(by_value: Any, tokenizer_dir: Path) -> None:
-    import functools
+def test_killing_a_vllm_worker_mid_batch_loses_no_group(by_value: Any, tool_calling_llama_dir: Path) -> None:
+    from safetensors.torch import load_file
 
-    factory = functools.partial(scripted_engine.make_slow_engine, str(tokenizer_dir), 0.25)
-    pool = RolloutPool(factory, helper_envs.ToyEnv, num_workers=2, num_cpus_per_worker=0.5, groups_per_call=2)
+    pool = RolloutPool(
+        EngineConfig(model_dir=str(tool_calling_llama_dir), max_model_len=1024, kv_cache_gib=0.25),
+        helper_envs.ProbeEnv,
+        num_workers=1,
+        num_cpus_per_worker=0.5,
+        groups_per_call=2,
+    )
     try:
-        pool.push_weights({}, version=5)
-        tasks = [{"id": f"t{i}", "question": "[]"} for i in range(8)]
-        future = pool.submit(tasks, n=2, sampling=SamplingConfig(max_total_tokens=2048))
-        time.sleep(0.8)  # both workers are inside their first turns (about 8 steps of 0.25 s)
+        pool.push_weights(load_file(str(tool_calling_llama_dir / "model.safetensors")), version=5)
+        tasks = [{"id": f"t{i}", "question": "call it", "wait_s": 0.5} for i in range(4)]
+        sampling = SamplingConfig(max_tokens_per_turn=4, max_turns=2, max_total_tokens=1024)
+        future = pool.submit(tasks, n=2, sampling=sampling)
+        deadline = time.monotonic() + 60
+        while pool.stats().get("tool_calls", 0) == 0:  # the first chunk's episodes are waiting on their tools
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         victim = pool.workers[0]
         by_value.kill(victim, no_restart=True)
-        groups = future.result(timeout=120)
-        assert [[t.task_id for t in g] for g in groups] == [[f"t{i}"] * 2 for i in range(8)]
-        assert all(t.status == TrajectoryStatus.OK for g in groups for t in g)
-        assert len({g[0].group_id for g in groups}) == 8
+        groups = future.result(timeout=300)
+        assert [[t.task_id for t in g] for g in groups] == [[f"t{i}"] * 2 for i in range(4)]
+        for t in (t for g in groups for t in g):
+            assert t.status == TrajectoryStatus.TRUNCATED and [c.result for s in t.steps for c in s.tool_calls] == ["42"] * 2
         assert pool.restarts == 1 and pool.workers[0] is not victim
         # the replacement loaded the latest weights before its first batch
-        assert all(t.weight_versions() == [5] for g in groups for t in g)
+        assert all(t.weight_versions() == [5, 5] for g in groups for t in g), [t.weight_versions() for g in groups for t in g]
     finally:
         pool.shutdown()
 
