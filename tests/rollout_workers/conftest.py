@@ -50,7 +50,7 @@ def _make_handler(state: ToolServerState) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802 - http.server naming
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with state.lock:
-                state.requests.append({"path": self.path, **body})
+                state.requests.append({"path": self.path, "received_at": time.monotonic(), **body})
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
             try:

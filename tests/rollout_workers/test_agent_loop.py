@@ -21,6 +21,7 @@ from rollout_workers.environments import (
     validate_registration,
 )
 from rollout_workers.environments.calculator import CalculatorEnv
+from rollout_workers.environments.http_env import post_json
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.trajectory import TrajectoryStatus
 
@@ -222,6 +223,35 @@ def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any
     (too_slow,), _, _ = run_plans([[call("slow", seconds=10)]], sampling, tokenizer=tokenizer, env_factory=factory)
     assert too_slow.status == TrajectoryStatus.TOOL_TIMEOUT  # the registration's 0.5 s per-request timeout
     assert too_slow.steps[0].tool_calls[0].latency_s < 5.0  # not the 10 s the server takes
+
+
+def test_http_retries_back_off_exponentially_then_give_up_with_the_cause(tool_server: tuple[str, Any]) -> None:
+    url, state = tool_server
+    reg = validate_registration(
+        EnvironmentRegistration(
+            kind="http", name="backoff-toy", base_url=url, retries=3, backoff_s=0.1,
+            tools=[{"name": "flaky", "description": "503 first", "parameters": {"type": "object"}}],
+        )
+    )
+
+    def attempts_at() -> list[float]:
+        return [r["received_at"] for r in state.requests if r.get("tool") == "flaky" and r["received_at"] > t0]
+
+    t0 = time.monotonic()
+    state.flaky_failures_left = 3
+    assert post_json(reg, "/call", {"session": None, "tool": "flaky", "arguments": {}}) == {"result": "ok"}
+    times = attempts_at()
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert len(times) == 4  # three 503s, then the answer
+    for gap, delay in zip(gaps, (0.1, 0.2, 0.4), strict=True):  # each wait doubles the last
+        assert gap >= delay, gaps
+
+    t0 = time.monotonic()
+    state.flaky_failures_left = 10
+    with pytest.raises(RuntimeError, match="failed after 4 attempts: .*HTTP 503"):
+        post_json(reg, "/call", {"session": None, "tool": "flaky", "arguments": {}})
+    assert len(attempts_at()) == 4
+    state.flaky_failures_left = 0
 
 
 @pytest.mark.parametrize("bad", [{"max_tokens_per_turn": 600, "max_total_tokens": 512}, {"temperature": -1}])
