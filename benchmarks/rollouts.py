@@ -61,6 +61,8 @@ from rollout_workers.stats import RolloutStats  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "rollouts_cpu.json"
 TARGET = 0.8  # loop tokens/s over replay's
+# At 150 steps the tiny Llama still wrote 58-77% malformed calls, so few of its turns ran a tool; at 400, 9-17%.
+SFT_STEPS = {"llama": 400, "taper": 150}
 
 
 class SlowCalculatorEnv(CalculatorEnv):
@@ -277,9 +279,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 96])
     ap.add_argument("--tool-latency-ms", type=float, default=5.0)
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (vLLM's CPU default: 128)")
-    ap.add_argument("--repeats", type=int, default=7,
+    ap.add_argument("--repeats", type=int, default=11,
                     help="paired rounds per level (loop, then its baselines); medians are reported")
-    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--sft-steps", type=int, default=None,
+                    help="SFT steps (default: llama 400, taper 150: where most of each model's tool calls parse)")
     ap.add_argument("--pool-workers", type=int, default=2, help="0 skips the pool measurement")
     ap.add_argument("--model", choices=["llama", "taper"], default="llama",
                     help="the model SFT'd on calculator demonstrations: a tiny Llama (plain attention), or the "
@@ -295,6 +298,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="taper-bench-rollouts-"))
     model_dir = args.model_dir
+    if args.sft_steps is None:
+        args.sft_steps = SFT_STEPS[args.model]
     if model_dir is None:
         model_dir = str(work / "tool-caller")
         t0 = time.monotonic()
@@ -378,6 +383,7 @@ def main() -> None:
         "model": ("tiny Llama (hidden 128, 2 layers)" if args.model == "llama" else "tiny Taper (the service's preset)")
                  + ", SFT on calculator demonstrations"
                  + ("" if args.model_dir is None else f" (reused with --model-dir, folder {Path(args.model_dir).name!r})"),
+        "sft_steps": None if args.model_dir else args.sft_steps,
         "keep_turn_state": args.keep_turn_state,
         "tool_latency_ms": args.tool_latency_ms,
         "sampling": sampling.model_dump(),
