@@ -8,7 +8,6 @@ rollout calls that overlap share the engine's running batch).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from rollout_workers.agent import AgentLoop, EpisodeSpec
+from rollout_workers.agent import AgentLoop, EpisodeSpec, run_groups
 from rollout_workers.engine import Engine, EngineConfig, VLLMEngine
 from rollout_workers.environments.base import Environment
 from rollout_workers.environments.registry import EnvironmentRegistration, make_env_factory
@@ -90,13 +89,7 @@ class RolloutWorkerImpl:
             stats=self.stats_,
             tool_runner=self.tool_runner,
         )
-        flat = [spec for g in groups for spec in g]
-        trajs = asyncio.run(loop.run(flat))
-        out, i = [], 0
-        for g in groups:
-            out.append(trajs[i : i + len(g)])
-            i += len(g)
-        return out
+        return run_groups(loop, groups)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
         t0 = time.monotonic()
