@@ -61,7 +61,7 @@ from rollout_workers.stats import RolloutStats  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "rollouts_cpu.json"
 TARGET = 0.8  # loop tokens/s over replay's
-# At 150 steps the tiny Llama still wrote 58-77% malformed calls, so few of its turns ran a tool; at 400, 9-17%.
+# At 150 steps the tiny Llama still wrote 58-77% malformed calls, so few of its turns ran a tool; at 400, 0-17%.
 SFT_STEPS = {"llama": 400, "taper": 150}
 
 
