@@ -170,51 +170,176 @@ def kda_bwd(
     return dq, dk, dv, dgate, dbeta, dh0
 
 
-class ChunkKDAFunction(torch.autograd.Function):
-    """beta already probabilities; q/k l2norm (optional) and the gate run in the kernels."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, f, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_gate,
-                lower_bound, cu, chunk_indices, chunk_offsets, cfg, use_l2norm):
-        q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
-        q_rstd = k_rstd = None
-        if use_l2norm:
-            (q, q_rstd), (k, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
-        saved = kda_fwd(q, k, v, f, beta, scale, initial_state, output_final_state, use_gate, lower_bound,
-                        A_log, dt_bias, cu, chunk_indices, chunk_offsets, cfg)
-        ctx.save_for_backward(q, k, v, f, beta, A_log, dt_bias, initial_state, cu, q_rstd, k_rstd,
-                              *(saved[n] for n in _SAVED))
-        ctx.cfg, ctx.scale, ctx.use_gate, ctx.lower_bound = cfg, scale, use_gate, lower_bound
-        return saved["o"], saved["ht"]
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, f, beta, A_log, dt_bias, initial_state, cu, q_rstd, k_rstd, *rest = ctx.saved_tensors
-        saved = dict(zip(_SAVED, rest, strict=True))
-        dq, dk, dv, dgate, dbeta, dh0 = kda_bwd(
-            saved, q, k, v, f, beta, ctx.scale, initial_state, do, dht, ctx.use_gate, ctx.lower_bound, A_log,
-            dt_bias, cu, ctx.cfg,
-        )
-        T, H, K = q.shape
-        HV = v.shape[1]
-        if HV != H:
-            dq, dk = dq.view(T, H, HV // H, K).sum(2), dk.view(T, H, HV // H, K).sum(2)
-        dA_log = ddt_bias = None
-        df = dgate
-        if ctx.use_gate and ctx.lower_bound is None:
-            x = f.float() + (dt_bias.float().view(HV, K) if dt_bias is not None else 0.0)
-            e_a = A_log.float().exp().view(HV, 1)
-            df = -dgate * e_a * torch.sigmoid(x)
-            dA_log = (dgate * (-e_a * torch.nn.functional.softplus(x))).sum((0, 2)).to(A_log.dtype)
-        if ctx.use_gate and dt_bias is not None:
-            ddt_bias = df.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
-        if q_rstd is not None:  # through the l2norm, straight from the fp32 gradients
-            dq, dk = l2norm_bwd(q, q_rstd, dq, q.dtype), l2norm_bwd(k, k_rstd, dk, k.dtype)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv, df.to(f.dtype), dbeta.to(beta.dtype), dA_log, ddt_bias,
-                dh0, None, None, None, None, None, None, None, None, None)
-
-
+# ---- the autograd op ----------------------------------------------------------------------------------
+# Registered as torch.library custom ops (forward and backward), so torch.compile treats the Triton launches
+# as one opaque op with known output shapes instead of tracing into them, and a compiled decoder layer has no
+# graph break. The kernel config travels by name (custom ops take no dataclasses).
+_CONFIGS: dict[str, KDAKernelConfig] = {}
 _SAVED = ("gcum", "Aqk", "Akk", "Ai", "w", "u", "h", "vn", "qg", "kg", "chunk_indices", "chunk_offsets")
+_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def config_key(cfg: KDAKernelConfig) -> str:
+    """Name an explicit (benchmark) config; the default ones are named by `_default_key`."""
+    key = repr(cfg)
+    _CONFIGS.setdefault(key, cfg)
+    return key
+
+
+def _default_key(chunk_size: int, dtype: torch.dtype) -> str:
+    # built from constants only, so torch.compile traces it
+    return f"default-{chunk_size}-{'fp32' if dtype == torch.float32 else 'lowp'}"
+
+
+def _config(key: str) -> KDAKernelConfig:
+    if key not in _CONFIGS:
+        _, chunk, kind = key.split("-")
+        cfg = DEFAULT_CONFIG if int(chunk) == DEFAULT_CONFIG.chunk_size else KDAKernelConfig(chunk_size=int(chunk))
+        _CONFIGS[key] = cfg.for_inputs(torch.float32 if kind == "fp32" else torch.bfloat16)
+    return _CONFIGS[key]
+
+
+def _layout(B: int, T: int, cu_seqlens: torch.Tensor | None, BT: int, device: torch.device):
+    """seq_layout, kept per (B, T, chunk, device) for fixed-length batches: one host-to-device copy per shape."""
+    if cu_seqlens is not None:
+        return seq_layout(B, T, cu_seqlens, BT, device)
+    key = (B, T, BT, device)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = seq_layout(B, T, None, BT, device)
+    return _LAYOUTS[key]
+
+
+def _none(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Custom ops return tensors only: an absent output is an empty one."""
+    return like.new_empty(0) if x is None else x
+
+
+def _some(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None or x.numel() == 0 else x
+
+
+@torch.library.custom_op("taper::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, batch: int, scale: float, output_final_state: bool, use_gate: bool,
+    lower_bound: float | None, use_l2norm: bool, config: str,
+) -> list[torch.Tensor]:
+    """Flattened q, k [B*T, H, K], v [B*T, HV, V], f [B*T, HV, K], beta [B*T, HV] (probabilities).
+    Returns [o, final state, normalised q, its rstd, normalised k, its rstd, *_SAVED] (empty when absent)."""
+    cfg = _config(config)
+    q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
+    cu, chunk_indices, chunk_offsets = _layout(batch, q.shape[0] // batch, cu_seqlens, cfg.chunk_size, q.device)
+    qn = q_rstd = kn = k_rstd = None
+    if use_l2norm:
+        (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
+    saved = kda_fwd(qn if use_l2norm else q, kn if use_l2norm else k, v, f, beta, scale, initial_state,
+                    output_final_state, use_gate, lower_bound, A_log, dt_bias, cu, chunk_indices, chunk_offsets, cfg)
+    saved["chunk_indices"], saved["chunk_offsets"] = chunk_indices.clone(), chunk_offsets.clone()
+    return [saved["o"], _none(saved["ht"], q), *(_none(x, q) for x in (qn, q_rstd, kn, k_rstd)),
+            *(saved[n] for n in _SAVED)]
+
+
+@chunk_kda_fwd_op.register_fake
+def _(q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, batch, scale, output_final_state, use_gate,
+      lower_bound, use_l2norm, config):
+    cfg = _config(config)
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    BT = cfg.chunk_size
+    if cu_seqlens is None:
+        N, NC = batch, batch * (-(-(T // batch) // BT))
+    else:
+        N, NC = cu_seqlens.shape[0] - 1, torch.library.get_ctx().new_dynamic_size()
+    f32, i32 = torch.float32, torch.int32
+    work = cfg.work_dtype or v.dtype
+    state = cfg.state_dtype or (f32 if q.dtype == f32 else q.dtype)
+
+    def e(*shape, dtype):
+        return q.new_empty(shape, dtype=dtype)
+
+    norm = [e(T, H, K, dtype=q.dtype), e(T * H, dtype=f32), e(T, H, K, dtype=k.dtype), e(T * H, dtype=f32)] \
+        if use_l2norm else [e(0, dtype=q.dtype) for _ in range(4)]
+    saved = dict(gcum=e(T, HV, K, dtype=f32), Aqk=e(T, HV, BT, dtype=k.dtype), Akk=e(T, HV, BT, dtype=f32),
+                 Ai=e(T, HV, BT, dtype=f32), w=e(T, HV, K, dtype=work), u=e(T, HV, V, dtype=work),
+                 h=e(NC, HV, K, V, dtype=state), vn=e(T, HV, V, dtype=work), qg=e(T, HV, K, dtype=k.dtype),
+                 kg=e(T, HV, K, dtype=k.dtype), chunk_indices=e(NC, 2, dtype=i32), chunk_offsets=e(N, dtype=i32))
+    ht = e(N, HV, K, V, dtype=f32) if output_final_state else e(0, dtype=q.dtype)
+    return [e(T, HV, V, dtype=q.dtype), ht, *norm, *(saved[n] for n in _SAVED)]
+
+
+@torch.library.custom_op("taper::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd_op(
+    do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    f: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, qn: torch.Tensor, q_rstd: torch.Tensor,
+    kn: torch.Tensor, k_rstd: torch.Tensor, saved: list[torch.Tensor], batch: int, scale: float, use_gate: bool,
+    lower_bound: float | None, config: str,
+) -> list[torch.Tensor]:
+    """Returns [dq, dk, dv, df, dbeta, dA_log, ddt_bias, dh0] (the last three empty when absent)."""
+    cfg = _config(config)
+    use_l2norm = qn.numel() > 0
+    q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
+    qk, kk = (qn, kn) if use_l2norm else (q, k)
+    T, H, K = q.shape
+    HV = v.shape[1]
+    cu = flat_cu_seqlens(batch, T // batch, cu_seqlens, q.device) if cu_seqlens is not None else \
+        _layout(batch, T // batch, None, cfg.chunk_size, q.device)[0]
+    dq, dk, dv, dgate, dbeta, dh0 = kda_bwd(
+        dict(zip(_SAVED, saved, strict=True)), qk, kk, v, f, beta, scale, initial_state, do, dht, use_gate,
+        lower_bound, A_log, dt_bias, cu, cfg,
+    )
+    if HV != H:
+        dq, dk = dq.view(T, H, HV // H, K).sum(2), dk.view(T, H, HV // H, K).sum(2)
+    dA_log = ddt_bias = None
+    df = dgate
+    if use_gate and lower_bound is None:
+        x = f.float() + (dt_bias.float().view(HV, K) if dt_bias is not None else 0.0)
+        e_a = A_log.float().exp().view(HV, 1)
+        df = -dgate * e_a * torch.sigmoid(x)
+        dA_log = (dgate * (-e_a * torch.nn.functional.softplus(x))).sum((0, 2)).to(A_log.dtype)
+    if use_gate and dt_bias is not None:
+        ddt_bias = df.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+    if use_l2norm:  # through the l2norm, straight from the fp32 gradients
+        dq, dk = l2norm_bwd(qn, q_rstd, dq, q.dtype), l2norm_bwd(kn, k_rstd, dk, k.dtype)
+    return [dq.to(q.dtype), dk.to(k.dtype), dv, df.to(f.dtype), dbeta.to(beta.dtype), _none(dA_log, q),
+            _none(ddt_bias, q), _none(dh0, q)]
+
+
+@chunk_kda_bwd_op.register_fake
+def _(do, dht, q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, saved, batch,
+      scale, use_gate, lower_bound, config):
+    def maybe(cond, like):
+        return torch.empty_like(like) if cond else q.new_empty(0)
+
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
+            torch.empty_like(beta), maybe(use_gate and lower_bound is None and A_log is not None, A_log),
+            maybe(use_gate and dt_bias is not None, dt_bias),
+            q.new_empty(0) if initial_state is None else q.new_empty(initial_state.shape, dtype=torch.float32)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, batch, scale, _, use_gate, lower_bound, _,
+     config) = inputs
+    ctx.save_for_backward(q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, *output[2:])
+    ctx.args = (batch, scale, use_gate, lower_bound, config)
+    ctx.has_final = output[1].numel() > 0
+
+
+def _backward(ctx, grads):
+    q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, *saved = ctx.saved_tensors
+    do, dht = grads[0], grads[1] if ctx.has_final else None
+    if do is None:
+        do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    dq, dk, dv, df, dbeta, dA_log, ddt_bias, dh0 = chunk_kda_bwd_op(
+        do, dht, q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, saved,
+        *ctx.args,
+    )
+    return (dq, dk, dv, df, dbeta, _some(dA_log), _some(ddt_bias), _some(dh0), None, None, None, None, None, None,
+            None, None)
+
+
+chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def chunk_kda_triton(
@@ -226,18 +351,15 @@ def chunk_kda_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Arguments validated by `chunk_kda`. Works on any device Triton runs on (CUDA, or the CPU
     interpreter under TRITON_INTERPRET=1)."""
-    cfg = config or (DEFAULT_CONFIG if chunk_size == DEFAULT_CONFIG.chunk_size else
-                     KDAKernelConfig(chunk_size=chunk_size))
-    cfg = cfg.for_inputs(q.dtype)
+    key = _default_key(chunk_size, q.dtype) if config is None else config_key(config.for_inputs(q.dtype))
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
-    cu, chunk_indices, chunk_offsets = seq_layout(B, T, cu_seqlens, cfg.chunk_size, q.device)
     h0 = initial_state.float() if initial_state is not None else None
-    o, ht = ChunkKDAFunction.apply(
+    o, ht, *_ = chunk_kda_fwd_op(
         q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V), g.reshape(B * T, HV, K),
-        beta.reshape(B * T, HV), A_log, dt_bias, h0, scale, output_final_state, use_gate_in_kernel,
-        lower_bound, cu, chunk_indices, chunk_offsets, cfg, use_qk_l2norm_in_kernel,
+        beta.reshape(B * T, HV), A_log, dt_bias, h0, cu_seqlens, B, scale, output_final_state,
+        use_gate_in_kernel, lower_bound, use_qk_l2norm_in_kernel, key,
     )
-    return o.view(B, T, HV, V), ht
+    return o.view(B, T, HV, V), (ht if output_final_state else None)

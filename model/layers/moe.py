@@ -36,6 +36,16 @@ def quantile_balancing_target(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     return target - target.mean()
 
 
+def expert_counts(expert_ids: torch.Tensor, n_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Assignments per expert [n_experts] (int64; fp32 when `weight` [N, ...] weighs each token's rows).
+    A scatter-add, unlike `torch.bincount`, has a fixed output size, so on CUDA nothing waits for the host."""
+    flat = expert_ids.reshape(-1)
+    if weight is None:
+        return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
+    w = weight.to(torch.float32).reshape(-1, 1).expand(-1, expert_ids.shape[-1]).reshape(-1)
+    return w.new_zeros(n_experts).scatter_add_(0, flat, w)
+
+
 class Router(nn.Module):
     """`weight` [n, d] and the balancing bias buffer `bias_correction` [n] (fp32, saved, no gradient)."""
 
@@ -89,7 +99,7 @@ class LatentExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         token_of = order // k
         weight_of = weights.reshape(-1)[order]
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        counts = expert_counts(flat, self.n_experts)
         rows = z.index_select(0, token_of)
         if self._uses_grouped_mm(z):
             out = self._grouped(rows, counts)
@@ -139,7 +149,9 @@ class StableLatentMoE(nn.Module):
                        config.situ_beta_linear)
             if config.n_shared_experts > 0 else None
         )
-        self._recorded_scores: list[torch.Tensor] = []
+        # (scores [N, n] fp32, keep [N] bool or None) per training forward; padding is dropped when applied,
+        # so the forward itself never selects by a mask (a data-dependent size would wait for the host).
+        self._recorded_scores: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.last_load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,21 +174,20 @@ class StableLatentMoE(nn.Module):
     @torch.no_grad()
     def _observe(self, scores: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor | None,
                  record: bool) -> None:
-        if keep is not None:
-            scores, expert_ids = scores[keep], expert_ids[keep]
-        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.n_experts).float()
+        counts = expert_counts(expert_ids, self.n_experts, keep).float()
         self.last_load = counts / counts.sum().clamp_min(1.0)
-        if record and scores.shape[0] > 0:
-            self._recorded_scores.append(scores.detach().float())
+        if record:
+            self._recorded_scores.append((scores.detach().float(), keep))
 
     @torch.no_grad()
     def update_balancing(self) -> torch.Tensor | None:
         """Apply quantile balancing from the scores recorded since the last call, then forget them.
-        Returns the new bias, or None when nothing was recorded (e.g. eval mode)."""
-        if not self._recorded_scores:
-            return None
-        scores = torch.cat(self._recorded_scores)
+        Returns the new bias, or None when nothing was recorded (e.g. eval mode) or only padding was."""
+        recorded = [s if keep is None else s[keep] for s, keep in self._recorded_scores]
         self._recorded_scores.clear()
+        scores = torch.cat(recorded) if recorded else None
+        if scores is None or scores.shape[0] == 0:
+            return None
         target = quantile_balancing_target(scores, self.top_k).to(self.router.bias_correction.device)
         bias = self.router.bias_correction
         bias.mul_(self.momentum).add_((1.0 - self.momentum) * target)

@@ -50,3 +50,9 @@ def test_triton_decode_state_slots(results):
 def test_triton_decode_varlen_out_of_place(results):
     r = results["decode_varlen"]
     assert r["o"] < TOL and r["final_state"] < TOL
+
+
+def test_chunk_op_is_a_compilable_custom_op(results):
+    r = results["custom_op"]
+    assert r["opcheck_fixed"] and r["opcheck_varlen"]
+    assert r["compiled_loss"] < TOL and r["compiled_grads"] < TOL

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from kda_inputs import make_inputs, rel_err  # noqa: E402
 
 from kernels.kda import naive_recurrent_kda  # noqa: E402
-from kernels.kda.triton_chunk import chunk_kda_triton  # noqa: E402
+from kernels.kda.triton_chunk import chunk_kda_fwd_op, chunk_kda_triton, config_key  # noqa: E402
 from kernels.kda.triton_config import KDAKernelConfig  # noqa: E402
 from kernels.kda.triton_recurrent import fused_recurrent_kda_triton  # noqa: E402
 
@@ -83,6 +83,46 @@ def decode_varlen_case(seed):
     return {"o": rel_err(o, o_ref), "final_state": rel_err(final, s_ref)}
 
 
+def custom_op_case(seed):
+    """The chunk op as torch.compile sees it: torch.library's opcheck (schema, fake shapes against the real
+    outputs, autograd registration) with and without cu_seqlens, and a compiled function through the op
+    (fullgraph: no graph break) against eager, value and gradients."""
+    checks = {}
+    for name, cu in (("fixed", None), ("varlen", [0, 7, 40])):
+        x = make_inputs(1 if cu else 2, 40, 1, 2, 32, 16, initial_state=True, seed=seed, gate="bounded",
+                        beta_logits=True, cu_seqlens=cu)
+        q, k, v, g, beta = x.args()
+        B, T, H, K = q.shape
+        HV, V = v.shape[2:]
+        args = (q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V), g.reshape(B * T, HV, K),
+                torch.sigmoid(beta).reshape(B * T, HV), None, x.kwargs["dt_bias"], x.kwargs["initial_state"],
+                x.kwargs.get("cu_seqlens"), B, K**-0.5, True, True, x.kwargs["lower_bound"], True,
+                config_key(KDAKernelConfig().for_inputs(torch.float32)))
+        args = tuple(a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                     for a in args)
+        torch.library.opcheck(chunk_kda_fwd_op, args,
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        checks[f"opcheck_{name}"] = True
+    x = make_inputs(2, 40, 1, 2, 32, 16, initial_state=True, seed=seed, gate="bounded", beta_logits=True)
+    kw = x.kwargs
+
+    def loss(q, k, v, g, beta, h0):
+        o, s = chunk_kda_triton(q, k, v, g, beta, scale=32**-0.5, initial_state=h0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                use_beta_sigmoid_in_kernel=True, lower_bound=kw["lower_bound"], A_log=None,
+                                dt_bias=kw["dt_bias"], cu_seqlens=None, chunk_size=64)
+        return (o * torch.sigmoid(q[..., :1])).sum() + s.square().sum()
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (*x.args(), kw["initial_state"])]
+    eager = loss(*leaves)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(*leaves)
+    compiled_grads = torch.autograd.grad(compiled, leaves)
+    checks["compiled_loss"] = rel_err(compiled.detach(), eager.detach())
+    checks["compiled_grads"] = max(rel_err(a, b) for a, b in zip(compiled_grads, eager_grads, strict=True))
+    return checks
+
+
 def main() -> None:
     results = {
         "bounded": chunk_case(2, 45, 1, 2, 32, 16, 32, 1, gate="bounded", beta_logits=True),
@@ -100,6 +140,7 @@ def main() -> None:
                                         config=KDAKernelConfig(bwd_intra_k_split=1)),
         "decode_slots": decode_case(5),
         "decode_varlen": decode_varlen_case(6),
+        "custom_op": custom_op_case(9),
     }
     print(json.dumps(results))
 
