@@ -9,7 +9,7 @@
 Prints tables and writes JSON.
 
     python benchmarks/model.py                   # CPU: the tiny preset
-    python benchmarks/model.py --device cuda     # GPU: the small preset
+    python benchmarks/model.py --device cuda     # GPU: the small preset, ours vs fla's KDA model and a Llama
     python benchmarks/model.py --quick           # fewer/shorter runs (smoke test)
 """
 
@@ -212,6 +212,153 @@ def train_throughput(preset: str, device: str, dtype: torch.dtype, batch: int, s
     return result
 
 
+# ---- 1b. CUDA: whole training steps of ours and the references, side by side -----------------------
+# Each row: forward + backward + fused AdamW (+ the MoE balancing update for ours) on random tokens, bf16
+# weights. MFU counts 6 x (active non-embedding parameters + lm_head) per token plus the token mixers'
+# sequence work, over the bf16 matmul rate measured in the same run.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _llama_with_params(config: TaperConfig, target: int):
+    """A transformers Llama (SDPA) of our width, depth and heads, its MLP sized to `target` non-embedding
+    parameters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d, L = config.hidden_size, config.num_hidden_layers
+    intermediate = max(64, int((target - L * (4 * d * d + 2 * d)) / (3 * d * L)) // 64 * 64)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=d, num_hidden_layers=L, intermediate_size=intermediate,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
+        head_dim=d // config.num_attention_heads, max_position_embeddings=1 << 20, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    ))
+
+
+def _fla_kda_model(config: TaperConfig):
+    """flash-linear-attention's own KDA model (reference only) at our width, depth and KDA heads: every layer
+    KDA (bounded gate, lower bound -5), dense SwiGLU MLP of our dense width, AttnRes over blocks of our size."""
+    from fla.models import KDAConfig, KDAForCausalLM
+
+    return KDAForCausalLM(KDAConfig(
+        hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers, num_heads=config.kda_num_heads,
+        head_dim=config.kda_head_dim, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        safe_gate=True, lower_bound=config.gate_lower_bound, conv_size=config.kda_conv_size,
+        attnres_block_size=2 * config.attn_res_block_size, tie_word_embeddings=False,
+    ))
+
+
+def _non_embedding_params(model: torch.nn.Module) -> int:
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p is not embed)
+
+
+def reference_flops(params_with_head: int, batch: int, seq_len: int, attn_layers: int, attn_width: int,
+                    kda_layers: int, kda_heads: int, kda_dim: int) -> float:
+    """The same FLOP count as `step_flops` for a model described by its parameter count and mixers."""
+    tokens = batch * seq_len
+    attn = attn_layers * 3 * 2 * batch * seq_len**2 * attn_width / 2
+    kda = kda_layers * 3 * 2 * kda_heads * (4 * kda_dim * kda_dim + 64 * 2 * kda_dim) * tokens
+    return 6 * params_with_head * tokens + attn + kda
+
+
+def build_model(name: str, preset: str, batch: int, seq_len: int) -> tuple[torch.nn.Module, int, float]:
+    """(model on CUDA in bf16, active parameters without embeddings (with lm_head), FLOPs per step)."""
+    config = TaperConfig.preset(preset)
+    if name in ("taper", "taper_dense"):
+        cfg = config if name == "taper" else TaperConfig.preset(preset, first_k_dense=config.num_hidden_layers)
+        model = TaperForCausalLM(cfg)
+        counts = cfg.parameter_counts()
+        active = counts["active"] - counts["embeddings"] + cfg.vocab_size * cfg.hidden_size
+        flops = step_flops(cfg, batch, seq_len)
+    elif name == "fla_kda":
+        model = _fla_kda_model(config)
+        active = _non_embedding_params(model)
+        flops = reference_flops(active, batch, seq_len, 0, 0, config.num_hidden_layers, config.kda_num_heads,
+                                config.kda_head_dim)
+    elif name == "llama":
+        dense = TaperConfig.preset(preset, first_k_dense=config.num_hidden_layers).parameter_counts()
+        model = _llama_with_params(config, dense["active"] - dense["embeddings"])
+        active = _non_embedding_params(model)
+        d = config.hidden_size
+        flops = reference_flops(active, batch, seq_len, config.num_hidden_layers, 2 * d, 0, 0, 0)
+    else:
+        raise ValueError(f"unknown model {name!r}")
+    return model.to(device="cuda", dtype=torch.bfloat16).train(), active, flops
+
+
+def _count_profile(step: Callable[[], None], table_path: Path | None) -> dict:
+    """Kernels (GPU-side ops: kernels, copies, memsets) and host-synchronising runtime calls in one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    syncs = {name: sum(1 for e in events if e.name == name) for name in SYNC_CALLS}
+    if table_path is not None:
+        table_path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45))
+    return {"gpu_ops_per_step": len(gpu),
+            "kernels_per_step": sum(1 for e in gpu if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()),
+            "d2h_copies_per_step": sum(1 for e in gpu if "DtoH" in e.name),
+            "sync_calls_per_step": {k: v for k, v in syncs.items() if v}}
+
+
+def _sync_debug_count(fn: Callable[[], None]) -> int:
+    """Synchronising CUDA calls torch flags (torch.cuda.set_sync_debug_mode) while fn runs."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def train_step_cuda(name: str, preset: str, batch: int, seq_len: int, compiled: bool, iters: int,
+                    profile_dir: Path | None) -> dict:
+    torch.manual_seed(0)
+    model, active, flops = build_model(name, preset, batch, seq_len)
+    if compiled:
+        model.model.compile_layers()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), device="cuda")
+    moe = model.model.moe_layers() if hasattr(model.model, "moe_layers") else []
+
+    def forward_backward() -> None:
+        out = model(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+
+    def step() -> None:
+        forward_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for layer in moe:
+            layer.update_balancing()
+
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - start
+    seconds = timed(step, "cuda", warmup=2, iters=iters)
+    tag = f"{name}{'_compiled' if compiled else ''}_{batch}x{seq_len}"
+    counts = _count_profile(step, profile_dir / f"profile_{tag}.txt" if profile_dir else None)
+    syncs = _sync_debug_count(forward_backward)
+    opt.zero_grad(set_to_none=True)
+    for layer in moe:
+        layer.clear_recorded_scores()
+    row = {"model": name, "compiled": compiled, "batch": batch, "seq_len": seq_len, "step_s": seconds,
+           "first_step_s": first_s, "tokens_per_s": batch * seq_len / seconds, "active_params": active,
+           "model_tflop_per_step": flops / 1e12, "fwd_bwd_sync_warnings": syncs, **counts,
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+    row["tokens_per_s_per_active_param"] = row["tokens_per_s"] / active
+    return row
+
+
 # ---- 2. decode memory vs context -------------------------------------------------------------------
 def same_size_llama(config: TaperConfig):
     """A transformers Llama with the same width, depth, attention heads and vocab, its MLP width chosen so the
@@ -294,7 +441,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--checks-only", action="store_true", help="CUDA: run the correctness checks only")
     parser.add_argument("--no-checks", action="store_true", help="CUDA: skip the correctness checks")
-    parser.add_argument("--backends", default="kernels,torch", help="CUDA: KDA backends to time (comma-separated)")
+    parser.add_argument("--runs", default="taper:eager,taper:compiled,taper_dense:compiled,fla_kda:eager,llama:eager",
+                        help="CUDA: model:mode pairs (models taper, taper_dense, fla_kda, llama; modes eager, "
+                             "compiled = per-part torch.compile, ours only)")
+    parser.add_argument("--shapes", default="1x8192,4x8192", help="CUDA: batch x sequence length list")
+    parser.add_argument("--profile-dir", type=Path, default=None, help="CUDA: write one profiled step's table per run")
+    parser.add_argument("--no-decode", action="store_true", help="CUDA: skip the decode-memory part")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
     if args.threads:
@@ -312,39 +464,38 @@ def main() -> None:
             print(json.dumps(report["checks"], indent=2))
         if args.checks_only:
             return
-        shapes = [(1, 2048)] if args.quick else [(1, 8192), (4, 8192)]
-        backends = args.backends.split(",")
+        report["bf16_matmul_tflops"] = matmul_tflops(device, torch.bfloat16)
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+        train = []
+        for batch, seq_len in shapes:
+            for run in args.runs.split(","):
+                name, mode = run.split(":")
+                try:
+                    train.append(train_step_cuda(name, preset, batch, seq_len, mode == "compiled",
+                                                 3 if args.quick else 8, args.profile_dir))
+                except Exception as exc:  # noqa: BLE001 - keep measuring the other settings
+                    train.append({"model": name, "compiled": mode == "compiled", "batch": batch, "seq_len": seq_len,
+                                  "error": repr(exc)[:400]})
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                if "step_s" in train[-1]:
+                    train[-1]["mfu"] = train[-1]["model_tflop_per_step"] / train[-1]["step_s"] / \
+                        report["bf16_matmul_tflops"]
+                print(json.dumps(train[-1]), flush=True)
+        report["train_step"] = train
+        _write(report, args.out or RESULTS_DIR / "model_cuda.json")
+        print_train_table(train, preset, report["bf16_matmul_tflops"])
+        if args.no_decode:
+            return
     else:
         shapes = [(1, 256)] if args.quick else [(1, 512), (4, 512)]
-        backends = ["kernels"]  # on CPU chunk_kda is the torch path
-    iters = 3 if args.quick else 5
-    train = []
-    for batch, seq_len in shapes:
-        for backend in backends:
-            try:
-                train.append(train_throughput(preset, device, dtype, batch, seq_len, backend, iters))
-                if cuda:
-                    torch.cuda.empty_cache()
-            except Exception as exc:  # noqa: BLE001 - keep measuring the other settings
-                train.append({"preset": preset, "batch": batch, "seq_len": seq_len, "kda_backend": backend,
-                              "error": repr(exc)[:300]})
-    if cuda:
-        report["bf16_matmul_tflops"] = matmul_tflops(device, torch.bfloat16)
+        train = [train_throughput(preset, device, dtype, batch, seq_len, "kernels", 3 if args.quick else 5)
+                 for batch, seq_len in shapes]  # on CPU chunk_kda is the torch path
+        report["train"] = train
+        print(f"\n== training step (forward+backward), {preset}, {device} ==")
+        print(f"{'batch':>5} {'T':>6} {'step ms':>9} {'tokens/s':>10}")
         for row in train:
-            if "step_s" in row:
-                row["mfu"] = row["model_tflop_per_step"] / row["step_s"] / report["bf16_matmul_tflops"]
-    report["train"] = train
-    print(f"\n== training step (forward+backward), {preset}, {device} ==")
-    print(f"{'batch':>5} {'T':>6} {'kda':>8} {'step ms':>9} {'tokens/s':>10} {'MFU':>6}")
-    for row in train:
-        if "error" in row:
-            print(f"{row['batch']:>5} {row['seq_len']:>6} {row['kda_backend']:>8}  error: {row['error']}")
-            continue
-        mfu = f"{row['mfu']:.1%}" if "mfu" in row else "-"
-        print(f"{row['batch']:>5} {row['seq_len']:>6} {row['kda_backend']:>8} {1e3 * row['step_s']:>9.1f} "
-              f"{row['tokens_per_s']:>10.0f} {mfu:>6}")
-    if cuda:
-        print(f"bf16 matmul: {report['bf16_matmul_tflops']:.0f} TFLOP/s")
+            print(f"{row['batch']:>5} {row['seq_len']:>6} {1e3 * row['step_s']:>9.1f} {row['tokens_per_s']:>10.0f}")
 
     contexts = ([256, 1024] if args.quick else [256, 1024, 4096]) if not cuda else (
         [1024, 4096] if args.quick else [1024, 4096, 16384, 32768])
@@ -359,10 +510,29 @@ def main() -> None:
               f"{t['cache_bytes'] / ll['cache_bytes']:>6.2f} {t['decode_ms_per_token']:>13.2f} "
               f"{ll['decode_ms_per_token']:>13.2f}")
 
-    out = args.out or RESULTS_DIR / f"model_{device}.json"
+    _write(report, args.out or RESULTS_DIR / f"model_{device}.json")
+
+
+def _write(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out}")
+
+
+def print_train_table(train: list[dict], preset: str, matmul: float) -> None:
+    print(f"\n== training step (forward + backward + fused AdamW), bf16, preset {preset}; bf16 matmul {matmul:.0f} "
+          "TFLOP/s ==")
+    print(f"{'model':>12} {'mode':>8} {'B x T':>8} {'step ms':>8} {'tokens/s':>9} {'MFU':>6} {'active M':>8} "
+          f"{'tok/s/param':>11} {'kernels':>7} {'syncs':>5}")
+    for row in train:
+        mode = "compiled" if row["compiled"] else "eager"
+        shape = f"{row['batch']}x{row['seq_len']}"
+        if "error" in row:
+            print(f"{row['model']:>12} {mode:>8} {shape:>8}  error: {row['error'][:150]}")
+            continue
+        print(f"{row['model']:>12} {mode:>8} {shape:>8} {1e3 * row['step_s']:>8.1f} {row['tokens_per_s']:>9.0f} "
+              f"{row['mfu']:>6.1%} {row['active_params'] / 1e6:>8.1f} {row['tokens_per_s_per_active_param']:>11.5f} "
+              f"{row['kernels_per_step']:>7} {row['fwd_bwd_sync_warnings']:>5}")
 
 
 if __name__ == "__main__":

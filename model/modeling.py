@@ -150,6 +150,21 @@ class TaperModel(TaperPreTrainedModel):
     def moe_layers(self) -> list[StableLatentMoE]:
         return [layer.mlp for layer in self.layers if layer.is_moe]
 
+    def compile_layers(self, **compile_kwargs: Any) -> None:
+        """torch.compile the layers' parts: each token mixer, channel mixer, AttnRes mix and RMSNorm (the GPU
+        training path: norms, AttnRes, SiTU-GLU, the short conv and the MoE's routing arithmetic fuse; the KDA
+        op stays one opaque custom op). Parts of one kind share compiled graphs across layers (AttnRes: one per
+        candidate count), so compile time does not grow with depth; the recompile limit is raised to cover
+        the candidate counts and input shapes. Not for CPU (compile time there outweighs the gain)."""
+        dynamo = torch._dynamo.config
+        name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo, name, max(getattr(dynamo, name), 64))
+        for layer in self.layers:
+            for part in (layer.mixer_res, layer.mixer_norm, layer.mixer, layer.mlp_res, layer.mlp_norm, layer.mlp):
+                part.compile(**compile_kwargs)
+        self.final_res.compile(**compile_kwargs)
+        self.norm.compile(**compile_kwargs)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -34,18 +34,22 @@ _MASKED_LOGIT = -1.0e4
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv over time. x [B, T, C]; weight [C, 1, W]; state [B, C, W-1] holds the
-    previous W-1 inputs (None = zeros). Returns (y [B, T, C], new state [B, C, W-1])."""
+    """Depthwise causal conv over time, as W shifted multiply-adds in time-major layout (fp32 sums; one fused
+    kernel each way under torch.compile, no transposes). x [B, T, C]; weight [C, 1, W]; state [B, C, W-1]
+    holds the previous W-1 inputs (None = zeros). Returns (y [B, T, C] fp32, new state [B, C, W-1])."""
     B, T, C = x.shape
     W = weight.shape[-1]
-    xt = x.transpose(1, 2)
     if state is None:
-        state = xt.new_zeros(B, C, W - 1)
+        full = F.pad(x, (0, 0, W - 1, 0))
     elif state.shape != (B, C, W - 1):
         raise ValueError(f"conv state must be [B={B}, C={C}, W-1={W - 1}], got {tuple(state.shape)}")
-    full = torch.cat([state.to(xt.dtype), xt], dim=-1)
-    y = F.conv1d(full, weight.to(xt.dtype), groups=C)
-    return y.transpose(1, 2), full[..., full.shape[-1] - (W - 1):]
+    else:
+        full = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)
+    taps = weight.reshape(C, W).float()
+    y = full[:, :T].float() * taps[:, 0]
+    for w in range(1, W):
+        y = y + full[:, w:w + T].float() * taps[:, w]
+    return y, full[:, T:].transpose(1, 2)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -116,11 +120,20 @@ class KimiDeltaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Causal conv + SiLU on [B, T, C] pre-conv channels. Returns (q [B,T,H,K], k, v [B,T,HV,V], state)."""
         y, new_state = causal_conv1d(qkv, self.conv_weight(), conv_state)
-        y = F.silu(y)
+        y = F.silu(y).to(qkv.dtype)
         B, T = y.shape[:2]
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return (q.reshape(B, T, self.num_heads, self.head_dim), k.reshape(B, T, self.num_heads, self.head_dim),
                 v.reshape(B, T, self.num_v_heads, self.v_head_dim), new_state)
+
+    def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything the layer reads from x in one GEMM: (pre-conv q|k|v, gate input f [..., HV, K], beta
+        logits [..., HV], W_ga x [..., V]); the same values as `project`, `gate_input`, `beta_logits`."""
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
+                            self.b_proj.weight, self.g_a_proj.weight])
+        qkv, f_low, beta, g_low = F.linear(x, weight).split(
+            [self.conv_channels, self.head_dim, self.num_v_heads, self.v_head_dim], dim=-1)
+        return qkv, self.f_b_proj(f_low).unflatten(-1, (self.num_v_heads, self.head_dim)), beta, g_low
 
     def gate_input(self, x: torch.Tensor) -> torch.Tensor:
         """Raw forget-gate input f = W_fb W_fa x: [..., HV, K] (the kernel adds dt_bias and applies the gate)."""
@@ -161,7 +174,11 @@ class KimiDeltaAttention(nn.Module):
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """W_o(RMSNorm(o) * sigmoid(W_gb W_ga x)); o [B, T, HV, V], x [B, T, d]."""
-        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_v_heads, self.v_head_dim))
+        return self.gated_output(o, self.g_a_proj(x))
+
+    def gated_output(self, o: torch.Tensor, g_low: torch.Tensor) -> torch.Tensor:
+        """`output` from W_ga x [..., V] already computed."""
+        gate = self.g_b_proj(g_low).unflatten(-1, (self.num_v_heads, self.v_head_dim))
         return self.o_proj(self.o_norm(o, gate).flatten(-2))
 
     # ---- whole layer -------------------------------------------------------------------------------
@@ -175,8 +192,7 @@ class KimiDeltaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x [B, T, d]; token_mask [B, T] (1 = real token, 0 = padding: it neither writes nor decays the state).
         Returns (y [B, T, d], conv state, recurrent state); the states only when `output_states`."""
-        qkv = self.project(x)
-        f, beta = self.gate_input(x), self.beta_logits(x)
+        qkv, f, beta, g_low = self.input_projections(x)
         if token_mask is not None:
             keep = token_mask.to(torch.bool)
             qkv = qkv * keep.unsqueeze(-1).to(qkv.dtype)
@@ -186,7 +202,7 @@ class KimiDeltaAttention(nn.Module):
         recurrent = x.shape[1] == 1 and recurrent_state is not None and not torch.is_grad_enabled()
         o, new_state = self.core(q, k, v, f, beta, recurrent_state, output_final_state=output_states,
                                  recurrent=recurrent)
-        y = self.output(o, x)
+        y = self.gated_output(o, g_low)
         if not output_states:
             return y, None, None
         return y, new_conv_state, new_state

@@ -14,6 +14,7 @@ bias is frozen at inference.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.config import TaperConfig
@@ -165,10 +166,17 @@ class StableLatentMoE(nn.Module):
         # Only training forwards (train mode with autograd on) feed the balancing: inference engines and
         # no-grad evaluation passes never do, even if the module was left in train mode.
         self._observe(scores, expert_ids, keep, record=self.training and torch.is_grad_enabled())
-        y = self.experts(self.latent_down(flat), expert_ids, weights)
+        # latent down-projection and the shared expert's gate/up: one GEMM over x
+        ell = self.latent_down.out_features
+        if self.shared_expert is None:
+            z = self.latent_down(flat)
+        else:
+            both = F.linear(flat, torch.cat([self.latent_down.weight, self.shared_expert.gate_up_weight()]))
+            z, shared_gate_up = both.split([ell, both.shape[-1] - ell], dim=-1)
+        y = self.experts(z, expert_ids, weights)
         out = self.latent_up(self.latent_norm(y).to(x.dtype))
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            out = out + self.shared_expert.from_gate_up(shared_gate_up)
         return out.reshape(shape)
 
     @torch.no_grad()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -23,5 +24,14 @@ class SiTUGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.beta, self.beta_linear = beta, beta_linear
 
+    def gate_up_weight(self) -> torch.Tensor:
+        """gate and up projections stacked [2*I, d]: one GEMM reads x for both."""
+        return torch.cat([self.gate_proj.weight, self.up_proj.weight])
+
+    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from x's projection by `gate_up_weight`."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(situ_glu(gate, up, self.beta, self.beta_linear))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.beta_linear))
+        return self.from_gate_up(F.linear(x, self.gate_up_weight()))
