@@ -318,13 +318,16 @@ def _sync_debug_count(fn: Callable[[], None]) -> int:
     return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
 
 
-def train_step_cuda(name: str, preset: str, batch: int, seq_len: int, compiled: bool, iters: int,
+def train_step_cuda(name: str, preset: str, batch: int, seq_len: int, mode: str, iters: int,
                     profile_dir: Path | None) -> dict:
+    """mode: "eager"; "compiled" (ours: per-part torch.compile); "graph" (compiled, and the whole step, forward
+    + backward + AdamW + balancing update, captured once as a CUDA graph and replayed: what a learner with a
+    fixed batch shape can do once the step has no host syncs)."""
     torch.manual_seed(0)
     model, active, flops = build_model(name, preset, batch, seq_len)
-    if compiled:
+    if mode in ("compiled", "graph"):
         model.model.compile_layers()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=mode == "graph")
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     moe = model.model.moe_layers() if hasattr(model.model, "moe_layers") else []
@@ -333,25 +336,41 @@ def train_step_cuda(name: str, preset: str, batch: int, seq_len: int, compiled: 
         out = model(ids, labels=ids, use_cache=False)
         out.loss.backward()
 
-    def step() -> None:
+    def update() -> None:
         forward_backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
         for layer in moe:
             layer.update_balancing()
 
+    def step() -> None:
+        update()
+        opt.zero_grad(set_to_none=True)
+
     start = time.perf_counter()
-    step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
+        step()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     first_s = time.perf_counter() - start
-    seconds = timed(step, "cuda", warmup=2, iters=iters)
-    tag = f"{name}{'_compiled' if compiled else ''}_{batch}x{seq_len}"
-    counts = _count_profile(step, profile_dir / f"profile_{tag}.txt" if profile_dir else None)
     syncs = _sync_debug_count(forward_backward)
     opt.zero_grad(set_to_none=True)
     for layer in moe:
         layer.clear_recorded_scores()
-    row = {"model": name, "compiled": compiled, "batch": batch, "seq_len": seq_len, "step_s": seconds,
+    if mode == "graph":
+        with torch.cuda.stream(side):
+            step()
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            update()
+        step = graph.replay  # noqa: F811 - the replay is the step from here on
+    seconds = timed(step, "cuda", warmup=2, iters=iters)
+    tag = f"{name}_{mode}_{batch}x{seq_len}"
+    counts = _count_profile(step, profile_dir / f"profile_{tag}.txt" if profile_dir else None)
+    row = {"model": name, "mode": mode, "batch": batch, "seq_len": seq_len, "step_s": seconds,
            "first_step_s": first_s, "tokens_per_s": batch * seq_len / seconds, "active_params": active,
            "model_tflop_per_step": flops / 1e12, "fwd_bwd_sync_warnings": syncs, **counts,
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
@@ -443,7 +462,8 @@ def main() -> None:
     parser.add_argument("--no-checks", action="store_true", help="CUDA: skip the correctness checks")
     parser.add_argument("--runs", default="taper:eager,taper:compiled,taper_dense:compiled,fla_kda:eager,llama:eager",
                         help="CUDA: model:mode pairs (models taper, taper_dense, fla_kda, llama; modes eager, "
-                             "compiled = per-part torch.compile, ours only)")
+                             "compiled = per-part torch.compile, graph = compiled + the step as one CUDA graph; "
+                             "compiled and graph for ours only)")
     parser.add_argument("--shapes", default="1x8192,4x8192", help="CUDA: batch x sequence length list")
     parser.add_argument("--profile-dir", type=Path, default=None, help="CUDA: write one profiled step's table per run")
     parser.add_argument("--no-decode", action="store_true", help="CUDA: skip the decode-memory part")
@@ -471,10 +491,10 @@ def main() -> None:
             for run in args.runs.split(","):
                 name, mode = run.split(":")
                 try:
-                    train.append(train_step_cuda(name, preset, batch, seq_len, mode == "compiled",
-                                                 3 if args.quick else 8, args.profile_dir))
+                    train.append(train_step_cuda(name, preset, batch, seq_len, mode, 3 if args.quick else 8,
+                                                 args.profile_dir))
                 except Exception as exc:  # noqa: BLE001 - keep measuring the other settings
-                    train.append({"model": name, "compiled": mode == "compiled", "batch": batch, "seq_len": seq_len,
+                    train.append({"model": name, "mode": mode, "batch": batch, "seq_len": seq_len,
                                   "error": repr(exc)[:400]})
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -525,7 +545,7 @@ def print_train_table(train: list[dict], preset: str, matmul: float) -> None:
     print(f"{'model':>12} {'mode':>8} {'B x T':>8} {'step ms':>8} {'tokens/s':>9} {'MFU':>6} {'active M':>8} "
           f"{'tok/s/param':>11} {'kernels':>7} {'syncs':>5}")
     for row in train:
-        mode = "compiled" if row["compiled"] else "eager"
+        mode = row["mode"]
         shape = f"{row['batch']}x{row['seq_len']}"
         if "error" in row:
             print(f"{row['model']:>12} {mode:>8} {shape:>8}  error: {row['error'][:150]}")
