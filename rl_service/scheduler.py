@@ -210,7 +210,9 @@ class JobDriver:
             return "failed"
         # Outside the try: failing to record the outcome is not the job failing. It propagates, and the
         # scheduler's liveness check restarts the driver, whose runner resumes from the final checkpoint.
-        store.transition(job_id, target, expect=[JobState.RUNNING], reason=f"runner returned {result}")
+        cause = getattr(runner, "pause_cause", None)  # a job that paused itself says why, as its error
+        store.transition(job_id, target, expect=[JobState.RUNNING], reason=f"runner returned {result}",
+                         fields={"error": cause} if cause else None)
         return target.value
 
 

@@ -78,6 +78,22 @@ class AlgorithmSpec(_Strict):
     gamma: float | None = Field(None, ge=0.0, le=1.0, description="Discount for process returns-to-go; None = step only.")
 
 
+class InfraFailureConfig(_Strict):
+    """When rollouts fail for infrastructure reasons (environment errors, tool timeouts) the job warns, then
+    pauses itself with the cause as its error, instead of training on nothing (rl_service.infra_guard)."""
+
+    warn_fraction: float = Field(
+        0.5, ge=0.0, lt=1.0,
+        description="A step whose share of infrastructure-failure trajectories exceeds this is failing.")
+    warn_after_steps: int = Field(
+        3, ge=1, le=10_000,
+        description="Failing steps in a row before a warning event (a step on which every group failed warns at once).")
+    pause_after_steps: int = Field(
+        5, ge=0, le=10_000,
+        description="Failing steps in a row after which the job pauses itself, resumable once the environment "
+                    "is back (0: never pause).")
+
+
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
@@ -127,6 +143,7 @@ class JobSpec(_Strict):
     hacking_monitor: HackingMonitorConfig = Field(
         default_factory=HackingMonitorConfig,
         description="When to warn that the weighted process reward rises while success falls below its start.")
+    infra_failures: InfraFailureConfig = Field(default_factory=InfraFailureConfig)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     total_steps: int = Field(100, ge=1, le=1_000_000)
     eval_every: int = Field(0, ge=0, description="Evaluate on held-out tasks every N steps (0 = start and end only).")
