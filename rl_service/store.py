@@ -41,6 +41,7 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.asyncio.retry
 from pydantic import BaseModel, Field
 from redis.backoff import ExponentialBackoff
 from redis.client import Pipeline
@@ -230,7 +231,10 @@ class Store:
     @property
     def ar(self) -> redis.asyncio.Redis:
         if self._async is None:
-            self._async = redis.asyncio.Redis.from_url(self.url, decode_responses=True)
+            # The API's reads retry briefly (about 1 s in all), then the API answers 503 with Retry-After.
+            retry = redis.asyncio.retry.Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=4)
+            self._async = redis.asyncio.Redis.from_url(self.url, decode_responses=True, retry=retry,
+                                                       retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         return self._async
 
     # ---- keys (see the module docstring) ----
