@@ -424,7 +424,7 @@ class JobRunner:
                                   ref_model_dir=str(self.initial_dir), pad_token_id=self.tokenizer.pad_token_id or 0,
                                   actor_options={"resources": res.learner_resources}, placement_group=pg,
                                   bundle_indices=learner_bundle_indices(self.spec) if pg is not None else None,
-                                  progress=self._progress)
+                                  progress=self._progress, rank_timeout_s=self.spec.learner_rank_deadline_s)
 
     def _loop(self, start: int) -> str:
         spec = self.spec
@@ -659,5 +659,6 @@ def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     pg = ray.util.get_current_placement_group()
     return RolloutPool(functools.partial(seeded_vllm_engine, engine), reg, spec.rollout.num_workers, env_options=spec.environment.options,
                        num_cpus_per_worker=res.rollout_cpus, num_gpus_per_worker=res.rollout_gpus,
-                       resources=res.rollout_resources or None, placement_group=pg,
+                       resources=res.rollout_resources or None, chunk_timeout_s=spec.rollout_chunk_deadline_s,
+                       placement_group=pg,
                        bundle_indices=rollout_bundle_indices(spec) if pg is not None else None)

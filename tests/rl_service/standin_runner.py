@@ -28,6 +28,12 @@ class StandInRunner:
             if self.spec.name == "hang" and step == 2 and self.hooks.store.get_job(self.job_id).attempts == 1:
                 while True:  # the first driver gets stuck for good (alive, no progress, no heartbeat)
                     time.sleep(1)
+            died_once = self.work_dir / "rank-died-once"
+            if self.spec.name == "rank-dies" and step == 2 and not died_once.exists():
+                died_once.touch()  # a learner rank dies once, at step 2 (the driver itself lives on)
+                import ray.exceptions
+
+                raise ray.exceptions.ActorDiedError()
             if self.spec.name == "env-down" and step == 2 and self.hooks.store.get_job(self.job_id).attempts == 1:
                 self.hooks.warn("infrastructure_failures", "the environment is down", {"step": step})
                 self.pause_cause = "paused: the environment is down"  # as JobRunner's infra guard does

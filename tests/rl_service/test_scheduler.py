@@ -168,6 +168,23 @@ def test_a_job_that_pauses_itself_keeps_its_cause_until_resumed(store: Store, sc
     assert store.get_job(job.id).error is None and store.get_job(job.id).step == 4
 
 
+def test_a_dead_learner_rank_restarts_training_from_the_last_checkpoint(store: Store, scheduler: Scheduler,
+                                                                        tmp_path) -> None:
+    job = store.submit_job("t", _spec(name="rank-dies", total_steps=4), str(tmp_path / "a"))[0]
+    wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success after the restart")
+    got = store.get_job(job.id)
+    assert got.attempts == 1 and got.step == 4  # the same driver, not a new one
+    restarted = [e["data"] for e in store.events(job.id) if e["kind"] == "training_restarted"]
+    assert len(restarted) == 1 and restarted[0]["restart"] == 1 and "ActorDiedError" in restarted[0]["cause"]
+    assert [m["metrics"]["resumed_from"] for m in store.metrics(job.id)] == [0, 0, 2, 2]
+
+    # with no restarts allowed the same death fails the job, naming the cause
+    spec = _spec(name="rank-dies", total_steps=4, watchdog={"max_training_restarts": 0})
+    job = store.submit_job("t", spec, str(tmp_path / "b"))[0]
+    wait_for(lambda: _state(store, job.id) == JobState.FAILED, what="the job to fail")
+    assert "ActorDiedError" in store.get_job(job.id).error
+
+
 def test_a_runner_that_cannot_be_imported_fails_its_job_with_the_reason(store: Store, ray_local, tmp_path) -> None:
     with running_scheduler(store, "no_such_package.runner:Runner"):
         job = store.submit_job("t", _spec(name="no-runner"), str(tmp_path))[0]
