@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -24,6 +25,8 @@ from rl_service.service import RateLimited, ServiceError, TaperService, error_fi
 from rl_service.settings import TaperSettings, get_settings
 
 log = logging.getLogger(__name__)
+
+STORE_RETRY_AFTER_S = 5  # Retry-After of a 503 while Redis is unreachable
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None,
@@ -143,6 +146,13 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(PydanticSerializationError)
     async def _serialization_error(request: Request, exc: PydanticSerializationError) -> JSONResponse:
         return error_response(422, "invalid", f"value cannot be stored: {exc}", "body")
+
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def _store_unavailable(request: Request, exc: redis.RedisError) -> JSONResponse:
+        log.warning("job store unreachable on %s %s: %s", request.method, request.url.path, exc)
+        return error_response(503, "unavailable", "the job store (Redis) is unreachable; retry shortly", None,
+                              {"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -109,6 +109,25 @@ def serve(
 
 
 @app.command()
+def scheduler() -> None:
+    """Run the job scheduler without the API: it places queued jobs, restarts lost drivers and frees resources
+    while no API runs. Any number may run beside `serve`'s: a Redis lease lets one place at a time."""
+    import signal
+    import threading
+
+    from rl_service.service import start_runtime
+
+    runtime = start_runtime(_settings(), run_scheduler=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    console.print("Taper scheduler running (Ctrl-C or SIGTERM stops it; running jobs keep going).")
+    stop.wait()
+    runtime.stop()
+    console.print("scheduler stopped")
+
+
+@app.command()
 def down() -> None:
     """Stop the local Ray head and private Redis that `serve` started for DATA_DIR (running jobs stop too;
     they resume from their last checkpoints at the next `serve`)."""

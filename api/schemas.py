@@ -37,6 +37,8 @@ class JobOut(BaseModel):
     progress: float = Field(description="step / total_steps")
     attempts: int = Field(description="Driver starts so far (more than 1 after a resume or a restart).")
     error: str | None
+    warning: str | None = Field(None, description="The latest warning (infrastructure failures, suspected reward "
+                                                  "hacking); cleared when the job is resumed.")
     schedule_version: int
     last_checkpoint: str | None
     last_metrics: dict[str, Any] | None

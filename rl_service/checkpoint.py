@@ -7,8 +7,10 @@ Layout of one checkpoint `<root>/step_00000003/`:
   learner.pt                       optimizer + LR scheduler state, optimizer step count
   rng.pt                           Python / NumPy / torch (CPU and CUDA) RNG states
   state.json                       the job's JSON state (step, data cursor, schedule history, ...)
-A checkpoint is written to a temporary directory and renamed into place, so a crash never leaves a
-half-written `step_*` directory; `keep_last` prunes the oldest.
+A checkpoint is written to a temporary directory, fsynced (files, then the directory) and renamed into
+place, then the parent directory is fsynced: a crash or power loss never leaves a half-written `step_*`
+directory. `keep_last` prunes the oldest; temporary directories a crashed writer left behind are removed by
+`remove_stale_temporaries` when the job starts again.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TMP_PREFIX = ".tmp-step_"
 
 
 @dataclass
@@ -116,7 +119,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, An
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
+    tmp = root / f"{_TMP_PREFIX}{step:08d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     save_weights(model, tmp, tokenizer, model_state_dict)
@@ -125,10 +128,33 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, state: dict[str, An
     if rng:
         torch.save(capture_rng_state(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1, sort_keys=True))
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync(root)
     if keep_last is not None:
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old.path, ignore_errors=True)
     return Checkpoint(final, step)
+
+
+def remove_stale_temporaries(root: Path) -> list[Path]:
+    """Delete the temporary directories of checkpoint writes that never finished (a crashed writer's);
+    call it only while no writer of this root runs. Returns what was removed."""
+    root = Path(root)
+    stale = [p for p in root.glob(f"{_TMP_PREFIX}*") if p.is_dir()] if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's contents to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

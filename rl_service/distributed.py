@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -211,6 +212,10 @@ class _SyncedBalancing:
                 buf.data /= world
 
 
+class LearnerRankStalled(TimeoutError):
+    """A learner rank is alive but makes no progress (a hung collective, a stopped process)."""
+
+
 def free_port() -> int:
     import socket
 
@@ -231,7 +236,8 @@ class DistributedLearner:
                  strategy: Strategy = "auto", num_cpus_per_rank: float = 1.0, ref_model_dir: str | None = None,
                  pad_token_id: int = 0, actor_options: dict[str, Any] | None = None,
                  placement_group: Any = None, bundle_indices: Sequence[int] | None = None,
-                 progress: Callable[[], None] | None = None, progress_every_s: float = 1.0) -> None:
+                 progress: Callable[[], None] | None = None, progress_every_s: float = 1.0,
+                 rank_timeout_s: float | None = None) -> None:
         import ray
         from ray.util.scheduling_strategies import (
             NodeAffinitySchedulingStrategy,
@@ -245,6 +251,7 @@ class DistributedLearner:
         self.num_ranks = num_ranks
         self.progress = progress
         self.progress_every_s = progress_every_s
+        self.rank_timeout_s = rank_timeout_s
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         opts: dict[str, Any] = {"num_cpus": num_cpus_per_rank, "num_gpus": 1 if use_gpu else 0,
                                 "runtime_env": {"env_vars": env}}
@@ -264,7 +271,8 @@ class DistributedLearner:
         # ask in its bundle; else ask on a node with room for a rank and pin rank 0 there.
         probe = {"num_cpus": 0} if placement_group is not None else {
             k: opts[k] for k in ("num_cpus", "num_gpus", "resources") if k in opts}
-        addr, port, rank0_node = self._wait(ray.remote(_node_address).options(**probe, **placed(0)).remote())
+        addr, port, rank0_node = self._wait(ray.remote(_node_address).options(**probe, **placed(0)).remote(),
+                                            start_up=True)
         init_method = f"tcp://{addr}:{port}"
         actor = ray.remote(RankLearner)
         self.ranks = [
@@ -274,19 +282,42 @@ class DistributedLearner:
             for r in range(num_ranks)
         ]
         self.config = config
-        self._wait([a.ping.remote() for a in self.ranks])
+        self._wait([a.ping.remote() for a in self.ranks], start_up=True)
 
-    def _wait(self, refs: Any) -> Any:
-        """`ray.get`, calling `progress` while it waits."""
+    def _wait(self, refs: Any, start_up: bool = False) -> Any:
+        """`ray.get`, calling `progress` while it waits. A rank that failed (died, raised) ends the wait at once,
+        since the others may be blocked on it in a collective; calls after start-up that return nothing within
+        `rank_timeout_s` raise LearnerRankStalled."""
         import ray
 
         many = isinstance(refs, list)
         pending = list(refs) if many else [refs]
+        deadline = None if start_up or self.rank_timeout_s is None else time.monotonic() + self.rank_timeout_s
         while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.progress_every_s)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.progress_every_s)
+            try:
+                ray.get(ready)
+            except ray.exceptions.RayTaskError as exc:  # often a peer's collective failing because a rank died
+                self._raise_if_a_rank_died(exc)
+                raise
             if self.progress is not None:
                 self.progress()
+            if pending and deadline is not None and time.monotonic() > deadline:
+                raise LearnerRankStalled(f"{len(pending)} learner rank call(s) returned nothing within "
+                                         f"{self.rank_timeout_s} s")
         return ray.get(refs)
+
+    def _raise_if_a_rank_died(self, error: BaseException) -> None:
+        """Name a dead rank as the cause of `error` (a RayActorError), so the job restarts rather than fails."""
+        import ray
+
+        for actor in getattr(self, "ranks", []):
+            try:
+                ray.get(actor.ping.remote(), timeout=10)
+            except ray.exceptions.RayActorError as died:
+                raise died from error
+            except ray.exceptions.GetTimeoutError:  # alive, still busy
+                continue
 
     def _plan(self, samples: Sequence[PolicySample]) -> tuple[list[list[PolicySample]], LossNorm, int]:
         shards = shard_samples(samples, self.num_ranks)

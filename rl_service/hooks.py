@@ -14,6 +14,10 @@ class JobHooks(Protocol):
     def emit_event(self, kind: str, data: dict[str, Any]) -> None:
         """A job event (state change, schedule applied, checkpoint, warning, ...)."""
 
+    def warn(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        """A condition the user should act on: an event of `kind` (its data with `message`) that also becomes
+        the job's current warning."""
+
     def emit_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """One training step's metrics."""
 

@@ -37,11 +37,13 @@ from reward_models.schedule import RewardSchedule, ScheduleHistory
 from rl_service.checkpoint import (
     latest_checkpoint,
     load_weights,
+    remove_stale_temporaries,
     restore_rng_state,
     save_checkpoint,
     save_weights,
 )
 from rl_service.hooks import Control, JobHooks
+from rl_service.infra_guard import InfraFailureGuard
 from rl_service.learner import Learner, LearnerConfig, PolicySample
 from rl_service.learner.weight_push import shippable_state_dict
 from rl_service.spec import JobSpec
@@ -82,6 +84,7 @@ class InMemoryHooks:
         self._lock = threading.Lock()
         self.on_metrics = on_metrics
         self.heartbeats = 0
+        self.warning: str | None = None
 
     def heartbeat(self) -> None:
         with self._lock:
@@ -90,6 +93,11 @@ class InMemoryHooks:
     def emit_event(self, kind: str, data: dict[str, Any]) -> None:
         with self._lock:
             self.events.append((kind, dict(data)))
+
+    def warn(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        self.emit_event(kind, {**data, "message": message})
+        with self._lock:
+            self.warning = message
 
     def emit_metrics(self, step: int, metrics: dict[str, float]) -> None:
         with self._lock:
@@ -189,6 +197,7 @@ class JobRunner:
         self.trajectory_dir = self.work_dir / "trajectories"
         self.initial_dir = self.work_dir / "initial"
         self.pool: RolloutPoolLike | None = None
+        self.pause_cause: str | None = None  # why the job paused itself, when it did
         self._heartbeat: Callable[[], None] | None = getattr(hooks, "heartbeat", None)
 
     def preload(self) -> None:
@@ -291,6 +300,14 @@ class JobRunner:
                 finally:
                     self.pool = None
 
+    def _pause_itself(self, step: int, cause: str, cursor: dict[str, int] | None) -> None:
+        """Stop as a pause does, with `cause` as the job's error; the next run starts a fresh failure streak."""
+        self.infra_guard.end_streak()
+        self._checkpoint(step, cursor)
+        self.pause_cause = cause
+        self.hooks.emit_event("paused", {"step": step, "cause": cause})
+        raise _Stop("paused")
+
     def _check_control(self, step: int, cursor: dict[str, int] | None = None) -> None:
         control = self.hooks.control()
         if control in ("pause", "cancel"):
@@ -346,6 +363,9 @@ class JobRunner:
                                pad_token_id=self.tokenizer.pad_token_id or 0, device=self.device)
         self.learner.progress = self._progress
 
+        removed = remove_stale_temporaries(self.checkpoint_dir)
+        if removed:
+            log.info("job %s: removed %d unfinished checkpoint writes", self.job_id, len(removed))
         ckpt = latest_checkpoint(self.checkpoint_dir)
         self.dp = None
         if spec.resources.num_learners > 1:
@@ -370,6 +390,7 @@ class JobRunner:
             self.hooks_schedule_version = int(state["hooks_schedule_version"])
             self.version_map = {int(k): int(v) for k, v in state["version_map"].items()}
             self.monitor = HackingMonitor.from_state_dict(state["monitor"])
+            self.infra_guard = InfraFailureGuard.from_state_dict(spec.infra_failures, state.get("infra_guard"))
             rng = ckpt.rng_state()
             if rng is not None:
                 restore_rng_state(rng)
@@ -383,6 +404,7 @@ class JobRunner:
             self.hooks_schedule_version = version
             self.version_map = {1: version}
             self.monitor = HackingMonitor(spec.hacking_monitor)
+            self.infra_guard = InfraFailureGuard(spec.infra_failures)
             engine_dir = self.initial_dir
             self.hooks.emit_event("started", {"step": 0, "total_steps": spec.total_steps})
         return start, engine_dir
@@ -402,7 +424,7 @@ class JobRunner:
                                   ref_model_dir=str(self.initial_dir), pad_token_id=self.tokenizer.pad_token_id or 0,
                                   actor_options={"resources": res.learner_resources}, placement_group=pg,
                                   bundle_indices=learner_bundle_indices(self.spec) if pg is not None else None,
-                                  progress=self._progress)
+                                  progress=self._progress, rank_timeout_s=self.spec.learner_rank_deadline_s)
 
     def _loop(self, start: int) -> str:
         spec = self.spec
@@ -439,6 +461,12 @@ class JobRunner:
             self._progress()
 
             metrics = self._train_step(t, trajs, times)
+            health = self.infra_guard.observe(t, groups, trained="learner_skipped" not in metrics)
+            metrics.update(health.metrics())
+            metrics["steps/untrained"] = float(self.infra_guard.untrained_steps)
+            if health.warning:
+                self.hooks.warn("infrastructure_failures", health.warning,
+                                {"step": t, "infra_failure_rate": health.infra_failure_rate})
             self._progress()
             # ---- weights to the engines
             ts = time.perf_counter()
@@ -462,7 +490,10 @@ class JobRunner:
             metrics["learner_idle_fraction"] = times["time/idle"] / max(times["time/step"], 1e-9)
             self.hooks.emit_metrics(done, metrics)
             self._progress()
-        self.hooks.emit_event("completed", {"step": spec.total_steps})
+            if health.pause_cause:
+                self._pause_itself(done, health.pause_cause, self.cursor.state() if pending is None else pending_cursor)
+        self.hooks.emit_event("completed", {"step": spec.total_steps,
+                                            "untrained_steps": self.infra_guard.untrained_steps})
         return "succeeded"
 
     # ------------------------------------------------------------------ pieces
@@ -527,7 +558,7 @@ class JobRunner:
         metrics["success_rate"] = batch.stats.get("success_rate", 0.0)
         event = self.monitor.update(t, batch.stats.get("process_weighted_mean", 0.0), metrics["success_rate"])
         if event is not None:
-            self.hooks.emit_event(event.get("kind", "warning"), event)
+            self.hooks.warn(event["kind"], event["message"], event)
 
         # ---- learn (infrastructure failures were dropped by compute_advantages)
         samples = [PolicySample.from_trajectory(tj, adv) for tj, adv in zip(batch.trajectories, batch.advantages,
@@ -565,6 +596,7 @@ class JobRunner:
             "hooks_schedule_version": self.hooks_schedule_version,
             "version_map": {str(k): v for k, v in self.version_map.items()},
             "monitor": self.monitor.state_dict(),
+            "infra_guard": self.infra_guard.state_dict(),
             "job_id": self.job_id,
         }
         learner_state = self.dp.state_dict() if getattr(self, "dp", None) is not None else self.learner.state_dict()
@@ -627,5 +659,6 @@ def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     pg = ray.util.get_current_placement_group()
     return RolloutPool(functools.partial(seeded_vllm_engine, engine), reg, spec.rollout.num_workers, env_options=spec.environment.options,
                        num_cpus_per_worker=res.rollout_cpus, num_gpus_per_worker=res.rollout_gpus,
-                       resources=res.rollout_resources or None, placement_group=pg,
+                       resources=res.rollout_resources or None, chunk_timeout_s=spec.rollout_chunk_deadline_s,
+                       placement_group=pg,
                        bundle_indices=rollout_bundle_indices(spec) if pg is not None else None)

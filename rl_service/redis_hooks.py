@@ -3,12 +3,13 @@ control plane and hears from it. Satisfies the rl_service.hooks.JobHooks protoco
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from reward_models.schedule import RewardSchedule
 from rl_service.hooks import Control
-from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, CONTROL_RUN
-from rl_service.store import Store
+from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, CONTROL_RUN, JobState
+from rl_service.store import InvalidTransition, JobNotFound, Store
 
 
 class RedisHooks:
@@ -20,11 +21,24 @@ class RedisHooks:
     def connect(cls, redis_url: str, job_id: str, prefix: str = "taper") -> RedisHooks:
         return cls(Store(redis_url, prefix=prefix), job_id)
 
+    # A write for a job deleted under the driver is dropped: `control()` then tells the runner to stop.
     def emit_event(self, kind: str, data: dict[str, Any]) -> None:
-        self.store.add_event(self.job_id, kind, data)
+        with contextlib.suppress(JobNotFound):
+            self.store.add_event(self.job_id, kind, data)
+
+    def warn(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        event = {**data, "message": message}
+        try:
+            self.store.update_job(self.job_id, allowed=[JobState.STARTING, JobState.RUNNING],
+                                  fields={"warning": message}, event=kind, event_data=event)
+        except InvalidTransition:  # the job is stopping: the event still tells
+            self.emit_event(kind, event)
+        except JobNotFound:
+            pass
 
     def emit_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self.store.add_metrics(self.job_id, step, metrics)
+        with contextlib.suppress(JobNotFound):
+            self.store.add_metrics(self.job_id, step, metrics)
 
     def current_schedule(self) -> tuple[int, RewardSchedule]:
         return self.store.current_schedule(self.job_id)
@@ -38,4 +52,5 @@ class RedisHooks:
         return CONTROL_RUN
 
     def add_checkpoint(self, step: int, uri: str) -> None:
-        self.store.add_checkpoint(self.job_id, step, uri)
+        with contextlib.suppress(JobNotFound):
+            self.store.add_checkpoint(self.job_id, step, uri)

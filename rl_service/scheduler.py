@@ -54,6 +54,10 @@ from rl_service.store import JobNotFound, JobRecord, Store
 log = logging.getLogger(__name__)
 
 DEFAULT_RUNNER = "rl_service.job:JobRunner"
+# A learner rank or a worker actor that died, or a part that stopped answering (rl_service.distributed's
+# LearnerRankStalled is a TimeoutError): the job driver restarts training from the last checkpoint.
+RESTARTABLE_ERRORS = (ray.exceptions.RayActorError, TimeoutError)
+
 FINAL_RESULTS = {"succeeded": JobState.SUCCEEDED, "failed": JobState.FAILED, "cancelled": JobState.CANCELLED,
                  "paused": JobState.PAUSED}
 
@@ -148,6 +152,8 @@ class JobDriver:
 
     def __init__(self, job_id: str, redis_url: str, prefix: str, runner: str | type,
                  heartbeat_every_s: float = 10.0) -> None:
+        """Errors in RESTARTABLE_ERRORS (a learner rank or worker that died or hung) restart the runner, which
+        resumes from its last checkpoint, up to the spec's `watchdog.max_training_restarts` times."""
         self.job_id = job_id
         self.store = Store(redis_url, prefix=prefix)
         self.runner = runner
@@ -197,7 +203,7 @@ class JobDriver:
         try:
             if build_error is not None:
                 raise build_error
-            result = runner.run()
+            result, runner = self._run_with_restarts(runner, job, hooks)
             target = FINAL_RESULTS.get(str(result))
             if target is None:
                 raise RuntimeError(f"job runner returned an unknown result {result!r}")
@@ -210,8 +216,26 @@ class JobDriver:
             return "failed"
         # Outside the try: failing to record the outcome is not the job failing. It propagates, and the
         # scheduler's liveness check restarts the driver, whose runner resumes from the final checkpoint.
-        store.transition(job_id, target, expect=[JobState.RUNNING], reason=f"runner returned {result}")
+        cause = getattr(runner, "pause_cause", None)  # a job that paused itself says why, as its error
+        store.transition(job_id, target, expect=[JobState.RUNNING], reason=f"runner returned {result}",
+                         fields={"error": cause} if cause else None)
         return target.value
+
+
+    def _run_with_restarts(self, runner: Any, job: JobRecord, hooks: DriverHooks) -> tuple[str, Any]:
+        """The runner's result, and the runner that produced it."""
+        restarts = 0
+        while True:
+            try:
+                return runner.run(), runner
+            except RESTARTABLE_ERRORS as exc:
+                if restarts >= job.spec.watchdog.max_training_restarts:
+                    raise
+                restarts += 1
+                cause = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                log.warning("job %s: restarting training from its last checkpoint (%s)", self.job_id, cause)
+                hooks.emit_event("training_restarted", {"restart": restarts, "cause": cause[-2000:]})
+                runner = self._build_runner(job, hooks)
 
 
 class Scheduler:

@@ -255,9 +255,10 @@ class TaperService:
 
     def resume(self, p: Principal, job_id: str) -> JobRecord:
         def act(job: JobRecord) -> None:
-            if job.state == JobState.PAUSED:
+            if job.state == JobState.PAUSED:  # a pause's cause (a job that paused itself) is past
                 self.store.transition(job_id, JobState.QUEUED, expect=[JobState.PAUSED],
-                                      fields={"control": CONTROL_RUN}, reason="resumed by user")
+                                      fields={"control": CONTROL_RUN, "error": None, "warning": None},
+                                      reason="resumed by user")
             elif job.state.has_driver and job.control == CONTROL_PAUSE:
                 self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
                                       fields={"control": CONTROL_RUN}, event="pause_withdrawn")

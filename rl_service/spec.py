@@ -78,6 +78,39 @@ class AlgorithmSpec(_Strict):
     gamma: float | None = Field(None, ge=0.0, le=1.0, description="Discount for process returns-to-go; None = step only.")
 
 
+class InfraFailureConfig(_Strict):
+    """When rollouts fail for infrastructure reasons (environment errors, tool timeouts) the job warns, then
+    pauses itself with the cause as its error, instead of training on nothing (rl_service.infra_guard)."""
+
+    warn_fraction: float = Field(
+        0.5, ge=0.0, lt=1.0,
+        description="A step whose share of infrastructure-failure trajectories exceeds this is failing.")
+    warn_after_steps: int = Field(
+        3, ge=1, le=10_000,
+        description="Failing steps in a row before a warning event (a step on which every group failed warns at once).")
+    pause_after_steps: int = Field(
+        5, ge=0, le=10_000,
+        description="Failing steps in a row after which the job pauses itself, resumable once the environment "
+                    "is back (0: never pause).")
+
+
+class WatchdogSpec(_Strict):
+    """Deadlines past which a live but silent part of a job counts as hung, and how often training restarts from
+    its last checkpoint when a learner rank dies or hangs. Unset deadlines are derived from the job's sizes."""
+
+    rollout_chunk_s: float | None = Field(
+        None, gt=0.0, le=86_400.0,
+        description="A rollout worker that returns no result for this long is replaced and its groups rerun. "
+                    "Default: 300 s + max_turns x (tool_timeout_s + 0.5 s x max_tokens_per_turn).")
+    learner_rank_s: float | None = Field(
+        None, gt=0.0, le=86_400.0,
+        description="A data-parallel learner call that no rank answers for this long restarts training from the "
+                    "last checkpoint. Default: 600 s + 0.05 s per token a rank trains in one step.")
+    max_training_restarts: int = Field(
+        2, ge=0, le=10, description="Restarts from the last checkpoint after a learner rank died or hung; one "
+                                    "more failure fails the job.")
+
+
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
@@ -127,6 +160,8 @@ class JobSpec(_Strict):
     hacking_monitor: HackingMonitorConfig = Field(
         default_factory=HackingMonitorConfig,
         description="When to warn that the weighted process reward rises while success falls below its start.")
+    infra_failures: InfraFailureConfig = Field(default_factory=InfraFailureConfig)
+    watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     total_steps: int = Field(100, ge=1, le=1_000_000)
     eval_every: int = Field(0, ge=0, description="Evaluate on held-out tasks every N steps (0 = start and end only).")
@@ -134,6 +169,19 @@ class JobSpec(_Strict):
     keep_last_checkpoints: int = Field(3, ge=1, le=1000)
     seed: int = 0
     priority: int = Field(0, ge=-100, le=100)
+
+    @property
+    def rollout_chunk_deadline_s(self) -> float:
+        r = self.rollout
+        derived = 300.0 + r.max_turns * (r.tool_timeout_s + 0.5 * r.max_tokens_per_turn)
+        return self.watchdog.rollout_chunk_s or derived
+
+    @property
+    def learner_rank_deadline_s(self) -> float:
+        r = self.rollout
+        tokens_per_rank = (r.prompts_per_step * r.num_generations * r.max_total_tokens * self.algorithm.num_iterations
+                           / self.resources.num_learners)
+        return self.watchdog.learner_rank_s or 600.0 + 0.05 * tokens_per_rank
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:

@@ -36,13 +36,15 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
 import redis.asyncio
-from pydantic import BaseModel
+import redis.asyncio.retry
+from pydantic import BaseModel, Field
 from redis.backoff import ExponentialBackoff
+from redis.client import Pipeline
 from redis.retry import Retry
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory, ScheduleVersion
@@ -92,6 +94,7 @@ class JobRecord(BaseModel):
     total_steps: int
     attempts: int = 0
     error: str | None = None
+    warning: str | None = Field(None, description="The latest warning of the running job (cleared on resume).")
     work_dir: str
     schedule_version: int = 1
     last_checkpoint: str | None = None
@@ -228,7 +231,10 @@ class Store:
     @property
     def ar(self) -> redis.asyncio.Redis:
         if self._async is None:
-            self._async = redis.asyncio.Redis.from_url(self.url, decode_responses=True)
+            # The API's reads retry briefly (about 1 s in all), then the API answers 503 with Retry-After.
+            retry = redis.asyncio.retry.Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=4)
+            self._async = redis.asyncio.Redis.from_url(self.url, decode_responses=True, retry=retry,
+                                                       retry_on_error=[redis.ConnectionError, redis.TimeoutError])
         return self._async
 
     # ---- keys (see the module docstring) ----
@@ -387,6 +393,7 @@ class Store:
             total_steps=int(raw["total_steps"]),
             attempts=int(raw.get("attempts", 0)),
             error=raw.get("error") or None,
+            warning=raw.get("warning") or None,
             work_dir=raw["work_dir"],
             schedule_version=int(raw.get("schedule_version", 1)),
             last_checkpoint=raw.get("last_checkpoint") or None,
@@ -507,13 +514,24 @@ class Store:
         )
 
     # ---- events and metrics ----
+    def _write_for_job(self, job_id: str, write: Callable[[Pipeline], None]) -> list[Any]:
+        """Run `write`'s commands in one MULTI/EXEC only while the job record exists (WATCHed), so a write
+        for a deleted job (a late driver) raises JobNotFound instead of recreating part of it."""
+
+        def tx(pipe: Pipeline) -> None:
+            if not pipe.exists(self.k_job(job_id)):
+                raise JobNotFound(job_id)
+            pipe.multi()
+            write(pipe)
+
+        return self.r.transaction(tx, self.k_job(job_id))
+
     def add_event(self, job_id: str, kind: str, data: dict[str, Any]) -> str:
-        return self.r.xadd(
-            self.k_events(job_id),
-            {"kind": kind, "data": dumps(data), "ts": repr(time.time())},
-            maxlen=EVENTS_MAXLEN,
-            approximate=True,
-        )
+        def write(pipe: Pipeline) -> None:
+            pipe.xadd(self.k_events(job_id), {"kind": kind, "data": dumps(data), "ts": repr(time.time())},
+                      maxlen=EVENTS_MAXLEN, approximate=True)
+
+        return self._write_for_job(job_id, write)[0]
 
     @staticmethod
     def _exclusive(after: str | None) -> str:
@@ -530,15 +548,13 @@ class Store:
 
     def add_metrics(self, job_id: str, step: int, metrics: dict[str, Any]) -> None:
         payload = dumps(metrics)
-        with self.r.pipeline(transaction=True) as pipe:
-            pipe.xadd(
-                self.k_metrics(job_id),
-                {"step": str(step), "data": payload, "ts": repr(time.time())},
-                maxlen=METRICS_MAXLEN,
-                approximate=True,
-            )
+
+        def write(pipe: Pipeline) -> None:
+            pipe.xadd(self.k_metrics(job_id), {"step": str(step), "data": payload, "ts": repr(time.time())},
+                      maxlen=METRICS_MAXLEN, approximate=True)
             pipe.hset(self.k_job(job_id), mapping={"step": str(step), "last_metrics": payload})
-            pipe.execute()
+
+        self._write_for_job(job_id, write)
 
     def metrics(self, job_id: str, after: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
         rows = self.r.xrange(self.k_metrics(job_id), min=self._exclusive(after), max="+", count=limit)
@@ -551,17 +567,15 @@ class Store:
     def add_checkpoint(self, job_id: str, step: int, uri: str) -> None:
         now = time.time()
         member = dumps({"step": step, "uri": uri, "ts": now})
-        with self.r.pipeline(transaction=True) as pipe:
+
+        def write(pipe: Pipeline) -> None:
             pipe.zremrangebyscore(self.k_checkpoints(job_id), step, step)
             pipe.zadd(self.k_checkpoints(job_id), {member: step})
             pipe.hset(self.k_job(job_id), mapping={"last_checkpoint": uri, "updated_at": repr(now)})
-            pipe.xadd(
-                self.k_events(job_id),
-                {"kind": "checkpoint", "data": dumps({"step": step, "uri": uri}), "ts": repr(now)},
-                maxlen=EVENTS_MAXLEN,
-                approximate=True,
-            )
-            pipe.execute()
+            pipe.xadd(self.k_events(job_id), {"kind": "checkpoint", "data": dumps({"step": step, "uri": uri}),
+                                              "ts": repr(now)}, maxlen=EVENTS_MAXLEN, approximate=True)
+
+        self._write_for_job(job_id, write)
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         return [json.loads(m) for m in self.r.zrange(self.k_checkpoints(job_id), 0, -1)]

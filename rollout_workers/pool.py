@@ -45,13 +45,15 @@ class _Batch:
     results: list[list[Trajectory] | None]
     call_args: tuple[SamplingConfig, int | None, str | None]
     in_flight: dict[ray.ObjectRef, tuple[int, Any, _Chunk]] = field(default_factory=dict)
+    sent_at: dict[ray.ObjectRef, float] = field(default_factory=dict)  # monotonic time each chunk went out
 
 
 class RolloutPool:
     """`num_workers` rollout workers sharing out groups of rollouts; a dead worker is replaced and its groups
-    rerun. `placement_group` + `bundle_indices` pin worker i (and its replacements) to bundle
-    `bundle_indices[i]` (the scheduler reserves one bundle per worker); without them the workers go wherever
-    Ray finds room."""
+    rerun. A worker that is alive but has not returned a chunk within `chunk_timeout_s` (a hung engine or
+    process) counts as dead too: it is killed, replaced, and its groups rerun. `placement_group` +
+    `bundle_indices` pin worker i (and its replacements) to bundle `bundle_indices[i]` (the scheduler reserves
+    one bundle per worker); without them the workers go wherever Ray finds room."""
 
     def __init__(
         self,
@@ -65,6 +67,7 @@ class RolloutPool:
         resources: dict[str, float] | None = None,
         groups_per_call: int | None = None,
         max_retries: int = 3,
+        chunk_timeout_s: float | None = None,
         placement_group: Any = None,
         bundle_indices: Sequence[int] | None = None,
     ) -> None:
@@ -82,7 +85,11 @@ class RolloutPool:
         )
         self.groups_per_call = groups_per_call
         self.max_retries = max_retries
+        if chunk_timeout_s is not None and chunk_timeout_s <= 0:
+            raise ValueError("chunk_timeout_s: must be > 0")
+        self.chunk_timeout_s = chunk_timeout_s
         self.restarts = 0
+        self.stalls = 0  # workers replaced because a chunk outlived chunk_timeout_s
         self._placement = (placement_group, list(bundle_indices or []))
         self._weights: tuple[ray.ObjectRef, int] | None = None
         self._workers = [self._spawn(slot) for slot in range(num_workers)]
@@ -103,15 +110,17 @@ class RolloutPool:
         # The weights go to the constructor: the actor is threaded, so a separate load call could race its first batch.
         return RolloutWorker.options(**options).remote(*self._spawn_args, *(self._weights or ()))
 
-    def _replace(self, slot: int, dead: Any) -> None:
+    def _replace(self, slot: int, dead: Any, why: str = "died or its engine failed") -> None:
         if self._workers[slot] is dead:
-            log.warning("rollout worker %d died or its engine failed; starting a replacement", slot)
+            log.warning("rollout worker %d %s; starting a replacement", slot, why)
             try:
                 ray.kill(dead, no_restart=True)
             except Exception:  # already gone
                 pass
             self._workers[slot] = self._spawn(slot)
             self.restarts += 1
+            # ready before its first chunk, so a chunk's deadline never counts the engine's start-up
+            ray.get(self._workers[slot].ping.remote())
 
     # ------------------------------------------------------------------ rollouts
     def generate(
@@ -169,26 +178,50 @@ class RolloutPool:
                 worker = self._workers[slot]
                 ref = worker.generate.remote(chunk[1], *batch.call_args)
                 batch.in_flight[ref] = (slot, worker, chunk)
+                batch.sent_at[ref] = time.monotonic()
 
     def _collect(self, batch: _Batch) -> list[list[Trajectory]]:
         while batch.in_flight:
-            done, _ = ray.wait(list(batch.in_flight), num_returns=1)
+            done, _ = ray.wait(list(batch.in_flight), num_returns=1, timeout=self._wait_s(batch))
             for ref in done:
                 slot, worker, chunk = batch.in_flight.pop(ref)
+                del batch.sent_at[ref]
                 try:
                     out = ray.get(ref)
                 except _WORKER_LOST as e:
-                    start, chunk_groups, attempts = chunk
-                    if attempts >= self.max_retries:
-                        raise RuntimeError(f"rollout chunk failed on {attempts + 1} workers: {e}") from e
+                    self._rerun(batch, chunk, e)
                     self._replace(slot, worker)
-                    batch.chunks.appendleft((start, chunk_groups, attempts + 1))
                     continue
                 for i, group in enumerate(out):
                     batch.results[chunk[0] + i] = group
+            for ref in self._stalled(batch):
+                slot, worker, chunk = batch.in_flight.pop(ref)
+                del batch.sent_at[ref]
+                self._rerun(batch, chunk, TimeoutError(f"no result within {self.chunk_timeout_s} s"))
+                self.stalls += 1
+                self._replace(slot, worker, f"returned nothing within {self.chunk_timeout_s} s (hung)")
             self._fill_idle_workers(batch)
         assert all(r is not None for r in batch.results)
         return batch.results  # type: ignore[return-value]
+
+    def _rerun(self, batch: _Batch, chunk: _Chunk, cause: BaseException) -> None:
+        start, chunk_groups, attempts = chunk
+        if attempts >= self.max_retries:
+            raise RuntimeError(f"rollout chunk failed on {attempts + 1} workers: {cause}") from cause
+        batch.chunks.appendleft((start, chunk_groups, attempts + 1))
+
+    def _wait_s(self, batch: _Batch) -> float | None:
+        """How long `ray.wait` may block: until the oldest in-flight chunk's deadline (None: no deadline)."""
+        if self.chunk_timeout_s is None:
+            return None
+        oldest = min(batch.sent_at.values())
+        return max(0.0, oldest + self.chunk_timeout_s - time.monotonic())
+
+    def _stalled(self, batch: _Batch) -> list[ray.ObjectRef]:
+        if self.chunk_timeout_s is None:
+            return []
+        now = time.monotonic()
+        return [ref for ref, sent in batch.sent_at.items() if now - sent >= self.chunk_timeout_s]
 
     # ------------------------------------------------------------------ weights and stats
     def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
@@ -211,7 +244,8 @@ class RolloutPool:
                 per_worker.append(ray.get(w.stats.remote(), timeout=60))
             except _WORKER_LOST:
                 self._replace(slot, w)
-        out: dict[str, float] = {"workers": float(len(self._workers)), "worker_restarts": float(self.restarts)}
+        out: dict[str, float] = {"workers": float(len(self._workers)), "worker_restarts": float(self.restarts),
+                                 "worker_stalls": float(self.stalls)}
         if not per_worker:
             return out
         for key in per_worker[0]:

@@ -130,6 +130,37 @@ class RolloutsBeforePushPool(ReusedPool):
         return self.pool.push_weights(state_dict, version)
 
 
+class EnvironmentDownPool(ReusedPool):
+    """The shared pool, except that training rollouts of the steps in `down_steps` come back as environment
+    errors (as when the environment's tool server is gone: the agent loop's `env_error`)."""
+
+    def __init__(self, shared: ReusedPool, down_steps: set[int]) -> None:
+        super().__init__(shared.pool)
+        self.down_steps = down_steps
+
+    def submit(self, tasks, n, sampling, train_step=None, job_id=None):
+        import concurrent.futures
+
+        from rollout_workers.trajectory import TrajectoryStatus
+
+        future = self.pool.submit(tasks, n, sampling, train_step=train_step, job_id=job_id)
+        if train_step not in self.down_steps:
+            return future
+        broken: concurrent.futures.Future = concurrent.futures.Future()
+
+        def fail_all(done: concurrent.futures.Future) -> None:
+            if done.exception() is not None:
+                broken.set_exception(done.exception())
+                return
+            for group in done.result():
+                for tj in group:
+                    tj.status = TrajectoryStatus.ENV_ERROR
+            broken.set_result(done.result())
+
+        future.add_done_callback(fail_all)
+        return broken
+
+
 def fake_trajectory(task, group, version, status="ok", seed=0):
     import random
 

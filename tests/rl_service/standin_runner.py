@@ -14,6 +14,7 @@ class StandInRunner:
 
     def __init__(self, job_id, spec, hooks, work_dir: Path) -> None:
         self.job_id, self.spec, self.hooks, self.work_dir = job_id, spec, hooks, Path(work_dir)
+        self.pause_cause: str | None = None
 
     def _resume_step(self) -> int:
         ckpts = sorted((self.work_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -27,6 +28,16 @@ class StandInRunner:
             if self.spec.name == "hang" and step == 2 and self.hooks.store.get_job(self.job_id).attempts == 1:
                 while True:  # the first driver gets stuck for good (alive, no progress, no heartbeat)
                     time.sleep(1)
+            died_once = self.work_dir / "rank-died-once"
+            if self.spec.name == "rank-dies" and step == 2 and not died_once.exists():
+                died_once.touch()  # a learner rank dies once, at step 2 (the driver itself lives on)
+                import ray.exceptions
+
+                raise ray.exceptions.ActorDiedError()
+            if self.spec.name == "env-down" and step == 2 and self.hooks.store.get_job(self.job_id).attempts == 1:
+                self.hooks.warn("infrastructure_failures", "the environment is down", {"step": step})
+                self.pause_cause = "paused: the environment is down"  # as JobRunner's infra guard does
+                return "paused"
             control = self.hooks.control()
             if control in ("pause", "cancel"):
                 return "paused" if control == "pause" else "cancelled"

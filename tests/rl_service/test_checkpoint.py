@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from rl_service.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_weights,
+    remove_stale_temporaries,
     restore_rng_state,
     save_checkpoint,
 )
@@ -59,3 +61,24 @@ def test_load_weights_rejects_a_different_model(tmp_path) -> None:
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16))
     with pytest.raises(ValueError, match="does not match"):
         load_weights(other, latest_checkpoint(tmp_path).path)
+
+
+def test_checkpoint_files_and_directories_are_synced_before_and_after_the_rename(tmp_path, monkeypatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    ck = save_checkpoint(tmp_path, 3, make_tiny_llama(), {"cursor": 1}, learner_state={"x": 1})
+    tmp_dir = next(n for n in synced if n.rsplit("/", 1)[-1].startswith(".tmp-step_00000003"))
+    files = [n for n in synced if n.startswith(tmp_dir + "/")]
+    assert {n.rsplit("/", 1)[-1] for n in files} == {p.name for p in ck.path.iterdir()}
+    assert synced.index(tmp_dir) > max(synced.index(n) for n in files)  # the directory after its files
+    assert synced[-1] == str(tmp_path)  # the parent, after the rename made the checkpoint visible
+
+
+def test_stale_temporary_directories_are_removed(tmp_path) -> None:
+    save_checkpoint(tmp_path, 1, make_tiny_llama(), {}, rng=False)
+    stale = tmp_path / ".tmp-step_00000002-4242"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    assert remove_stale_temporaries(tmp_path) == [stale]
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]

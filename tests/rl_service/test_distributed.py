@@ -138,3 +138,47 @@ def _weights_at(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+def test_a_dead_rank_ends_the_wait_at_once_and_a_stopped_one_at_the_deadline(ray_local, tiny_llama_dir) -> None:
+    """Two real ranks (gloo). Killing one mid-run raises at once, though its peer waits for it in a collective;
+    a rank that is alive but stopped (SIGSTOP) raises LearnerRankStalled at the deadline instead of blocking
+    for good while the job's heartbeat goes on."""
+    import os
+    import signal
+    import time
+
+    import ray
+
+    from rl_service.distributed import DistributedLearner, LearnerRankStalled
+    from rl_service.learner import LearnerConfig
+
+    def learner() -> DistributedLearner:
+        return DistributedLearner(str(tiny_llama_dir), LearnerConfig(learning_rate=1e-3), 2, num_cpus_per_rank=0.5,
+                                  progress=lambda: beats.append(1), progress_every_s=0.2, rank_timeout_s=20.0)
+
+    beats: list[int] = []
+    samples = make_samples(6, seed=7)
+    dead = learner()
+    try:
+        dead.step(samples)
+        ray.kill(dead.ranks[1], no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.RayActorError):
+            dead.step(samples)
+        assert time.monotonic() - t0 < 15.0
+    finally:
+        dead.shutdown()
+
+    stopped = learner()
+    pid = ray.get(stopped.ranks[1].__ray_call__.remote(lambda _: os.getpid()))
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        beats.clear()
+        t0 = time.monotonic()
+        with pytest.raises(LearnerRankStalled, match="within 20.0 s"):
+            stopped.step(samples)
+        assert time.monotonic() - t0 >= 20.0 and len(beats) > 10  # the heartbeat went on while it waited
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        stopped.shutdown()

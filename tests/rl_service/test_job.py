@@ -12,7 +12,12 @@ from rl_service.checkpoint import latest_checkpoint, list_checkpoints
 from rl_service.job import InMemoryHooks, JobRunner, seeded_vllm_engine
 from rl_service.spec import JobSpec
 from rollout_workers.storage import iter_trajectories, step_file
-from tests.rl_service.learner_helpers import ReusedPool, RolloutsBeforePushPool, fake_trajectory
+from tests.rl_service.learner_helpers import (
+    EnvironmentDownPool,
+    ReusedPool,
+    RolloutsBeforePushPool,
+    fake_trajectory,
+)
 
 GRADED = {"kind": "python", "name": "graded_calculator",
           "import_path": "tests.rl_service.learner_helpers:GradedCalculator"}
@@ -190,8 +195,31 @@ def test_process_reward_rising_while_success_falls_emits_a_warning_event(tiny_ll
     warnings = [e for e in hooks.events if e[0] == "reward_hacking_suspected"]
     assert len(warnings) == 1, hooks.events
     data = warnings[0][1]
-    assert data["step"] == 2 and data["window"] == 2
+    assert data["step"] == 2 and data["window"] == 2 and hooks.warning == data["message"]
     assert data["process_weighted_second_half"] > data["process_weighted_first_half"]
+
+
+def test_a_job_whose_environment_dies_warns_pauses_itself_and_resumes(shared_pool, tiny_llama_dir, tmp_path) -> None:
+    spec = make_spec(tiny_llama_dir, total_steps=8, checkpoint_every=4,
+                     infra_failures={"warn_after_steps": 2, "pause_after_steps": 3})
+    hooks = InMemoryHooks()
+    down = EnvironmentDownPool(shared_pool, down_steps={1, 2, 3})
+    assert JobRunner("e", spec, hooks, tmp_path, pool_factory=down.factory).run() == "paused"
+    paused = hooks.events_of("paused")
+    assert len(paused) == 1 and paused[0]["step"] == 4 and "3 steps in a row" in paused[0]["cause"]
+    warned = hooks.events_of("infrastructure_failures")
+    assert [w["step"] for w in warned] == [1]  # every group failed: at once, and once per streak
+    assert hooks.warning == warned[0]["message"] and "4 of 4 trajectories of step 1" in hooks.warning
+    rows = [m for _, m in hooks.metrics if "trajectories/infra_failure_rate" in m]
+    assert [m["trajectories/infra_failure_rate"] for m in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["steps/untrained"] for m in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert latest_checkpoint(tmp_path / "checkpoints").step == 4
+
+    # the environment is back: the resumed job trains on, counting the steps it could not train
+    hooks.events.clear()
+    assert JobRunner("e", spec, hooks, tmp_path, pool_factory=shared_pool.factory).run() == "succeeded"
+    assert hooks.events_of("resumed")[0]["step"] == 4 and not hooks.events_of("paused")
+    assert hooks.events_of("completed") == [{"step": 8, "untrained_steps": 3}]
 
 
 def test_job_main_reads_yaml_specs_and_names_bad_fields(tmp_path) -> None:

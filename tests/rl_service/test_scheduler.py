@@ -17,6 +17,7 @@ from rl_service.scheduler import (
     learner_bundle_indices,
     rollout_bundle_indices,
 )
+from rl_service.service import Principal, TaperService
 from rl_service.spec import JobSpec
 from rl_service.store import Store
 
@@ -148,6 +149,40 @@ def test_pause_frees_resources_resume_continues_and_cancel_stops(store: Store, s
     wait_for(lambda: _state(store, job.id) == JobState.CANCELLED, what="cancelled")
     assert store.get_job(job.id).step < 40
     wait_for(lambda: not store.r.smembers(store.k_placed()), what="cleanup")
+
+
+def test_a_job_that_pauses_itself_keeps_its_cause_until_resumed(store: Store, scheduler: Scheduler,
+                                                                 tmp_path) -> None:
+    service = TaperService(store, tmp_path)
+    job = store.submit_job("t", _spec(name="env-down", total_steps=4), str(tmp_path))[0]
+    wait_for(lambda: _state(store, job.id) == JobState.PAUSED, what="the job to pause itself")
+    got = store.get_job(job.id)
+    assert got.error == "paused: the environment is down" and got.warning == "the environment is down"
+    assert got.step == 2 and got.control == "run"
+    warned = [e["data"] for e in store.events(job.id) if e["kind"] == "infrastructure_failures"]
+    assert warned == [{"step": 2, "message": "the environment is down"}]
+
+    resumed = service.resume(Principal(tenant="t"), job.id)
+    assert resumed.error is None and resumed.warning is None
+    wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success after the resume")
+    assert store.get_job(job.id).error is None and store.get_job(job.id).step == 4
+
+
+def test_a_dead_learner_rank_restarts_training_from_the_last_checkpoint(store: Store, scheduler: Scheduler,
+                                                                        tmp_path) -> None:
+    job = store.submit_job("t", _spec(name="rank-dies", total_steps=4), str(tmp_path / "a"))[0]
+    wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success after the restart")
+    got = store.get_job(job.id)
+    assert got.attempts == 1 and got.step == 4  # the same driver, not a new one
+    restarted = [e["data"] for e in store.events(job.id) if e["kind"] == "training_restarted"]
+    assert len(restarted) == 1 and restarted[0]["restart"] == 1 and "ActorDiedError" in restarted[0]["cause"]
+    assert [m["metrics"]["resumed_from"] for m in store.metrics(job.id)] == [0, 0, 2, 2]
+
+    # with no restarts allowed the same death fails the job, naming the cause
+    spec = _spec(name="rank-dies", total_steps=4, watchdog={"max_training_restarts": 0})
+    job = store.submit_job("t", spec, str(tmp_path / "b"))[0]
+    wait_for(lambda: _state(store, job.id) == JobState.FAILED, what="the job to fail")
+    assert "ActorDiedError" in store.get_job(job.id).error
 
 
 def test_a_runner_that_cannot_be_imported_fails_its_job_with_the_reason(store: Store, ray_local, tmp_path) -> None:

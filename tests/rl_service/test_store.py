@@ -153,3 +153,15 @@ def test_rate_limit_counts_created_jobs_only(store: Store) -> None:
         store.submit_job("a", _spec(), "/d", rate_per_minute=2)
     assert store.list_jobs("a")[1] == before == 2
     store.submit_job("b", _spec(), "/d", rate_per_minute=2)  # per tenant
+
+
+def test_writes_for_a_deleted_job_are_refused_and_recreate_nothing(store: Store) -> None:
+    job = store.submit_job("t", _spec(), "/d")[0]
+    store.add_metrics(job.id, 1, {"loss": 1.0})
+    store.r.delete(*[k for k in store.r.scan_iter(f"t:job:{job.id}*")])  # the job deleted under its driver
+    for write in (lambda: store.add_metrics(job.id, 2, {"loss": 0.5}),
+                  lambda: store.add_checkpoint(job.id, 2, "file:///b"),
+                  lambda: store.add_event(job.id, "late", {"i": 1})):
+        with pytest.raises(JobNotFound):
+            write()
+    assert list(store.r.scan_iter(f"t:job:{job.id}*")) == []

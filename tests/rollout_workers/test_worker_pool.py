@@ -5,6 +5,7 @@ weights."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -177,4 +178,29 @@ def test_a_worker_whose_engine_broke_is_replaced_and_its_groups_rerun(by_value: 
         assert pool.restarts == 1
         assert all(t.weight_versions() == [2] for g in groups for t in g)
     finally:
+        pool.shutdown()
+
+
+def test_a_hung_worker_is_replaced_after_the_chunk_deadline_and_its_groups_rerun(by_value: Any,
+                                                                                  tokenizer_dir: Path) -> None:
+    import functools
+    import os
+    import signal
+
+    factory = functools.partial(scripted_engine.make_answering_engine, str(tokenizer_dir))
+    pool = RolloutPool(factory, helper_envs.ToyEnv, num_workers=1, num_cpus_per_worker=0.5, chunk_timeout_s=5.0)
+    hung_pid = by_value.get(pool.workers[0].ping.remote())["pid"]
+    try:
+        os.kill(hung_pid, signal.SIGSTOP)  # alive to Ray, but it will never answer
+        tasks = [{"id": f"t{i}", "question": "[]"} for i in range(3)]
+        t0 = time.monotonic()
+        groups = pool.generate(tasks, n=2, sampling=SamplingConfig(max_total_tokens=2048))
+        assert time.monotonic() - t0 >= 5.0
+        assert [[t.task_id for t in g] for g in groups] == [[f"t{i}"] * 2 for i in range(3)]
+        assert all(t.status == TrajectoryStatus.OK for g in groups for t in g)
+        assert pool.stalls == 1 and pool.restarts == 1
+        assert by_value.get(pool.workers[0].ping.remote())["pid"] != hung_pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung_pid, signal.SIGKILL)
         pool.shutdown()

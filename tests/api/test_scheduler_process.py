@@ -1,0 +1,67 @@
+"""`taper scheduler` runs jobs with no API at all, and two of them never both place: two real scheduler
+processes on one real Redis and the test session's real local Ray, jobs submitted straight to the store, the
+stand-in runner (0.2 s a step). The leader is killed mid-run; the other takes over and every job finishes
+with the one driver it was given."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rl_service.job_states import JobState
+from rl_service.spec import JobSpec
+from rl_service.store import Store
+
+STANDIN_DIR = Path(__file__).resolve().parent.parent / "rl_service"
+
+
+def wait_for(pred, timeout: float = 120.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def scheduler_process(env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-c", "from api.cli import app; app()", "scheduler"], env=env,
+                                cwd=STANDIN_DIR, stdout=out, stderr=subprocess.STDOUT)
+
+
+def test_two_scheduler_processes_place_each_job_once_without_an_api(redis_url, ray_local, tmp_path) -> None:
+    store = Store(redis_url)
+    env = {**os.environ, "TAPER_REDIS_URL": redis_url, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address,
+           "TAPER_DATA_DIR": str(tmp_path), "TAPER_JOB_RUNNER": "standin_runner:StandInRunner",
+           "PYTHONPATH": os.pathsep.join([str(STANDIN_DIR), os.environ.get("PYTHONPATH", "")])}
+    first = scheduler_process(env, tmp_path / "first.log")
+    second = None
+    try:
+        wait_for(lambda: store.r.get(store.k_lock()), what=f"a leader: {(tmp_path / 'first.log').read_text()}")
+        second = scheduler_process(env, tmp_path / "second.log")
+        spec = JobSpec(total_steps=8, seed=200, resources={"learner_cpus": 0.5, "rollout_cpus": 0.5})
+        jobs = [store.submit_job("t", spec, str(tmp_path / "jobs"))[0].id for _ in range(4)]
+        wait_for(lambda: any(store.get_job(j).step >= 2 for j in jobs), what="progress")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        wait_for(lambda: all(store.get_job(j).state == JobState.SUCCEEDED for j in jobs), 240,
+                 f"every job to finish: {[store.get_job(j).state for j in jobs]}")
+        assert store.r.get(store.k_lock())  # held by the survivor
+        for j in jobs:
+            got = store.get_job(j)
+            events = store.events(j, limit=1000)
+            placed = [e for e in events if e["kind"] == "state" and e["data"].get("to") == "starting"]
+            assert len(placed) == 1 and got.attempts == 1 and got.step == 8, (placed, got.attempts, got.step)
+            assert "driver_lost" not in [e["kind"] for e in events]
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
