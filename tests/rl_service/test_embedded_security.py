@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def listening_addresses(pids: list[int]) -> dict[str, list[tuple[str, int]]]:
         try:
             proc = psutil.Process(pid)
             out[f"{proc.name()}[{pid}]"] = [(c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
-                                            if c.status == psutil.CONN_LISTEN or (not c.raddr and c.type == 2)]
+                                            if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and not c.raddr)]
         except psutil.NoSuchProcess:
             continue
     return out
