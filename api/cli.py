@@ -94,8 +94,17 @@ def serve(
     import uvicorn
 
     from api.app import create_app
+    from rl_service.embedded import EmbeddedServiceError, running_embedded_ray_head, running_embedded_redis
 
     s = _settings()
+    try:  # embedded services left running by an older Taper (no password, no token) are refused before start
+        if not s.redis_url:
+            running_embedded_redis(Path(s.data_dir))
+        if not s.ray_address:
+            running_embedded_ray_head(Path(s.data_dir))
+    except EmbeddedServiceError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
     key_file = Path(s.data_dir) / "api-key"
     fresh = not key_file.exists()
     app_ = create_app(settings=s)
@@ -324,17 +333,21 @@ def env_list() -> None:
 def _admin_store():
     """The Store `serve` uses: TAPER_REDIS_URL, or the data dir's embedded Redis (started for this command,
     and stopped after it, if it is not running)."""
-    from rl_service.embedded import embedded_redis, start_private_redis
+    from rl_service.embedded import EmbeddedServiceError, running_embedded_redis, start_embedded_redis
     from rl_service.store import Store
 
     s = _settings()
     if s.redis_url:
         return Store(s.redis_url), None
-    running = embedded_redis(Path(s.data_dir))
+    data_dir = Path(s.data_dir)
+    try:
+        running = running_embedded_redis(data_dir)
+    except EmbeddedServiceError as exc:
+        raise typer.BadParameter(str(exc)) from None
     if running is not None:
-        return Store(running.url), None
-    server = start_private_redis(Path(s.data_dir) / "redis", binary=s.redis_server_bin)
-    return Store(server.url), server
+        return Store(running.client_url), None
+    server = start_embedded_redis(data_dir, binary=s.redis_server_bin, detach=False)
+    return Store(server.client_url), server
 
 
 @keys_app.command("create")

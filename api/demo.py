@@ -88,9 +88,10 @@ class EmbeddedService:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.redis = ensure_embedded_redis(self.data_dir)
-            # the server starts (or finds) the data dir's Ray head
-            self.api = ApiServerProcess(self.data_dir / "api.log", env={
-                "TAPER_DATA_DIR": str(self.data_dir), "TAPER_REDIS_URL": self.redis.url}).start()
+            # the server finds this Redis (and its password) in the data dir, and starts or finds its Ray head
+            self.api = ApiServerProcess(self.data_dir / "api.log", env={"TAPER_DATA_DIR": str(self.data_dir)})
+            self.api.env.pop("TAPER_REDIS_URL", None)
+            self.api.start()
         except BaseException:
             stop_embedded(self.data_dir)
             raise
@@ -106,7 +107,7 @@ class EmbeddedService:
         from rl_service.store import Store
 
         assert self.redis is not None
-        return Store(self.redis.url).create_api_key("demo", name="demo")
+        return Store(self.redis.client_url).create_api_key("demo", name="demo")
 
 
 def answer_from_memory(task: dict[str, Any]) -> list[dict[str, Any]]:

@@ -156,7 +156,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(rank_main, args=(args.world, f"tcp://127.0.0.1:{port}", str(tmp / "model"), cfg, args.strategy,
                               args.device, batch, str(tmp)), nprocs=args.world, join=True)
-    dp = torch.load(tmp / "dp.pt", weights_only=False)
+    dp = torch.load(tmp / "dp.pt", weights_only=True)
 
     grad_abs, grad_rel, worst = 0.0, 0.0, ""
     missing = [n for n in ref_grads if n not in dp["grads"]]

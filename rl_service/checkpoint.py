@@ -11,12 +11,16 @@ A checkpoint is written to a temporary directory, fsynced (files, then the direc
 place, then the parent directory is fsynced: a crash or power loss never leaves a half-written `step_*`
 directory. `keep_last` prunes the oldest; temporary directories a crashed writer left behind are removed by
 `remove_stale_temporaries` when the job starts again.
+
+Nothing is ever unpickled from a checkpoint: the `.pt` files hold tensors, numbers, strings and containers
+only and are read with `torch.load(weights_only=True)`, which refuses any other object (DESIGN.md section 10).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -42,25 +46,61 @@ class Checkpoint:
         return json.loads((self.path / "state.json").read_text())
 
     def learner_state(self) -> dict[str, Any] | None:
-        p = self.path / "learner.pt"
-        return torch.load(p, map_location="cpu", weights_only=False) if p.exists() else None
+        return load_tensors_file(self.path / "learner.pt")
 
     def rng_state(self) -> dict[str, Any] | None:
-        p = self.path / "rng.pt"
-        return torch.load(p, map_location="cpu", weights_only=False) if p.exists() else None
+        return load_tensors_file(self.path / "rng.pt")
+
+
+class UnsafeCheckpointFile(ValueError):
+    """A checkpoint file holds something other than tensors, numbers, strings and containers."""
+
+
+# what older checkpoints' rng.pt holds besides tensors: NumPy's MT19937 key array (rebuilding an array runs
+# no code of the file's choosing)
+_NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_tensors_file(path: Path) -> Any:
+    """`torch.load(path, weights_only=True)` (None if the file does not exist): any object other than tensors,
+    numbers, strings, containers (and NumPy arrays) is refused, never unpickled."""
+    if not path.exists():
+        return None
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message opens with advice to load with weights_only=False: keep only what was refused
+        refused = next((line for line in str(exc).splitlines() if "GLOBAL" in line), "").strip()
+        raise UnsafeCheckpointFile(f"{path} holds objects other than tensors and plain data; refusing to load "
+                                   f"it. {refused}".strip()) from None
 
 
 def capture_rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
+    """The RNG states as plain data (loadable with `weights_only=True`)."""
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"], "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    np_state = state["numpy"]
+    if isinstance(np_state, dict):
+        np.random.set_state({"bit_generator": np_state["bit_generator"], "has_gauss": np_state["has_gauss"],
+                             "gauss": np_state["gauss"],
+                             "state": {"key": np_state["key"].numpy().astype(np.uint32), "pos": np_state["pos"]}})
+    else:  # an older checkpoint: NumPy's legacy tuple
+        np.random.set_state(np_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -413,20 +413,19 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     stops them), then run the scheduler loop (DESIGN.md section 8). Writes a first API key for tenant
     ``default`` to ``data_dir/api-key`` when the store has none, so a fresh single-machine install can be used
     at once."""
-    from rl_service.embedded import ensure_embedded_redis, ensure_service_ray
+    from rl_service.embedded import ensure_embedded_redis, ensure_service_ray, write_secret
     from rl_service.scheduler import Scheduler
 
     data_dir = Path(settings.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    url = settings.redis_url or ensure_embedded_redis(data_dir, binary=settings.redis_server_bin).url
+    url = settings.redis_url or ensure_embedded_redis(data_dir, binary=settings.redis_server_bin).client_url
     store = Store(url)
     service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute)
     service.builtin_environments()  # import the environment registry now, not in the first submission
     if not store.has_api_keys():
         key_file = data_dir / "api-key"
         key = store.create_api_key("default", name="bootstrap", admin=True)
-        key_file.write_text(key + "\n")
-        key_file.chmod(0o600)
+        write_secret(key_file, key + "\n")
     scheduler = None
     if run_scheduler:
         ensure_service_ray(settings.ray_address, data_dir, num_cpus=settings.local_cpus)

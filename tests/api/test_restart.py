@@ -21,6 +21,7 @@ from api.cli import app as cli
 from api.launcher import ApiServerProcess
 from rl_service.embedded import (
     EMBEDDED_RECORD,
+    embedded_ray_env,
     embedded_ray_head,
     embedded_redis,
     ensure_embedded_ray_head,
@@ -61,7 +62,7 @@ def restart_mid_job(services: dict[str, str], tmp_path: Path) -> None:
     """A job runs through an API crash: with no API at all it keeps training, and the restarted API sees it
     finish, with every step, the schedule patch made before the crash, and the one driver it ever had."""
     first = api_process(services, tmp_path).start()
-    redis_url = services.get("TAPER_REDIS_URL") or embedded_redis(tmp_path).url
+    redis_url = services.get("TAPER_REDIS_URL") or embedded_redis(tmp_path).client_url
     key = Store(redis_url).create_api_key("restart")
     h = {"Authorization": f"Bearer {key}"}
     try:
@@ -79,7 +80,7 @@ def restart_mid_job(services: dict[str, str], tmp_path: Path) -> None:
     second = api_process(services, tmp_path).start()
     try:
         if "TAPER_REDIS_URL" not in services:  # the second server found the first one's Redis and Ray head
-            assert embedded_redis(tmp_path).url == redis_url and embedded_ray_head(tmp_path) is not None
+            assert embedded_redis(tmp_path).client_url == redis_url and embedded_ray_head(tmp_path) is not None
         final = wait_for(lambda: (j := httpx.get(f"{second.url}/v1/jobs/{job['id']}", headers=h).json())["state"]
                          in ("succeeded", "failed") and j, 120, "the job to finish")
         assert final["state"] == "succeeded", final
@@ -112,14 +113,16 @@ def test_embedded_services_outlive_an_api_crash_and_are_stopped_by_taper_down(tm
         server, head = embedded_redis(tmp_path), embedded_ray_head(tmp_path)
         assert server is not None and head is not None
         record = json.loads((tmp_path / EMBEDDED_RECORD).read_text())
-        assert record == {"redis": {"url": server.url, "pid": server.pid},
-                          "ray": {"address": head.address, "pid": head.pid, "temp_dir": head.temp_dir}}
+        assert record == {"redis": {"url": server.url, "pid": server.pid, "password_file": "redis-password"},
+                          "ray": {"address": head.address, "pid": head.pid, "temp_dir": head.temp_dir,
+                                  "auth_token_file": str(tmp_path / "ray-auth-token")}}
         # started once: the next caller finds the same ones
         assert ensure_embedded_redis(tmp_path).pid == server.pid
         assert ensure_embedded_ray_head(tmp_path).pid == head.pid
-        Store(server.url).create_api_key("kept")
+        Store(server.client_url).create_api_key("kept")
+        # what a process joining the head needs in its environment: the address, the token file, loopback mode
         out = subprocess.run([sys.executable, "-c", JOIN], capture_output=True, text=True, timeout=180,
-                             env={**os.environ, "RAY_ADDRESS": head.address})
+                             env={**os.environ, **embedded_ray_env(head.auth_token_file), "RAY_ADDRESS": head.address})
         # the task ran on this head (its GCS port), not on a Ray the joining process started for itself
         port = head.address.rsplit(":", 1)[1]
         assert out.returncode == 0 and out.stdout.split() == ["42", port], out.stderr[-2000:]
@@ -130,6 +133,7 @@ def test_embedded_services_outlive_an_api_crash_and_are_stopped_by_taper_down(tm
         result = CliRunner().invoke(cli, ["down"], catch_exceptions=False)
         assert result.exit_code == 0
         assert head.address in result.output and server.url in result.output, result.output
+        assert server.password not in result.output
         assert not pid_alive(head.pid) and not pid_alive(server.pid) and not Path(head.temp_dir).exists()
         assert embedded_ray_head(tmp_path) is None and embedded_redis(tmp_path) is None
         assert not (tmp_path / EMBEDDED_RECORD).exists()
@@ -137,7 +141,7 @@ def test_embedded_services_outlive_an_api_crash_and_are_stopped_by_taper_down(tm
 
         # a new Redis on the same data dir replays the append-only file: the data survived
         again = ensure_embedded_redis(tmp_path)
-        assert again.pid != server.pid and Store(again.url).has_api_keys()
+        assert again.pid != server.pid and Store(again.client_url).has_api_keys()
     finally:
         stop_embedded(tmp_path)
         get_settings.cache_clear()

@@ -318,8 +318,12 @@ def test_api_reaches_ray_and_redis_and_is_exposed() -> None:
 def test_redis_is_persistent_and_password_protected() -> None:
     sts = find("StatefulSet", "taper-redis")
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    args = " ".join(container["args"])
-    assert "--appendonly yes" in args and "--requirepass $(REDIS_PASSWORD)" in args
+    script = " ".join(container["command"] + container["args"])
+    # the password reaches redis-server on its stdin, never on a command line (`ps` shows those)
+    assert "redis-server - --appendonly yes" in script and 'requirepass "$REDISCLI_AUTH"' in script
+    assert "--requirepass" not in script and "-a " not in json.dumps(container)
+    password_env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"]}
+    assert password_env["REDISCLI_AUTH"] == "REDIS_PASSWORD"
     assert {m["mountPath"]: m["name"] for m in container["volumeMounts"]}["/data"] == "redis-data"
     assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]] == ["redis-data"]
     assert sts["spec"]["serviceName"] == "taper-redis"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_service.checkpoint import (
-    capture_rng_state,
+    UnsafeCheckpointFile,
     latest_checkpoint,
     list_checkpoints,
     load_weights,
@@ -38,11 +38,13 @@ def test_round_trip_continues_training_identically(tmp_path) -> None:
         assert torch.equal(p, q), n
 
 
-def test_rng_state_round_trip() -> None:
-    state = capture_rng_state()
-    x = (random.random(), torch.rand(3))
-    restore_rng_state(state)
-    assert random.random() == x[0] and torch.equal(torch.rand(3), x[1])
+def test_rng_state_round_trip(tmp_path) -> None:
+    import numpy as np
+
+    ck = save_checkpoint(tmp_path, 1, make_tiny_llama(), {})
+    x = (random.random(), np.random.rand(3), torch.rand(3))
+    restore_rng_state(ck.rng_state())
+    assert random.random() == x[0] and np.array_equal(np.random.rand(3), x[1]) and torch.equal(torch.rand(3), x[2])
 
 
 def test_keep_last_prunes_and_no_partial_dirs(tmp_path) -> None:
@@ -82,3 +84,45 @@ def test_stale_temporary_directories_are_removed(tmp_path) -> None:
     (stale / "model.safetensors").write_bytes(b"half")
     assert remove_stale_temporaries(tmp_path) == [stale]
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
+
+
+class _WritesAMarker:
+    """Unpickling this runs `touch marker`: what a tampered checkpoint file would do."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("name", ["learner.pt", "rng.pt"])
+def test_a_checkpoint_file_with_a_pickled_object_is_refused_and_runs_nothing(tmp_path, name) -> None:
+    ck = save_checkpoint(tmp_path / "ck", 1, make_tiny_llama(), {}, learner_state={"optimizer_steps": 1})
+    marker = tmp_path / "marker"
+    torch.save({"optimizer_steps": 1, "payload": _WritesAMarker(marker)}, ck.path / name)
+    load = ck.learner_state if name == "learner.pt" else ck.rng_state
+    with pytest.raises(UnsafeCheckpointFile, match=rf"{name} holds objects other than tensors.*posix\.system"):
+        load()
+    assert not marker.exists()
+
+
+def test_learner_and_rng_state_load_with_weights_only(tmp_path) -> None:
+    """What a checkpoint writes is plain data, and an older checkpoint's rng.pt (NumPy's legacy tuple with its
+    key array) still loads: NumPy arrays are the one non-tensor type admitted."""
+    import numpy as np
+
+    learner = Learner(make_tiny_llama(seed=0), LearnerConfig(learning_rate=1e-2, lr_scheduler_type="linear",
+                                                             max_steps=5))
+    learner.step(make_samples(2, seed=3))
+    ck = save_checkpoint(tmp_path, 1, learner.model, {}, learner_state=learner.state_dict())
+    for name in ("learner.pt", "rng.pt"):
+        torch.load(ck.path / name, weights_only=True)  # without any allow-list
+    np.random.seed(5)
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               ck.path / "rng.pt")
+    expected = np.random.rand(4)
+    restore_rng_state(ck.rng_state())
+    assert np.array_equal(np.random.rand(4), expected)
