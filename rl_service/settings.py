@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import re
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from rollout_workers.environments.policy import EnvironmentPolicy
+
+# a list setting: comma-separated ("10.0.0.0/8,tools.internal") or a JSON list
+ListSetting = Annotated[tuple[str, ...], NoDecode]
 
 
 class TaperSettings(BaseSettings):
@@ -41,6 +50,65 @@ class TaperSettings(BaseSettings):
                     "last checkpoint. Must exceed driver_heartbeat_every_s and the longest single call a job makes "
                     "without progress (engine start, one weight push, one checkpoint write).",
     )
+
+    # ---- what tenants' environments may do (DESIGN.md section 10); the defaults are the safe ones
+    http_allow: ListSetting = Field(
+        (), description="Internal targets http environments may reach: CIDRs or host names, comma-separated "
+                        "(e.g. 127.0.0.1 for a local tool server). Default none: loopback, private, link-local, "
+                        "multicast, reserved and numeric-encoded addresses are refused.")
+    environment_modules: ListSetting = Field(
+        (), description="Module prefixes whose Environment classes tenants may register as python environments, "
+                        "beside the 'taper.environments' entry points of installed packages. Default none.")
+    data_roots: ListSetting = Field(
+        (), description="Directories that file options (retrieval corpus_path) may name files in, beside the "
+                        "package's built-in data. Default: <data_dir>/files.")
+    python_max_memory_mb: int = Field(1024, ge=16, le=65536, description="Most memory a python tool call may ask for.")
+    python_max_cpu_seconds: int = Field(30, ge=1, le=3600, description="Most CPU seconds a python tool call may ask for.")
+    python_max_wall_seconds: float = Field(60.0, gt=0.0, le=3600.0, description="Most wall seconds per python tool call.")
+    python_max_output_bytes: int = Field(1024 * 1024, ge=1024, le=16 * 1024 * 1024,
+                                         description="Most output a python tool call may capture.")
+
+    @field_validator("http_allow", "environment_modules", "data_roots", mode="before")
+    @classmethod
+    def _split_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(json.loads(v)) if v.strip().startswith("[") else tuple(p.strip() for p in v.split(",") if p.strip())
+        return v
+
+    @field_validator("http_allow")
+    @classmethod
+    def _allow_entries(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from rollout_workers.net_guard import AllowList
+
+        AllowList.parse(v)
+        return v
+
+    @field_validator("environment_modules")
+    @classmethod
+    def _module_prefixes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for prefix in v:
+            if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", prefix):
+                raise ValueError(f"{prefix!r} is not a dotted module name")
+        return v
+
+    def environment_policy(self) -> EnvironmentPolicy:
+        """The operator's limits in the form the environments take them."""
+        from rollout_workers.environments.policy import (
+            BUILTIN_DATA_DIR,
+            EnvironmentPolicy,
+            PythonSandboxMaxima,
+        )
+
+        roots = [Path(r).resolve() for r in self.data_roots] or [(self.data_dir / "files").resolve()]
+        return EnvironmentPolicy(
+            http_allow=self.http_allow,
+            environment_modules=self.environment_modules,
+            data_roots=(BUILTIN_DATA_DIR, *roots),
+            python_max=PythonSandboxMaxima(memory_mb=self.python_max_memory_mb,
+                                           cpu_seconds=self.python_max_cpu_seconds,
+                                           wall_seconds=self.python_max_wall_seconds,
+                                           output_bytes=self.python_max_output_bytes),
+        )
 
     @model_validator(mode="after")
     def _heartbeat_timeout_exceeds_interval(self) -> TaperSettings:
