@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from rollout_workers.environments import BUILTIN_ENVIRONMENTS, generate_tasks, make_env_factory, validate_registration
+from rollout_workers.environments import (
+    BUILTIN_ENVIRONMENTS,
+    generate_tasks,
+    make_env_factory,
+    validate_registration,
+)
 from rollout_workers.environments.policy import BUILTIN_DATA_DIR, EnvironmentPolicy, PythonSandboxMaxima
 from rollout_workers.environments.registry import check_job_environment
 from rollout_workers.environments.retrieval import DEFAULT_CORPUS
