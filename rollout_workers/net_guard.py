@@ -220,14 +220,15 @@ class PinnedTransport(httpx.HTTPTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
+        host = url.raw_host.decode("ascii")  # IDNA-encoded, as it goes on the wire
         port = url.port or (443 if url.scheme == "https" else 80)
-        addresses = resolve_target(url.host, port, self.allow, self.resolver)
-        named = literal_address(_normal_host(url.host))[0] is None
+        addresses = resolve_target(host, port, self.allow, self.resolver)
+        named = literal_address(_normal_host(host))[0] is None
         last_error: httpx.ConnectError | None = None
         for ip in addresses:
             request.url = url.copy_with(host=str(ip))
             if named and url.scheme == "https":
-                request.extensions = {**request.extensions, "sni_hostname": url.host}
+                request.extensions = {**request.extensions, "sni_hostname": host}
             try:
                 return super().handle_request(request)
             except httpx.ConnectError as exc:

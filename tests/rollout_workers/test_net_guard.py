@@ -5,11 +5,14 @@ running a local tool server would); resolvers are fakes only where a DNS answer 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import ipaddress
 import json
+import ssl
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -315,3 +318,64 @@ def test_the_next_checked_address_is_tried_when_one_does_not_connect(server: tup
     with httpx.Client(transport=transport, trust_env=False) as client:
         assert client.post(f"http://two.test:{port}/second", json={}).status_code == 200
     assert rec.requests[-1]["path"] == "/second"
+
+
+def self_signed(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for `name` (its own CA) and its key, as PEM files."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def test_tls_to_a_pinned_address_still_verifies_the_host_name(tmp_path: Path) -> None:
+    cert_file, key_file = self_signed(tmp_path, "tools.test")
+    hosts: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            hosts.append(self.headers["Host"])
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert_file, key_file)
+    httpd.socket = server_ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    try:
+        trust = ssl.create_default_context(cafile=str(cert_file))
+        resolver = fake_dns({"tools.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]})
+        transport = PinnedTransport(AllowList.parse(["127.0.0.1"]), resolver=resolver, verify=trust)
+        with httpx.Client(transport=transport, trust_env=False) as client:
+            assert client.post(f"https://tools.test:{port}/call", json={}).status_code == 200
+            # the same address under another name: the certificate does not match, so no request is made
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED|match"):
+                client.post(f"https://other.test:{port}/call", json={})
+        assert hosts == [f"tools.test:{port}"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
