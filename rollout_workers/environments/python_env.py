@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rollout_workers.environments.base import (
     Environment,
@@ -63,6 +63,9 @@ _PUZZLES: list[tuple[str, str, Any, tuple[int, int]]] = [
 ]
 
 
+_CAPPED = ("cpu_seconds", "memory_mb", "output_bytes", "wall_seconds")
+
+
 class PythonOptions(EnvironmentOptions):
     """Per-call sandbox limits a job may choose, within the operator's maxima (EnvironmentPolicy.python_max)."""
 
@@ -71,7 +74,21 @@ class PythonOptions(EnvironmentOptions):
     output_bytes: int = Field(16 * 1024, ge=1024, le=16 * 1024 * 1024, description="Captured output per call.")
     wall_seconds: float = Field(10.0, gt=0.0, le=3600.0, description="Wall-clock time per call.")
 
-    @field_validator("cpu_seconds", "memory_mb", "output_bytes", "wall_seconds")
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_within_operator_maxima(cls, data: Any, info: ValidationInfo) -> Any:
+        """An option the job leaves out gets its default, or the operator's maximum where that is lower."""
+        policy = context_policy(info)
+        if policy is None or not isinstance(data, dict):
+            return data
+        filled = dict(data)
+        for name in _CAPPED:
+            limit, default = getattr(policy.python_max, name), cls.model_fields[name].default
+            if name not in filled and default > limit:
+                filled[name] = limit
+        return filled
+
+    @field_validator(*_CAPPED)
     @classmethod
     def _within_operator_maxima(cls, value: float, info: ValidationInfo) -> float:
         policy = context_policy(info)

@@ -103,6 +103,13 @@ def test_operator_maxima_set_the_sandbox_limits() -> None:
     assert make_env_factory("python")().limits.memory_bytes == 256 * 1024 * 1024  # the declared default
     with pytest.raises(ValueError, match="environment.options.memory_mb"):
         make_env_factory("python", {"memory_mb": 8192}, roomy)
+    # an operator maximum below a default lowers the default; the tenant cannot go above it
+    tight = EnvironmentPolicy(python_max=PythonSandboxMaxima(memory_mb=128, wall_seconds=2.0))
+    env = make_env_factory("python", {}, tight)()
+    assert env.limits.memory_bytes == 128 * 1024 * 1024 and env.limits.wall_seconds == 2.0
+    assert env.limits.cpu_seconds == 5  # a default already within its maximum stays
+    with pytest.raises(ValueError, match="environment.options.wall_seconds"):
+        make_env_factory("python", {"wall_seconds": 10}, tight)
 
 
 def test_registered_options_are_checked_too() -> None:
