@@ -202,6 +202,7 @@ def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any
                 {"name": "slow", "description": "sleeps", "parameters": seconds},
                 {"name": "flaky", "description": "503 first", "parameters": {"type": "object"}},
                 {"name": "missing", "description": "server lacks it", "parameters": {"type": "object"}},
+                {"name": "leaky", "description": "400 with a secret body", "parameters": {"type": "object"}},
             ],
             timeout_s=0.5,
             retries=3,
@@ -211,12 +212,14 @@ def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any
         LOCAL_TOOLS,
     )
     state.flaky_failures_left = 2
-    plans = [[call("add", a=3, b=4), "The answer is 7."], [call("flaky")], [call("missing")]]
+    plans = [[call("add", a=3, b=4), "The answer is 7."], [call("flaky")], [call("missing")], [call("leaky")]]
     plans += [[call("slow", seconds=0.1)]] * 6
     sampling = SamplingConfig(tool_timeout_s=3.0, max_total_tokens=2048)
     factory = make_env_factory(reg, policy=LOCAL_TOOLS)
     trajs, _, _ = run_plans(plans, sampling, tokenizer=tokenizer, env_factory=factory)
-    add, flaky, missing, *slow = trajs
+    add, flaky, missing, leaky, *slow = trajs
+    assert leaky.status == TrajectoryStatus.ENV_ERROR and "HTTP 400" in (leaky.steps[0].tool_calls[0].error or "")
+    assert "SECRET" not in leaky.model_dump_json()  # the target's error body is not echoed
     assert add.status == TrajectoryStatus.OK and add.steps[0].tool_calls[0].result == "7"
     assert factory().outcome(add) == 1.0  # the server's /outcome verifier
     assert flaky.steps[0].tool_calls[0].result == "ok"  # retried past two 503s
