@@ -97,3 +97,15 @@ def make_engine_breaking_once(tokenizer_dir: str, marker: str, break_at: int) ->
     except FileExistsError:
         return ScriptedEngine(tokenizer, answer_script, 0.02)
     return _BreakingEngine(tokenizer, break_at)
+
+
+def make_add_calling_engine(tokenizer_dir: str) -> ScriptedEngine:
+    """A picklable engine factory: the "policy" calls `add` with a=3, b=4, then answers."""
+    from transformers import AutoTokenizer
+
+    from rollout_workers.chat import tool_call_text
+
+    def script(context: str, turn: int) -> str:
+        return tool_call_text("add", {"a": 3, "b": 4}) if turn == 0 else "The answer is 7."
+
+    return ScriptedEngine(AutoTokenizer.from_pretrained(tokenizer_dir), script)
