@@ -90,8 +90,7 @@ def forbidden_reason(ip: IPAddress) -> str | None:
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             return "an IPv4-mapped IPv6 address"
-        embedded = ip.sixtofour or (ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in _NAT64 else None)
-        if embedded is not None:
+        if ip.sixtofour is not None or ip in _NAT64:
             return "an IPv6 address that embeds an IPv4 address (6to4 or NAT64)"
         if ip.is_site_local:
             return "a site-local address"
