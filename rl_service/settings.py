@@ -62,11 +62,12 @@ class TaperSettings(BaseSettings):
     data_roots: ListSetting = Field(
         (), description="Directories that file options (retrieval corpus_path) may name files in, beside the "
                         "package's built-in data. Default: <data_dir>/files.")
-    python_max_memory_mb: int = Field(1024, ge=16, le=65536, description="Most memory a python tool call may ask for.")
-    python_max_cpu_seconds: int = Field(30, ge=1, le=3600, description="Most CPU seconds a python tool call may ask for.")
-    python_max_wall_seconds: float = Field(60.0, gt=0.0, le=3600.0, description="Most wall seconds per python tool call.")
-    python_max_output_bytes: int = Field(1024 * 1024, ge=1024, le=16 * 1024 * 1024,
-                                         description="Most output a python tool call may capture.")
+    # the most a job may ask of the python environment's sandbox per call; unset: the built-in maxima
+    # (rollout_workers.environments.policy.PythonSandboxMaxima)
+    python_max_memory_mb: int | None = Field(None, description="Most address space (MB) per python tool call.")
+    python_max_cpu_seconds: int | None = Field(None, description="Most CPU seconds per python tool call.")
+    python_max_wall_seconds: float | None = Field(None, description="Most wall-clock seconds per python tool call.")
+    python_max_output_bytes: int | None = Field(None, description="Most captured output per python tool call.")
 
     @field_validator("http_allow", "environment_modules", "data_roots", mode="before")
     @classmethod
@@ -91,23 +92,32 @@ class TaperSettings(BaseSettings):
                 raise ValueError(f"{prefix!r} is not a dotted module name")
         return v
 
+    @model_validator(mode="after")
+    def _python_maxima_valid(self) -> TaperSettings:
+        self._python_maxima()
+        return self
+
+    def _python_maxima(self) -> Any:
+        from rollout_workers.environments.policy import PythonSandboxMaxima
+
+        given = {name: getattr(self, f"python_max_{name}") for name in PythonSandboxMaxima.model_fields}
+        try:
+            return PythonSandboxMaxima(**{k: v for k, v in given.items() if v is not None})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"TAPER_PYTHON_MAX_{str(err['loc'][0]).upper()}: {err['msg']} "
+                             f"(got {err.get('input')!r})") from None
+
     def environment_policy(self) -> EnvironmentPolicy:
         """The operator's limits in the form the environments take them."""
-        from rollout_workers.environments.policy import (
-            BUILTIN_DATA_DIR,
-            EnvironmentPolicy,
-            PythonSandboxMaxima,
-        )
+        from rollout_workers.environments.policy import BUILTIN_DATA_DIR, EnvironmentPolicy
 
         roots = [Path(r).resolve() for r in self.data_roots] or [(self.data_dir / "files").resolve()]
         return EnvironmentPolicy(
             http_allow=self.http_allow,
             environment_modules=self.environment_modules,
             data_roots=(BUILTIN_DATA_DIR, *roots),
-            python_max=PythonSandboxMaxima(memory_mb=self.python_max_memory_mb,
-                                           cpu_seconds=self.python_max_cpu_seconds,
-                                           wall_seconds=self.python_max_wall_seconds,
-                                           output_bytes=self.python_max_output_bytes),
+            python_max=self._python_maxima(),
         )
 
     @model_validator(mode="after")

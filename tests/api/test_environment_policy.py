@@ -159,10 +159,16 @@ def test_the_settings_carry_the_policy(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.delenv("TAPER_ENVIRONMENT_MODULES")
     default = load_settings().environment_policy()
     assert default.http_allow == () and default.environment_modules == ()
+    monkeypatch.delenv("TAPER_PYTHON_MAX_MEMORY_MB")
+    assert load_settings().environment_policy().python_max == EnvironmentPolicy().python_max  # the built-in maxima
     monkeypatch.setenv("TAPER_HTTP_ALLOW", "not a network!")
     with pytest.raises(SettingsError, match="TAPER_HTTP_ALLOW"):
         load_settings()
     monkeypatch.setenv("TAPER_HTTP_ALLOW", "")
     monkeypatch.setenv("TAPER_ENVIRONMENT_MODULES", "os; import x")
     with pytest.raises(SettingsError, match="TAPER_ENVIRONMENT_MODULES"):
+        load_settings()
+    monkeypatch.delenv("TAPER_ENVIRONMENT_MODULES")
+    monkeypatch.setenv("TAPER_PYTHON_MAX_MEMORY_MB", "8")
+    with pytest.raises(SettingsError, match="TAPER_PYTHON_MAX_MEMORY_MB: .*greater than or equal to 16"):
         load_settings()
