@@ -210,7 +210,7 @@ class JobRunner:
         import rollout_workers.storage  # noqa: F401
         from rollout_workers.environments.registry import environment_class
 
-        environment_class(self._environment())  # a registered environment's own module
+        environment_class(self._environment(), self.env_policy)  # a registered environment's own module
 
         if self.spec.model.checkpoint:  # the checkpoint's own model class (a Llama, a Qwen, ...)
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -244,6 +244,11 @@ class JobRunner:
         return self._await(self.pool.submit(tasks, n, sampling, train_step=train_step, job_id=self.job_id))
 
     # ------------------------------------------------------------------ setup
+    @functools.cached_property
+    def env_policy(self) -> Any:
+        """The operator's limits for environments (HTTP allow-list, option maxima, data roots)."""
+        return operator_environment_policy()
+
     def _environment(self) -> Any:
         """A built-in name or the registration the control plane resolved at submit time."""
         reg = self.spec.environment.registration
@@ -343,9 +348,10 @@ class JobRunner:
 
         spec = self.spec
         self.env = self._environment()
-        self.train_tasks = generate_tasks(self.env, spec.tasks.num_train, spec.tasks.seed, spec.tasks.options)
+        self.train_tasks = generate_tasks(self.env, spec.tasks.num_train, spec.tasks.seed, spec.tasks.options,
+                                          self.env_policy)
         self.eval_tasks = (generate_tasks(self.env, spec.tasks.num_eval, spec.tasks.seed + EVAL_SEED_OFFSET,
-                                          spec.tasks.options) if spec.tasks.num_eval else [])
+                                          spec.tasks.options, self.env_policy) if spec.tasks.num_eval else [])
         self.credit = CreditConfig.from_algorithm(spec.algorithm)
 
         self._progress()
@@ -524,7 +530,7 @@ class JobRunner:
         metrics: dict[str, float] = {"step": float(t + 1)}
         # ---- rewards with the schedule in force at this step
         tw = time.perf_counter()
-        score_trajectories(trajs, make_env_factory(self.env, spec.environment.options)())
+        score_trajectories(trajs, make_env_factory(self.env, spec.environment.options, self.env_policy)())
         self._progress()
         hist_version, schedule = self.history.at(t)
         w = schedule.weight(t)
@@ -612,7 +618,7 @@ class JobRunner:
 
         t0 = time.perf_counter()
         groups = self._generate(self.eval_tasks, 1, self._sampling(greedy=True), None)
-        env = make_env_factory(self.env, self.spec.environment.options)()
+        env = make_env_factory(self.env, self.spec.environment.options, self.env_policy)()
         outcomes = []
         for g in groups:
             for tj in g:
@@ -631,6 +637,13 @@ def seeded_vllm_engine(config: Any) -> Any:
     from rollout_workers.engine import VLLMEngine
 
     return VLLMEngine(config)
+
+
+def operator_environment_policy() -> Any:
+    """The EnvironmentPolicy from this process's settings (the same TAPER_ variables the API reads)."""
+    from rl_service.settings import get_settings
+
+    return get_settings().environment_policy()
 
 
 def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
@@ -658,6 +671,7 @@ def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     # under the scheduler, each worker in its own bundle of the job's placement group (not a learner's)
     pg = ray.util.get_current_placement_group()
     return RolloutPool(functools.partial(seeded_vllm_engine, engine), reg, spec.rollout.num_workers, env_options=spec.environment.options,
+                       env_policy=operator_environment_policy(),
                        num_cpus_per_worker=res.rollout_cpus, num_gpus_per_worker=res.rollout_gpus,
                        resources=res.rollout_resources or None, chunk_timeout_s=spec.rollout_chunk_deadline_s,
                        placement_group=pg,

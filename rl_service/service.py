@@ -107,6 +107,14 @@ def invalid_from(exc: ValidationError | ValueError, prefix: str = "") -> Invalid
     return InvalidInput(str(exc), field=prefix or None)
 
 
+def named_invalid(exc: ValueError) -> InvalidInput:
+    """An InvalidInput for a ValueError whose message starts with the dotted field ("options.memory_mb: ...")."""
+    message = str(exc)
+    head = message.split(":", 1)[0]
+    field = head if head.replace(".", "").replace("_", "").isalnum() else None
+    return InvalidInput(message, field=field)
+
+
 @dataclass(frozen=True)
 class Principal:
     tenant: str
@@ -116,8 +124,11 @@ class Principal:
 
 class TaperService:
     def __init__(self, store: Store, data_dir: Path, submit_rate_per_minute: int = 60,
-                 auth_cache_s: float = 5.0, status_cache_s: float = 0.25) -> None:
+                 auth_cache_s: float = 5.0, status_cache_s: float = 0.25, env_policy: Any = None) -> None:
+        """`env_policy`: the operator's EnvironmentPolicy (TaperSettings.environment_policy()); default: the
+        safe defaults (no internal HTTP targets, no extra python modules, only the built-in data)."""
         self.store = store
+        self._env_policy = env_policy
         self.data_dir = Path(data_dir)
         self.jobs_dir = (self.data_dir / "jobs").resolve()
         self.submit_rate_per_minute = submit_rate_per_minute
@@ -170,6 +181,7 @@ class TaperService:
             raise InvalidInput("set by the service from the tenant's registered environments; name one instead",
                                field="environment.registration")
         registration = self._resolve_environment(p, spec.environment.name)
+        self._check_job_environment(spec, registration)
         if registration is not None:
             # the job carries its registration, so its driver never reads the (tenant's, mutable) registry
             spec = spec.model_copy(update={
@@ -322,6 +334,23 @@ class TaperService:
 
         return registry
 
+    @property
+    def env_policy(self) -> Any:
+        if self._env_policy is None:
+            from rollout_workers.environments.policy import EnvironmentPolicy
+
+            self._env_policy = EnvironmentPolicy()
+        return self._env_policy
+
+    def _check_job_environment(self, spec: JobSpec, registration: dict[str, Any] | None) -> None:
+        """The job's environment options are declared and within the operator's limits (422 naming the field)."""
+        registry = self._registry()
+        env = spec.environment.name if registration is None else registry.EnvironmentRegistration.model_validate(registration)
+        try:
+            registry.check_job_environment(env, spec.environment.options, spec.tasks.options, self.env_policy)
+        except ValueError as exc:
+            raise named_invalid(exc) from None
+
     def builtin_environments(self) -> list[str]:
         return sorted(self._registry().BUILTIN_ENVIRONMENTS)
 
@@ -346,12 +375,9 @@ class TaperService:
         if body.name in self.builtin_environments():
             raise Conflict(f"{body.name!r} is a built-in environment", field="name")
         try:
-            reg = registry.validate_registration(body)
+            reg = registry.validate_registration(body, self.env_policy)
         except ValueError as exc:
-            message = str(exc)
-            head = message.split(":", 1)[0]
-            field = head if head.replace(".", "").replace("_", "").isalnum() else None
-            raise InvalidInput(message, field=field) from None
+            raise named_invalid(exc) from None
         data = reg.model_dump(mode="json")
         if not self.store.put_environment(p.tenant, reg.name, data):
             raise Conflict(f"environment {reg.name!r} is already registered; delete it first", field="name")
@@ -420,7 +446,8 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.redis_url or ensure_embedded_redis(data_dir, binary=settings.redis_server_bin).client_url
     store = Store(url)
-    service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute)
+    service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute,
+                           env_policy=settings.environment_policy())
     service.builtin_environments()  # import the environment registry now, not in the first submission
     if not store.has_api_keys():
         key_file = data_dir / "api-key"

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import re
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from rollout_workers.environments.policy import EnvironmentPolicy
+
+# a list setting: comma-separated ("10.0.0.0/8,tools.internal") or a JSON list
+ListSetting = Annotated[tuple[str, ...], NoDecode]
 
 
 class TaperSettings(BaseSettings):
@@ -41,6 +50,75 @@ class TaperSettings(BaseSettings):
                     "last checkpoint. Must exceed driver_heartbeat_every_s and the longest single call a job makes "
                     "without progress (engine start, one weight push, one checkpoint write).",
     )
+
+    # ---- what tenants' environments may do (DESIGN.md section 10); the defaults are the safe ones
+    http_allow: ListSetting = Field(
+        (), description="Internal targets http environments may reach: CIDRs or host names, comma-separated "
+                        "(e.g. 127.0.0.1 for a local tool server). Default none: loopback, private, link-local, "
+                        "multicast, reserved and numeric-encoded addresses are refused.")
+    environment_modules: ListSetting = Field(
+        (), description="Module prefixes whose Environment classes tenants may register as python environments, "
+                        "beside the 'taper.environments' entry points of installed packages. Default none.")
+    data_roots: ListSetting = Field(
+        (), description="Directories that file options (retrieval corpus_path) may name files in, beside the "
+                        "package's built-in data. Default: <data_dir>/files.")
+    # the most a job may ask of the python environment's sandbox per call; unset: the built-in maxima
+    # (rollout_workers.environments.policy.PythonSandboxMaxima)
+    python_max_memory_mb: int | None = Field(None, description="Most address space (MB) per python tool call.")
+    python_max_cpu_seconds: int | None = Field(None, description="Most CPU seconds per python tool call.")
+    python_max_wall_seconds: float | None = Field(None, description="Most wall-clock seconds per python tool call.")
+    python_max_output_bytes: int | None = Field(None, description="Most captured output per python tool call.")
+
+    @field_validator("http_allow", "environment_modules", "data_roots", mode="before")
+    @classmethod
+    def _split_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(json.loads(v)) if v.strip().startswith("[") else tuple(p.strip() for p in v.split(",") if p.strip())
+        return v
+
+    @field_validator("http_allow")
+    @classmethod
+    def _allow_entries(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from rollout_workers.net_guard import AllowList
+
+        AllowList.parse(v)
+        return v
+
+    @field_validator("environment_modules")
+    @classmethod
+    def _module_prefixes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for prefix in v:
+            if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", prefix):
+                raise ValueError(f"{prefix!r} is not a dotted module name")
+        return v
+
+    @model_validator(mode="after")
+    def _python_maxima_valid(self) -> TaperSettings:
+        self._python_maxima()
+        return self
+
+    def _python_maxima(self) -> Any:
+        from rollout_workers.environments.policy import PythonSandboxMaxima
+
+        given = {name: getattr(self, f"python_max_{name}") for name in PythonSandboxMaxima.model_fields}
+        try:
+            return PythonSandboxMaxima(**{k: v for k, v in given.items() if v is not None})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"TAPER_PYTHON_MAX_{str(err['loc'][0]).upper()}: {err['msg']} "
+                             f"(got {err.get('input')!r})") from None
+
+    def environment_policy(self) -> EnvironmentPolicy:
+        """The operator's limits in the form the environments take them."""
+        from rollout_workers.environments.policy import BUILTIN_DATA_DIR, EnvironmentPolicy
+
+        roots = [Path(r).resolve() for r in self.data_roots] or [(self.data_dir / "files").resolve()]
+        return EnvironmentPolicy(
+            http_allow=self.http_allow,
+            environment_modules=self.environment_modules,
+            data_roots=(BUILTIN_DATA_DIR, *roots),
+            python_max=self._python_maxima(),
+        )
 
     @model_validator(mode="after")
     def _heartbeat_timeout_exceeds_interval(self) -> TaperSettings:

@@ -22,6 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from rollout_workers.agent import EpisodeSpec, make_group_specs
 from rollout_workers.engine import EngineConfig, EngineFailed
+from rollout_workers.environments.policy import EnvironmentPolicy
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.trajectory import Trajectory
 from rollout_workers.worker import EngineFactory, EnvSource, RolloutWorker
@@ -62,6 +63,7 @@ class RolloutPool:
         num_workers: int = 1,
         *,
         env_options: dict[str, Any] | None = None,
+        env_policy: EnvironmentPolicy | None = None,
         num_cpus_per_worker: float = 1.0,
         num_gpus_per_worker: float = 0.0,
         resources: dict[str, float] | None = None,
@@ -80,6 +82,7 @@ class RolloutPool:
         if not ray.is_initialized():
             ray.init()
         self._spawn_args = (engine, env, env_options)
+        self._env_policy = env_policy
         self._options = dict(
             num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker, resources=resources or {}, max_concurrency=4
         )
@@ -108,7 +111,8 @@ class RolloutPool:
 
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[slot])
         # The weights go to the constructor: the actor is threaded, so a separate load call could race its first batch.
-        return RolloutWorker.options(**options).remote(*self._spawn_args, *(self._weights or ()))
+        return RolloutWorker.options(**options).remote(*self._spawn_args, *(self._weights or ()),
+                                                       env_policy=self._env_policy)
 
     def _replace(self, slot: int, dead: Any, why: str = "died or its engine failed") -> None:
         if self._workers[slot] is dead:

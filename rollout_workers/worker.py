@@ -18,6 +18,7 @@ import ray
 from rollout_workers.agent import AgentLoop, EpisodeSpec, run_groups
 from rollout_workers.engine import Engine, EngineConfig, VLLMEngine
 from rollout_workers.environments.base import Environment
+from rollout_workers.environments.policy import EnvironmentPolicy
 from rollout_workers.environments.registry import EnvironmentRegistration, make_env_factory
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.stats import RolloutStats
@@ -45,15 +46,18 @@ class RolloutWorkerImpl:
         env_options: dict[str, Any] | None = None,
         weights: Mapping[str, torch.Tensor] | None = None,
         weight_version: int = 0,
+        *,
+        env_policy: EnvironmentPolicy | None = None,
     ) -> None:
         """`env`: a built-in name, a registration, or (in-process code only) a zero-argument factory.
         `weights` (with their `weight_version`) are loaded before the actor takes any call: a replacement
-        worker samples its first token from the latest pushed weights."""
+        worker samples its first token from the latest pushed weights. `env_policy`: the operator's limits
+        (HTTP allow-list, option maxima, data roots) the environment runs under; default: the safe defaults."""
         # In-process vLLM engine core: one process per worker is enough on CPU and keeps startup short.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if isinstance(env, str | EnvironmentRegistration):
             self.env_name = env if isinstance(env, str) else env.name
-            self.env_factory = make_env_factory(env, env_options)
+            self.env_factory = make_env_factory(env, env_options, env_policy)
         else:
             self.env_name = str(getattr(env, "name", "") or type(env).__name__)
             self.env_factory = env

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import jsonschema
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from rollout_workers.trajectory import Trajectory
@@ -80,10 +81,18 @@ def check_arguments(tool: dict[str, Any], arguments: dict[str, Any]) -> str | No
     return f"invalid arguments for {tool['name']}{' at ' + path if path else ''}: {error.message}"
 
 
+class EnvironmentOptions(BaseModel):
+    """The options a tenant may pass to an environment (constructor and task generator alike): declared
+    fields with bounds; anything undeclared is refused. An environment without options keeps this one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class Environment(ABC):
     """A tool environment. Subclasses set `name` and implement the abstract methods."""
 
     name: ClassVar[str] = ""
+    Options: ClassVar[type[EnvironmentOptions]] = EnvironmentOptions
     # True when every `async def` method only awaits and never blocks its thread (blocking work goes
     # through `asyncio.to_thread` or an async client): the agent loop then runs them on its own event
     # loop, which saves two thread hops per call. Leave False for code that may block: it then runs on

@@ -11,8 +11,11 @@ import operator
 import random
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field, field_validator, model_validator
+
 from rollout_workers.environments.base import (
     Environment,
+    EnvironmentOptions,
     ToolError,
     extract_answer,
     final_answer_text,
@@ -56,9 +59,29 @@ def evaluate_expression(expression: str) -> int:
     return ev(tree)
 
 
+class CalculatorOptions(EnvironmentOptions):
+    ops: str = Field("+-*", min_length=1, max_length=3, description="Operators the tasks use, a subset of '+-*'.")
+    min_operand: int = Field(2, ge=0, le=1_000_000)
+    max_operand: int = Field(99, ge=0, le=1_000_000)
+
+    @field_validator("ops")
+    @classmethod
+    def _known_ops(cls, v: str) -> str:
+        if set(v) - set("+-*"):
+            raise ValueError(f"must be a non-empty subset of '+-*', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _ordered(self) -> CalculatorOptions:
+        if self.min_operand > self.max_operand:
+            raise ValueError("min_operand/max_operand: need min_operand <= max_operand")
+        return self
+
+
 class CalculatorEnv(Environment):
     name = "calculator"
     cooperative = True
+    Options = CalculatorOptions
 
     def tools(self) -> list[dict[str, Any]]:
         return [
@@ -112,19 +135,13 @@ class CalculatorEnv(Environment):
         return {}
 
     @classmethod
-    def generate_tasks(
-        cls, n: int, seed: int, ops: str = "+-*", min_operand: int = 2, max_operand: int = 99, **_: Any
-    ) -> list[dict[str, Any]]:
-        bad = set(ops) - set("+-*")
-        if not ops or bad:
-            raise ValueError(f"ops: must be a non-empty subset of '+-*', got {ops!r}")
-        if not 0 <= min_operand <= max_operand:
-            raise ValueError("min_operand/max_operand: need 0 <= min_operand <= max_operand")
+    def generate_tasks(cls, n: int, seed: int, **options: Any) -> list[dict[str, Any]]:
+        o: Any = cls.Options.model_validate(options)
         rng = random.Random(seed)
         tasks = []
         for i in range(n):
-            a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
-            op = rng.choice(ops)
+            a, b = rng.randint(o.min_operand, o.max_operand), rng.randint(o.min_operand, o.max_operand)
+            op = rng.choice(o.ops)
             if op == "-" and b > a:  # non-negative answers: one less thing for a tiny model to learn
                 a, b = b, a
             expression = f"{a} {op} {b}"

@@ -10,87 +10,153 @@ message; reward 1.0 when the stated answer equals the task's "answer"; no task g
 
 Each request has the registration's timeout; connection errors, 429 and 5xx are retried with
 exponential backoff; at most `concurrency` requests per registration are in flight in a process.
+
+Targets are tenant-chosen, so every connection goes through net_guard: the host is resolved and checked
+against the operator's allow-list on each new request and the connection goes to the checked address;
+redirects are not followed; endpoint URLs only ever extend the base URL's path; answers are capped in
+size, and an error status comes back as the status code alone (the target's body is never echoed into
+a trajectory).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
+from pydantic import ConfigDict, model_validator
 
-from rollout_workers.environments.base import Environment, ToolError, extract_answer, final_answer_text
+from rollout_workers.environments.base import (
+    Environment,
+    EnvironmentOptions,
+    ToolError,
+    extract_answer,
+    final_answer_text,
+)
+from rollout_workers.net_guard import AllowList, PinnedTransport, TargetRefused, endpoint_url
 
 if TYPE_CHECKING:
     from rollout_workers.environments.registry import EnvironmentRegistration
     from rollout_workers.trajectory import Trajectory
 
-_SEMAPHORES: dict[tuple[str, str], threading.BoundedSemaphore] = {}
-_CLIENTS: dict[tuple[str, str], httpx.Client] = {}
-_SEMAPHORES_LOCK = threading.Lock()
+MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+MAX_TOOL_ERROR_CHARS = 2000
+MAX_OPTIONS = 32
+MAX_OPTIONS_BYTES = 16 * 1024
+
+
+class HttpOptions(EnvironmentOptions):
+    """Options of an http environment are the tool server's own: forwarded as they are to its /tasks
+    endpoint, never read by the cluster; bounded in number and size."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> HttpOptions:
+        extra = self.model_extra or {}
+        if len(extra) > MAX_OPTIONS:
+            raise ValueError(f"at most {MAX_OPTIONS} options")
+        if len(json.dumps(extra, default=str)) > MAX_OPTIONS_BYTES:
+            raise ValueError(f"at most {MAX_OPTIONS_BYTES} bytes of options (as JSON)")
+        return self
 
 
 class EndpointMissing(Exception):
     pass
 
 
-def _semaphore(reg: EnvironmentRegistration) -> threading.BoundedSemaphore:
-    key = (reg.name, str(reg.base_url))
-    with _SEMAPHORES_LOCK:
-        if key not in _SEMAPHORES:
-            _SEMAPHORES[key] = threading.BoundedSemaphore(reg.concurrency)
-        return _SEMAPHORES[key]
+@dataclass
+class _Target:
+    """What a process keeps per registration and allow-list: a pooled client and the concurrency limit."""
+
+    client: httpx.Client
+    slots: threading.BoundedSemaphore
 
 
-def _client(reg: EnvironmentRegistration) -> httpx.Client:
-    """One pooled client per registration and process (keeps connections alive; thread-safe)."""
-    key = (reg.name, str(reg.base_url))
-    with _SEMAPHORES_LOCK:
-        if key not in _CLIENTS:
-            _CLIENTS[key] = httpx.Client(limits=httpx.Limits(max_connections=reg.concurrency))
-        return _CLIENTS[key]
+_TARGETS: dict[tuple[str, AllowList], _Target] = {}
+_TARGETS_LOCK = threading.Lock()
 
 
-def post_json(reg: EnvironmentRegistration, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """POST with timeout, retries with backoff and the registration's concurrency limit."""
-    url = str(reg.base_url).rstrip("/") + path
+def _target(reg: EnvironmentRegistration, allow: AllowList) -> _Target:
+    key = (reg.model_dump_json(), allow)
+    with _TARGETS_LOCK:
+        if key not in _TARGETS:
+            transport = PinnedTransport(allow, limits=httpx.Limits(max_connections=reg.concurrency))
+            client = httpx.Client(transport=transport, follow_redirects=False, trust_env=False)
+            _TARGETS[key] = _Target(client, threading.BoundedSemaphore(reg.concurrency))
+        return _TARGETS[key]
+
+
+def _read_bounded(response: httpx.Response, where: str) -> bytes:
+    chunks, size = [], 0
+    for chunk in response.iter_bytes():
+        size += len(chunk)
+        if size > MAX_RESPONSE_BYTES:
+            raise RuntimeError(f"{where}: answer larger than {MAX_RESPONSE_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def post_json(reg: EnvironmentRegistration, endpoint: str, body: dict[str, Any], allow: AllowList) -> dict[str, Any]:
+    """POST to `base_url/endpoint` with timeout, retries with backoff and the registration's concurrency limit.
+    Raises EndpointMissing on 404, RuntimeError naming the status code alone for other errors."""
+    url = endpoint_url(str(reg.base_url), endpoint)
+    where = f"{reg.base_url} /{endpoint}"
+    target = _target(reg, allow)
     last_error: Exception | None = None
     for attempt in range(reg.retries + 1):
         if attempt:
             time.sleep(reg.backoff_s * 2 ** (attempt - 1))
-        with _semaphore(reg):
+        with target.slots:
             try:
-                response = _client(reg).post(url, json=body, timeout=reg.timeout_s)
+                with target.client.stream("POST", url, json=body, timeout=reg.timeout_s) as response:
+                    status = response.status_code
+                    content = _read_bounded(response, where) if 200 <= status < 300 else b""
+            except TargetRefused as e:
+                raise RuntimeError(f"{where}: target refused: {e}") from None
             except httpx.TimeoutException as e:
-                raise TimeoutError(f"{url}: no answer within {reg.timeout_s}s") from e
+                raise TimeoutError(f"{where}: no answer within {reg.timeout_s}s") from e
             except httpx.TransportError as e:
                 last_error = e
                 continue
-        if response.status_code == 404:
-            raise EndpointMissing(url)
-        if response.status_code == 429 or response.status_code >= 500:
-            last_error = RuntimeError(f"{url}: HTTP {response.status_code}")
+        if status == 404:
+            raise EndpointMissing(where)
+        if status == 429 or status >= 500:
+            last_error = RuntimeError(f"{where}: HTTP {status}")
             continue
-        if response.status_code >= 400:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
-        data = response.json()
+        if 300 <= status < 400:
+            raise RuntimeError(f"{where}: HTTP {status} (redirects are not followed)")
+        if not 200 <= status < 300:
+            raise RuntimeError(f"{where}: HTTP {status}")
+        try:
+            data = json.loads(content)
+        except ValueError:
+            raise RuntimeError(f"{where}: the answer is not JSON") from None
         if not isinstance(data, dict):
-            raise RuntimeError(f"{url}: expected a JSON object, got {type(data).__name__}")
+            raise RuntimeError(f"{where}: expected a JSON object, got {type(data).__name__}")
         return data
-    raise RuntimeError(f"{url}: failed after {reg.retries + 1} attempts: {last_error}")
+    raise RuntimeError(f"{where}: failed after {reg.retries + 1} attempts: {last_error}")
 
 
 class HttpEnvironment(Environment):
     """Subclassed per registration by the registry (`config` set on the subclass)."""
 
     config: ClassVar[EnvironmentRegistration]
+    allow: ClassVar[AllowList] = AllowList()  # the operator's allow-list, set with `config`
     cooperative = True  # its requests run in threads (asyncio.to_thread)
+    Options = HttpOptions
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
+        self.Options.model_validate(options)
         self.session: str | None = None
+
+    def _post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        return post_json(self.config, endpoint, body, self.allow)
 
     def tools(self) -> list[dict[str, Any]]:
         return list(self.config.tools or [])
@@ -98,7 +164,7 @@ class HttpEnvironment(Environment):
     async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         self.task = task
         try:
-            data = await asyncio.to_thread(post_json, self.config, "/reset", {"task": task})
+            data = await asyncio.to_thread(self._post, "reset", {"task": task})
         except EndpointMissing:
             return [{"role": "user", "content": str(task.get("question", task.get("prompt", "")))}]
         self.session = data.get("session")
@@ -112,9 +178,9 @@ class HttpEnvironment(Environment):
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         body = {"session": self.session, "tool": tool, "arguments": args}
-        data = await asyncio.to_thread(post_json, self.config, "/call", body)
+        data = await asyncio.to_thread(self._post, "call", body)
         if data.get("error") is not None:
-            raise ToolError(str(data["error"]))
+            raise ToolError(str(data["error"])[:MAX_TOOL_ERROR_CHARS])
         if "result" not in data:
             raise RuntimeError("/call: response has neither 'result' nor 'error'")
         return str(data["result"])
@@ -128,7 +194,7 @@ class HttpEnvironment(Environment):
             "trajectory": trajectory.model_dump(mode="json", exclude={"prompt_ids"}),
         }
         try:
-            data = post_json(self.config, "/outcome", body)
+            data = self._post("outcome", body)
         except EndpointMissing:
             expected = trajectory.task.get("answer")
             return float(final is not None and expected is not None and final.strip() == str(expected).strip())
@@ -137,7 +203,7 @@ class HttpEnvironment(Environment):
     @classmethod
     def generate_tasks(cls, n: int, seed: int, **options: Any) -> list[dict[str, Any]]:
         try:
-            data = post_json(cls.config, "/tasks", {"n": n, "seed": seed, "options": options})
+            data = post_json(cls.config, "tasks", {"n": n, "seed": seed, "options": options}, cls.allow)
         except EndpointMissing:
             return super().generate_tasks(n, seed, **options)
         tasks = data.get("tasks")

@@ -11,8 +11,11 @@ import re
 import string
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field, model_validator
+
 from rollout_workers.environments.base import (
     Environment,
+    EnvironmentOptions,
     ToolError,
     extract_answer,
     final_answer_text,
@@ -27,13 +30,26 @@ _LETTER = re.compile(r"holds the letter ([a-z])")
 _FILLER = "the dusty shelves hold old maps jars of ink and a quiet clock that ticks".split()
 
 
+class LongHorizonOptions(EnvironmentOptions):
+    filler_words: int = Field(0, ge=0, le=4096, description="Words of padding in every tool result.")
+    chain_length: int = Field(4, ge=1, le=256, description="Boxes to follow.")
+    num_boxes: int = Field(20, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _chain_fits(self) -> LongHorizonOptions:
+        if self.chain_length > self.num_boxes:
+            raise ValueError("chain_length: must be between 1 and num_boxes")
+        return self
+
+
 class LongHorizonEnv(Environment):
     name = "long_horizon"
     cooperative = True
+    Options = LongHorizonOptions
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.filler_words = int(options.get("filler_words", 0))
+        self.filler_words: int = self.Options.model_validate(options).filler_words  # type: ignore[attr-defined]
 
     def tools(self) -> list[dict[str, Any]]:
         return [
@@ -103,11 +119,9 @@ class LongHorizonEnv(Environment):
         return {"followed_chain": float(expected is not None and got == expected)}
 
     @classmethod
-    def generate_tasks(
-        cls, n: int, seed: int, chain_length: int = 4, num_boxes: int = 20, **_: Any
-    ) -> list[dict[str, Any]]:
-        if not 1 <= chain_length <= num_boxes:
-            raise ValueError("chain_length: must be between 1 and num_boxes")
+    def generate_tasks(cls, n: int, seed: int, **options: Any) -> list[dict[str, Any]]:
+        o: Any = cls.Options.model_validate(options)
+        chain_length, num_boxes = o.chain_length, o.num_boxes
         rng = random.Random(seed)
         tasks = []
         for i in range(n):
@@ -135,3 +149,4 @@ class LongHorizonEnv(Environment):
             messages.append({"role": "tool", "content": self.describe(task, box)})
         messages.append({"role": "assistant", "content": f"The answer is {task['answer']}."})
         return messages
+

@@ -5,14 +5,18 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
 from rollout_workers.environments.base import (
     Environment,
+    EnvironmentOptions,
     ToolError,
     extract_answer,
     final_answer_text,
     parse_int,
     tool_call_message,
 )
+from rollout_workers.environments.policy import context_policy
 from rollout_workers.environments.sandbox import SandboxLimits, run_python_async
 
 if TYPE_CHECKING:
@@ -59,17 +63,55 @@ _PUZZLES: list[tuple[str, str, Any, tuple[int, int]]] = [
 ]
 
 
+_CAPPED = ("cpu_seconds", "memory_mb", "output_bytes", "wall_seconds")
+
+
+class PythonOptions(EnvironmentOptions):
+    """Per-call sandbox limits a job may choose, within the operator's maxima (EnvironmentPolicy.python_max)."""
+
+    cpu_seconds: int = Field(5, ge=1, le=3600, description="CPU time per call.")
+    memory_mb: int = Field(256, ge=16, le=65536, description="Address space per call.")
+    output_bytes: int = Field(16 * 1024, ge=1024, le=16 * 1024 * 1024, description="Captured output per call.")
+    wall_seconds: float = Field(10.0, gt=0.0, le=3600.0, description="Wall-clock time per call.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_within_operator_maxima(cls, data: Any, info: ValidationInfo) -> Any:
+        """An option the job leaves out gets its default, or the operator's maximum where that is lower."""
+        policy = context_policy(info)
+        if policy is None or not isinstance(data, dict):
+            return data
+        filled = dict(data)
+        for name in _CAPPED:
+            limit, default = getattr(policy.python_max, name), cls.model_fields[name].default
+            if name not in filled and default > limit:
+                filled[name] = limit
+        return filled
+
+    @field_validator(*_CAPPED)
+    @classmethod
+    def _within_operator_maxima(cls, value: float, info: ValidationInfo) -> float:
+        policy = context_policy(info)
+        if policy is not None:
+            limit = getattr(policy.python_max, str(info.field_name))
+            if value > limit:
+                raise ValueError(f"at most {limit} (the operator's maximum), got {value}")
+        return value
+
+
 class PythonEnv(Environment):
     name = "python"
     cooperative = True
+    Options = PythonOptions
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
+        o: Any = self.Options.model_validate(options)
         self.limits = SandboxLimits(
-            cpu_seconds=int(options.get("cpu_seconds", 5)),
-            memory_bytes=int(options.get("memory_mb", 256)) * 1024 * 1024,
-            output_bytes=int(options.get("output_bytes", 16 * 1024)),
-            wall_seconds=float(options.get("wall_seconds", 10.0)),
+            cpu_seconds=o.cpu_seconds,
+            memory_bytes=o.memory_mb * 1024 * 1024,
+            output_bytes=o.output_bytes,
+            wall_seconds=o.wall_seconds,
         )
 
     def tools(self) -> list[dict[str, Any]]:

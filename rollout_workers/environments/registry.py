@@ -1,7 +1,11 @@
 """Environment registrations: built-ins, `python` (an installed class) and `http` (a remote tool server).
 
 A registration is data only (JSON-serialisable, stored by the control plane): an import path of code
-already installed on the cluster, or a URL. No code is ever accepted inside a request.
+already installed on the cluster, or a URL. No code is ever accepted inside a request. What a tenant may
+name is bounded by the operator's EnvironmentPolicy: python classes only from the `taper.environments`
+entry points or configured module prefixes (checked on the string before anything is imported), http
+targets only where net_guard allows, options only as each environment declares them within the
+operator's maxima.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import inspect
 import re
 from collections.abc import Callable
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,8 +23,10 @@ from rollout_workers.environments.base import Environment, validate_tool_schemas
 from rollout_workers.environments.calculator import CalculatorEnv
 from rollout_workers.environments.http_env import HttpEnvironment
 from rollout_workers.environments.long_horizon import LongHorizonEnv
+from rollout_workers.environments.policy import EnvironmentPolicy, check_options
 from rollout_workers.environments.python_env import PythonEnv
 from rollout_workers.environments.retrieval import RetrievalEnv
+from rollout_workers.net_guard import AllowList, TargetRefused, check_base_url, resolve_target
 
 BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {
     cls.name: cls for cls in (CalculatorEnv, PythonEnv, RetrievalEnv, LongHorizonEnv)
@@ -53,6 +58,16 @@ class EnvironmentRegistration(BaseModel):
             raise ValueError(f"must match {_NAME.pattern}")
         return v
 
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                check_base_url(v)
+            except TargetRefused as e:
+                raise ValueError(str(e)) from None
+        return v
+
     @model_validator(mode="after")
     def _kind_fields(self) -> EnvironmentRegistration:
         if self.kind == "python":
@@ -70,8 +85,12 @@ class EnvironmentRegistration(BaseModel):
         return self
 
 
-def validate_registration(reg: EnvironmentRegistration | dict[str, Any]) -> EnvironmentRegistration:
-    """Full check of a registration; raises ValueError whose message starts with the offending field."""
+def validate_registration(
+    reg: EnvironmentRegistration | dict[str, Any], policy: EnvironmentPolicy | None = None
+) -> EnvironmentRegistration:
+    """Full check of a registration under the operator's policy; raises ValueError whose message starts with
+    the offending field."""
+    policy = policy or EnvironmentPolicy()
     if isinstance(reg, dict):
         try:
             reg = EnvironmentRegistration.model_validate(reg)
@@ -80,9 +99,10 @@ def validate_registration(reg: EnvironmentRegistration | dict[str, Any]) -> Envi
     if reg.name in BUILTIN_ENVIRONMENTS:
         raise ValueError(f"name: {reg.name!r} is a built-in environment")
     if reg.kind == "python":
-        cls = _import_class(reg.import_path or "")
+        cls = allowed_class(reg.import_path or "", policy)
+        options = check_options(cls.Options, reg.options, policy, "options")
         try:
-            env = cls(**reg.options)
+            env = cls(**options.model_dump(exclude_unset=True))
         except Exception as e:
             raise ValueError(f"options: {reg.import_path} could not be constructed with them: {e!r}") from None
         try:
@@ -91,13 +111,33 @@ def validate_registration(reg: EnvironmentRegistration | dict[str, Any]) -> Envi
             raise ValueError(f"import_path: {reg.import_path}.tools() raised {e!r}") from None
         validate_tool_schemas(tools, field=f"import_path: {reg.import_path}.tools()")
     else:
-        url = urlparse(reg.base_url or "")
-        if url.scheme not in ("http", "https") or not url.netloc:
-            raise ValueError(f"base_url: must be an http(s) URL with a host, got {reg.base_url!r}")
-        if url.query or url.fragment:
-            raise ValueError("base_url: must not carry a query or fragment")
         validate_tool_schemas(reg.tools)
+        check_options(HttpEnvironment.Options, reg.options, policy, "options")
+        check_target(reg.base_url or "", policy.allow_list)
     return reg
+
+
+def check_target(base_url: str, allow: AllowList) -> None:
+    """The base URL's host resolves only to addresses the operator allows (checked again on every
+    connection: DNS may change)."""
+    try:
+        parts = check_base_url(base_url)
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+        resolve_target(parts.hostname or "", port, allow)
+    except TargetRefused as e:
+        raise ValueError(f"base_url: {e}") from None
+
+
+def allowed_class(import_path: str, policy: EnvironmentPolicy) -> type[Environment]:
+    """The class behind `import_path` if the operator made it available; nothing is imported otherwise."""
+    if not _IMPORT_PATH.match(import_path):
+        raise ValueError(f"import_path: must look like 'package.module:ClassName', got {import_path!r}")
+    if not policy.module_allowed(import_path):
+        raise ValueError(
+            f"import_path: {import_path!r} is not available to tenants; the operator makes classes available "
+            "through the 'taper.environments' entry points or the allowed module prefixes"
+        )
+    return _import_class(import_path)
 
 
 def _import_class(import_path: str) -> type[Environment]:
@@ -130,33 +170,66 @@ def _pydantic_message(e: ValueError) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _http_class(reg_json: str) -> type[HttpEnvironment]:
+def _http_class(reg_json: str, allow: AllowList) -> type[HttpEnvironment]:
     reg = EnvironmentRegistration.model_validate_json(reg_json)
-    return type(f"Http_{reg.name}", (HttpEnvironment,), {"config": reg, "name": reg.name})
+    return type(f"Http_{reg.name}", (HttpEnvironment,), {"config": reg, "name": reg.name, "allow": allow})
 
 
-def environment_class(env: EnvironmentRegistration | str) -> type[Environment]:
-    """The Environment class behind a built-in name or a registration."""
+def environment_class(env: EnvironmentRegistration | str, policy: EnvironmentPolicy | None = None) -> type[Environment]:
+    """The Environment class behind a built-in name or a registration (an http one bound to the policy's
+    allow-list)."""
     if isinstance(env, str):
         if env not in BUILTIN_ENVIRONMENTS:
             raise ValueError(f"environment: unknown built-in {env!r} (built-ins: {sorted(BUILTIN_ENVIRONMENTS)})")
         return BUILTIN_ENVIRONMENTS[env]
     if env.kind == "python":
         return _import_class(env.import_path or "")
-    return _http_class(env.model_dump_json())
+    return _http_class(env.model_dump_json(), (policy or EnvironmentPolicy()).allow_list)
+
+
+def _registered_options(env: EnvironmentRegistration | str) -> dict[str, Any]:
+    return dict(env.options) if isinstance(env, EnvironmentRegistration) else {}
 
 
 def make_env_factory(
-    env: EnvironmentRegistration | str, options: dict[str, Any] | None = None
+    env: EnvironmentRegistration | str,
+    options: dict[str, Any] | None = None,
+    policy: EnvironmentPolicy | None = None,
 ) -> Callable[[], Environment]:
-    """A zero-argument constructor making one fresh Environment per episode."""
-    cls = environment_class(env)
-    merged = {**(env.options if isinstance(env, EnvironmentRegistration) else {}), **(options or {})}
-    return functools.partial(cls, **merged)
+    """A zero-argument constructor making one fresh Environment per episode, its options checked against the
+    environment's declaration and the operator's policy (default: the safe defaults)."""
+    policy = policy or EnvironmentPolicy()
+    cls = environment_class(env, policy)
+    checked = check_options(cls.Options, {**_registered_options(env), **(options or {})}, policy, "environment.options")
+    return functools.partial(cls, **checked.model_dump(exclude_unset=True))
 
 
 def generate_tasks(
-    env: EnvironmentRegistration | str, n: int, seed: int, options: dict[str, Any] | None = None
+    env: EnvironmentRegistration | str,
+    n: int,
+    seed: int,
+    options: dict[str, Any] | None = None,
+    policy: EnvironmentPolicy | None = None,
 ) -> list[dict[str, Any]]:
-    merged = {**(env.options if isinstance(env, EnvironmentRegistration) else {}), **(options or {})}
-    return environment_class(env).generate_tasks(n, seed, **merged)
+    policy = policy or EnvironmentPolicy()
+    cls = environment_class(env, policy)
+    checked = check_options(cls.Options, {**_registered_options(env), **(options or {})}, policy, "tasks.options")
+    return cls.generate_tasks(n, seed, **checked.model_dump(exclude_unset=True))
+
+
+def check_job_environment(
+    env: EnvironmentRegistration | str,
+    env_options: dict[str, Any],
+    task_options: dict[str, Any],
+    policy: EnvironmentPolicy,
+) -> None:
+    """Submit-time checks of a job's environment: a python class is still one the operator allows, and the
+    environment and task options are declared and within bounds. Raises ValueError naming the field."""
+    if isinstance(env, EnvironmentRegistration) and env.kind == "python":
+        if not policy.module_allowed(env.import_path or ""):
+            raise ValueError(f"environment.name: {env.name!r} uses {env.import_path!r}, which the operator no "
+                             "longer makes available")
+    cls = environment_class(env, policy)
+    registered = _registered_options(env)
+    check_options(cls.Options, {**registered, **env_options}, policy, "environment.options")
+    check_options(cls.Options, {**registered, **task_options}, policy, "tasks.options")

@@ -1,7 +1,8 @@
 """Retrieval: answer questions about fictional places with `search` and `read` over a local corpus.
 
 The corpus ships with the package (data/corpus.json, built by data/build_corpus.py) or comes from the
-`corpus_path` option (a JSON list of {"id", "title", "text", "facts"?}).
+`corpus_path` option (a JSON list of {"id", "title", "text", "facts"?}), a file inside the operator's data
+roots (EnvironmentPolicy.data_roots; a relative path names a file under one of them).
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field, ValidationInfo, field_validator
+
 from rollout_workers.environments.base import (
     Environment,
+    EnvironmentOptions,
     ToolError,
     extract_answer,
     final_answer_text,
     tool_call_message,
 )
+from rollout_workers.environments.policy import context_policy
 
 if TYPE_CHECKING:
     from rollout_workers.trajectory import Trajectory
@@ -71,14 +76,27 @@ def load_corpus(path: str = str(DEFAULT_CORPUS)) -> Corpus:
     return Corpus(json.loads(Path(path).read_text()))
 
 
+class RetrievalOptions(EnvironmentOptions):
+    corpus_path: str | None = Field(None, max_length=4096, description="A corpus file inside the data roots.")
+    top_k: int = Field(3, ge=1, le=50, description="Search results per query.")
+
+    @field_validator("corpus_path")
+    @classmethod
+    def _inside_data_roots(cls, value: str | None, info: ValidationInfo) -> str | None:
+        policy = context_policy(info)
+        return value if value is None or policy is None else str(policy.data_file(value))
+
+
 class RetrievalEnv(Environment):
     name = "retrieval"
     cooperative = True
+    Options = RetrievalOptions
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.corpus = load_corpus(str(options.get("corpus_path", DEFAULT_CORPUS)))
-        self.top_k = int(options.get("top_k", 3))
+        o: Any = self.Options.model_validate(options)
+        self.corpus = load_corpus(str(o.corpus_path or DEFAULT_CORPUS))
+        self.top_k: int = o.top_k
 
     def tools(self) -> list[dict[str, Any]]:
         return [
@@ -143,8 +161,9 @@ class RetrievalEnv(Environment):
         return out
 
     @classmethod
-    def generate_tasks(cls, n: int, seed: int, corpus_path: str | None = None, **_: Any) -> list[dict[str, Any]]:
-        corpus = load_corpus(str(corpus_path or DEFAULT_CORPUS))
+    def generate_tasks(cls, n: int, seed: int, **options: Any) -> list[dict[str, Any]]:
+        o: Any = cls.Options.model_validate(options)
+        corpus = load_corpus(str(o.corpus_path or DEFAULT_CORPUS))
         rng = random.Random(seed)
         doc_ids = sorted(d for d, doc in corpus.docs.items() if doc.get("facts"))
         if not doc_ids:

@@ -40,7 +40,7 @@ def make_samples(n: int, vocab: int = 48, seed: int = 0, max_prompt: int = 6, ma
 
 
 # ---- job tests ---------------------------------------------------------------------------------------
-from rollout_workers.environments.calculator import CalculatorEnv  # noqa: E402
+from rollout_workers.environments.calculator import CalculatorEnv, CalculatorOptions  # noqa: E402
 
 
 class GradedCalculator(CalculatorEnv):
@@ -57,6 +57,10 @@ class HangOnceCalculator(GradedCalculator):
     """GradedCalculator whose verifier gets stuck for good on a trajectory of training step `hang_step`, the
     first time only (the `hang_flag` file records it): a job driver that hangs in the middle of a step, alive
     but making no progress. Without `hang_flag` it never hangs."""
+
+    class Options(CalculatorOptions):
+        hang_flag: str | None = None
+        hang_step: int = 1
 
     def outcome(self, trajectory) -> float:
         import time

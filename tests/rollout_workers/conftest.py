@@ -74,6 +74,8 @@ def _make_handler(state: ToolServerState) -> type[BaseHTTPRequestHandler]:
                         fail = state.flaky_failures_left > 0
                         state.flaky_failures_left -= 1
                     return (503, {}) if fail else (200, {"result": "ok"})
+                if tool == "leaky":  # an error status whose body must never reach a trajectory
+                    return 400, {"detail": "SECRET-TOKEN-4711 internal stack trace"}
                 return 200, {"error": f"no tool {tool}"}
             if self.path == "/outcome":
                 return 200, {"reward": 1.0 if body.get("final_answer") == "7" else 0.0}

@@ -104,3 +104,15 @@ def make_answering_engine(tokenizer_dir: str) -> ScriptedEngine:
     from transformers import AutoTokenizer
 
     return ScriptedEngine(AutoTokenizer.from_pretrained(tokenizer_dir), answer_script, 0.02)
+
+
+def make_add_calling_engine(tokenizer_dir: str) -> ScriptedEngine:
+    """A picklable engine factory: the "policy" calls `add` with a=3, b=4, then answers."""
+    from transformers import AutoTokenizer
+
+    from rollout_workers.chat import tool_call_text
+
+    def script(context: str, turn: int) -> str:
+        return tool_call_text("add", {"a": 3, "b": 4}) if turn == 0 else "The answer is 7."
+
+    return ScriptedEngine(AutoTokenizer.from_pretrained(tokenizer_dir), script)

@@ -22,6 +22,7 @@ from rollout_workers.environments import (
 )
 from rollout_workers.environments.calculator import CalculatorEnv
 from rollout_workers.environments.http_env import post_json
+from rollout_workers.environments.policy import EnvironmentPolicy
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.trajectory import TrajectoryStatus
 
@@ -183,6 +184,10 @@ def test_limits_truncate(tokenizer: Any) -> None:
     assert t.steps[0].observation_text.startswith("<|im_end|>\n<|im_start|>tool\n")  # the loop closed the turn
 
 
+# the tool server listens on 127.0.0.1, which only an operator's allow-list admits (net_guard)
+LOCAL_TOOLS = EnvironmentPolicy(http_allow=("127.0.0.1",))
+
+
 def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any]) -> None:
     url, state = tool_server
     int_pair = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
@@ -197,20 +202,24 @@ def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any
                 {"name": "slow", "description": "sleeps", "parameters": seconds},
                 {"name": "flaky", "description": "503 first", "parameters": {"type": "object"}},
                 {"name": "missing", "description": "server lacks it", "parameters": {"type": "object"}},
+                {"name": "leaky", "description": "400 with a secret body", "parameters": {"type": "object"}},
             ],
             timeout_s=0.5,
             retries=3,
             backoff_s=0.01,
             concurrency=2,
-        )
+        ),
+        LOCAL_TOOLS,
     )
     state.flaky_failures_left = 2
-    plans = [[call("add", a=3, b=4), "The answer is 7."], [call("flaky")], [call("missing")]]
+    plans = [[call("add", a=3, b=4), "The answer is 7."], [call("flaky")], [call("missing")], [call("leaky")]]
     plans += [[call("slow", seconds=0.1)]] * 6
     sampling = SamplingConfig(tool_timeout_s=3.0, max_total_tokens=2048)
-    factory = make_env_factory(reg)
+    factory = make_env_factory(reg, policy=LOCAL_TOOLS)
     trajs, _, _ = run_plans(plans, sampling, tokenizer=tokenizer, env_factory=factory)
-    add, flaky, missing, *slow = trajs
+    add, flaky, missing, leaky, *slow = trajs
+    assert leaky.status == TrajectoryStatus.ENV_ERROR and "HTTP 400" in (leaky.steps[0].tool_calls[0].error or "")
+    assert "SECRET" not in leaky.model_dump_json()  # the target's error body is not echoed
     assert add.status == TrajectoryStatus.OK and add.steps[0].tool_calls[0].result == "7"
     assert factory().outcome(add) == 1.0  # the server's /outcome verifier
     assert flaky.steps[0].tool_calls[0].result == "ok"  # retried past two 503s
@@ -231,7 +240,8 @@ def test_http_retries_back_off_exponentially_then_give_up_with_the_cause(tool_se
         EnvironmentRegistration(
             kind="http", name="backoff-toy", base_url=url, retries=3, backoff_s=0.1,
             tools=[{"name": "flaky", "description": "503 first", "parameters": {"type": "object"}}],
-        )
+        ),
+        LOCAL_TOOLS,
     )
 
     def attempts_at() -> list[float]:
@@ -239,7 +249,7 @@ def test_http_retries_back_off_exponentially_then_give_up_with_the_cause(tool_se
 
     t0 = time.monotonic()
     state.flaky_failures_left = 3
-    assert post_json(reg, "/call", {"session": None, "tool": "flaky", "arguments": {}}) == {"result": "ok"}
+    assert post_json(reg, "call", {"session": None, "tool": "flaky", "arguments": {}}, LOCAL_TOOLS.allow_list) == {"result": "ok"}
     times = attempts_at()
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert len(times) == 4  # three 503s, then the answer
@@ -249,7 +259,7 @@ def test_http_retries_back_off_exponentially_then_give_up_with_the_cause(tool_se
     t0 = time.monotonic()
     state.flaky_failures_left = 10
     with pytest.raises(RuntimeError, match="failed after 4 attempts: .*HTTP 503"):
-        post_json(reg, "/call", {"session": None, "tool": "flaky", "arguments": {}})
+        post_json(reg, "call", {"session": None, "tool": "flaky", "arguments": {}}, LOCAL_TOOLS.allow_list)
     assert len(attempts_at()) == 4
     state.flaky_failures_left = 0
 

@@ -12,8 +12,11 @@ from rollout_workers.environments import (
     validate_tool_schemas,
 )
 from rollout_workers.environments.calculator import CalculatorEnv
+from rollout_workers.environments.policy import EnvironmentPolicy
 
 HERE = Path(__file__).parent
+# the operator makes these test modules available to tenants (TAPER_ENVIRONMENT_MODULES)
+TEST_MODULES = EnvironmentPolicy(environment_modules=("helper_envs", "no_such_pkg", "json", "rollout_workers"))
 
 
 @pytest.fixture
@@ -23,7 +26,7 @@ def helper_module(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def test_valid_python_registration_builds_environments(helper_module: str) -> None:
-    reg = validate_registration({"kind": "python", "name": "toy", "import_path": f"{helper_module}:ToyEnv"})
+    reg = validate_registration({"kind": "python", "name": "toy", "import_path": f"{helper_module}:ToyEnv"}, TEST_MODULES)
     env = make_env_factory(reg)()
     assert {"add", "wait", "hang"} <= {t["name"] for t in env.tools()}
     # JSON round trip: what the control plane stores is enough to rebuild it
@@ -88,7 +91,7 @@ def test_bad_registrations_are_rejected_naming_the_field(
     helper_module: str, registration: dict, field: str, words: str
 ) -> None:
     with pytest.raises(ValueError) as err:
-        validate_registration(registration)
+        validate_registration(registration, TEST_MODULES)
     message = str(err.value)
     assert field in message, message
     assert words in message, message

@@ -204,3 +204,35 @@ def test_a_hung_worker_is_replaced_after_the_chunk_deadline_and_its_groups_rerun
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung_pid, signal.SIGKILL)
         pool.shutdown()
+
+
+def test_an_http_environment_in_a_ray_worker_runs_under_the_operator_policy(
+    by_value: Any, tokenizer_dir: Path, tool_server: tuple[str, Any]
+) -> None:
+    """The job hands the operator's policy to its workers: with the allow-list they reach the local tool
+    server; without it (the safe default) the same registration is refused at connect time."""
+    import functools
+
+    from rollout_workers.environments import EnvironmentRegistration, validate_registration
+    from rollout_workers.environments.policy import EnvironmentPolicy
+
+    url, _ = tool_server
+    local = EnvironmentPolicy(http_allow=("127.0.0.1",))
+    add = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    reg = validate_registration(EnvironmentRegistration(kind="http", name="remote-add", base_url=url, retries=0,
+                                                        tools=[{"name": "add", "parameters": add}]), local)
+    factory = functools.partial(scripted_engine.make_add_calling_engine, str(tokenizer_dir))
+    sampling = SamplingConfig(max_total_tokens=2048)
+    results = {}
+    for label, policy in (("allowed", local), ("default", None)):
+        pool = RolloutPool(factory, reg, num_workers=1, num_cpus_per_worker=0.5, env_policy=policy)
+        try:
+            (group,) = pool.generate([{"id": "t", "question": "What is 3 + 4?"}], n=1, sampling=sampling)
+            results[label] = group[0]
+        finally:
+            pool.shutdown()
+    assert results["allowed"].status == TrajectoryStatus.OK
+    assert results["allowed"].steps[0].tool_calls[0].result == "7"
+    refused = results["default"]
+    assert refused.status == TrajectoryStatus.ENV_ERROR and not refused.steps  # its /reset never left the worker
+    assert "target refused: 127.0.0.1 is a loopback address" in (refused.error or ""), refused.error
