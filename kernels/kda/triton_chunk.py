@@ -235,7 +235,10 @@ def chunk_kda_fwd_op(
         (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
     saved = kda_fwd(qn if use_l2norm else q, kn if use_l2norm else k, v, f, beta, scale, initial_state,
                     output_final_state, use_gate, lower_bound, A_log, dt_bias, cu, chunk_indices, chunk_offsets, cfg)
-    saved["chunk_indices"], saved["chunk_offsets"] = chunk_indices.clone(), chunk_offsets.clone()
+    # outputs may not alias the layout cache: fixed-length batches return empty ones and look them up again
+    fixed = cu_seqlens is None
+    saved["chunk_indices"] = chunk_indices.new_empty(0) if fixed else chunk_indices
+    saved["chunk_offsets"] = chunk_offsets.new_empty(0) if fixed else chunk_offsets
     return [saved["o"], _none(saved["ht"], q), *(_none(x, q) for x in (qn, q_rstd, kn, k_rstd)),
             *(saved[n] for n in _SAVED)]
 
@@ -263,7 +266,9 @@ def _(q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, batch, scale,
     saved = dict(gcum=e(T, HV, K, dtype=f32), Aqk=e(T, HV, BT, dtype=k.dtype), Akk=e(T, HV, BT, dtype=f32),
                  Ai=e(T, HV, BT, dtype=f32), w=e(T, HV, K, dtype=work), u=e(T, HV, V, dtype=work),
                  h=e(NC, HV, K, V, dtype=state), vn=e(T, HV, V, dtype=work), qg=e(T, HV, K, dtype=k.dtype),
-                 kg=e(T, HV, K, dtype=k.dtype), chunk_indices=e(NC, 2, dtype=i32), chunk_offsets=e(N, dtype=i32))
+                 kg=e(T, HV, K, dtype=k.dtype), chunk_indices=e(0, dtype=i32), chunk_offsets=e(0, dtype=i32))
+    if cu_seqlens is not None:  # fixed-length layouts come from the cache in the backward
+        saved.update(chunk_indices=e(NC, 2, dtype=i32), chunk_offsets=e(N, dtype=i32))
     ht = e(N, HV, K, V, dtype=f32) if output_final_state else e(0, dtype=q.dtype)
     return [e(T, HV, V, dtype=q.dtype), ht, *norm, *(saved[n] for n in _SAVED)]
 
@@ -283,11 +288,13 @@ def chunk_kda_bwd_op(
     qk, kk = (qn, kn) if use_l2norm else (q, k)
     T, H, K = q.shape
     HV = v.shape[1]
-    cu = flat_cu_seqlens(batch, T // batch, cu_seqlens, q.device) if cu_seqlens is not None else \
-        _layout(batch, T // batch, None, cfg.chunk_size, q.device)[0]
+    saved = dict(zip(_SAVED, saved, strict=True))
+    if cu_seqlens is None:
+        cu, saved["chunk_indices"], saved["chunk_offsets"] = _layout(batch, T // batch, None, cfg.chunk_size, q.device)
+    else:
+        cu = flat_cu_seqlens(batch, T // batch, cu_seqlens, q.device)
     dq, dk, dv, dgate, dbeta, dh0 = kda_bwd(
-        dict(zip(_SAVED, saved, strict=True)), qk, kk, v, f, beta, scale, initial_state, do, dht, use_gate,
-        lower_bound, A_log, dt_bias, cu, cfg,
+        saved, qk, kk, v, f, beta, scale, initial_state, do, dht, use_gate, lower_bound, A_log, dt_bias, cu, cfg,
     )
     if HV != H:
         dq, dk = dq.view(T, H, HV // H, K).sum(2), dk.view(T, H, HV // H, K).sum(2)

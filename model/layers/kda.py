@@ -122,18 +122,21 @@ class KimiDeltaAttention(nn.Module):
         y, new_state = causal_conv1d(qkv, self.conv_weight(), conv_state)
         y = F.silu(y).to(qkv.dtype)
         B, T = y.shape[:2]
-        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.reshape(B, T, self.num_heads, self.head_dim), k.reshape(B, T, self.num_heads, self.head_dim),
-                v.reshape(B, T, self.num_v_heads, self.v_head_dim), new_state)
+        # contiguous here, where a compiled graph writes them straight from the conv (the kernels need them so)
+        q, k, v = (t.contiguous() for t in y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1))
+        return (q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_heads, self.head_dim),
+                v.view(B, T, self.num_v_heads, self.v_head_dim), new_state)
 
     def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything the layer reads from x in one GEMM: (pre-conv q|k|v, gate input f [..., HV, K], beta
         logits [..., HV], W_ga x [..., V]); the same values as `project`, `gate_input`, `beta_logits`."""
+        # beta's few rows stay a GEMM of their own: an output width that is a multiple of 64 (2560 at `small`)
+        # keeps cuBLAS on its Hopper kernels for the weight gradient (2566 fell back to an sm80 kernel, 4x slower)
         weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight,
-                            self.b_proj.weight, self.g_a_proj.weight])
-        qkv, f_low, beta, g_low = F.linear(x, weight).split(
-            [self.conv_channels, self.head_dim, self.num_v_heads, self.v_head_dim], dim=-1)
-        return qkv, self.f_b_proj(f_low).unflatten(-1, (self.num_v_heads, self.head_dim)), beta, g_low
+                            self.g_a_proj.weight])
+        qkv, f_low, g_low = F.linear(x, weight).split([self.conv_channels, self.head_dim, self.v_head_dim], dim=-1)
+        f = self.f_b_proj(f_low).unflatten(-1, (self.num_v_heads, self.head_dim))
+        return qkv, f, self.b_proj(x), g_low
 
     def gate_input(self, x: torch.Tensor) -> torch.Tensor:
         """Raw forget-gate input f = W_fb W_fa x: [..., HV, K] (the kernel adds dt_bias and applies the gate)."""
