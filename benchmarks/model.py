@@ -183,6 +183,29 @@ def cuda_checks(preset: str, device: str = "cuda") -> dict:
     guarded("model_fp32", lambda: whole_model(config))
     dense = TaperConfig.preset(preset, first_k_dense=config.num_hidden_layers)
     guarded("model_fp32_dense", lambda: whole_model(dense))
+
+    def compiled_vs_eager(model_config: TaperConfig, dtype: torch.dtype) -> dict:
+        """One training forward+backward of the per-part compiled model against the same weights eager."""
+        torch.manual_seed(2)
+        eager = TaperForCausalLM(model_config).to(device=device, dtype=dtype).train()
+        compiled = TaperForCausalLM(model_config).to(device=device, dtype=dtype).train()
+        compiled.load_state_dict(eager.state_dict())
+        compiled.model.compile_layers()
+        ids = torch.randint(0, model_config.vocab_size, (2, 1024), device=device)
+        losses, grads = [], []
+        for lm in (eager, compiled):
+            loss = lm(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad for n, p in lm.named_parameters() if p.grad is not None})
+        errors = {n: _rel(grads[1][n], g) for n, g in grads[0].items()}
+        worst = max(errors, key=errors.get)
+        return {"loss_rel": _rel(losses[1], losses[0]), "worst_grad": worst, "worst_grad_rel": errors[worst],
+                "grads": len(errors), "same_grad_set": grads[0].keys() == grads[1].keys()}
+
+    # dense: no routed layers, so rounding cannot flip a top-k choice and the difference is the fusion's own
+    guarded("compiled_vs_eager_fp32_dense", lambda: compiled_vs_eager(dense, torch.float32))
+    guarded("compiled_vs_eager_bf16_dense", lambda: compiled_vs_eager(dense, torch.bfloat16))
     from kernels.kda.triton_config import DEFAULT_CONFIG
 
     results["kda_fp32_dot_precision"] = DEFAULT_CONFIG.fp32_dot_precision
