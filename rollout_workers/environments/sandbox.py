@@ -162,36 +162,36 @@ def _sandbox_python(config: SandboxConfig, as_root: bool) -> str:
         "sandboxed code runs as; set TAPER_SANDBOX_PYTHON to a world-readable Python 3 (or install python3)")
 
 
-_PROBE = "import json, sys, sysconfig; print(json.dumps([sys.version_info[0], sysconfig.get_path('stdlib')]))"
+_PROBE = ("import json, sys, sysconfig; "
+          "print(json.dumps([sys.version_info[0], sysconfig.get_path('stdlib'), sysconfig.get_path('platstdlib')]))")
 
 
-def _interpreter_files(python: str) -> tuple[str, list[str], list[str]]:
-    """(stdlib dir, library directories to bind, single library files to bind) for `python`."""
+def _interpreter_files(python: str) -> tuple[list[str], list[str], list[str]]:
+    """(stdlib dirs, library directories to bind, single library files to bind) for `python`."""
     try:
         out = subprocess.run([python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=30,
                              env={}, check=True).stdout
-        major, stdlib = json.loads(out)
+        major, *stdlib_dirs = json.loads(out)
     except (OSError, subprocess.SubprocessError, ValueError) as e:
         raise SandboxUnavailable(f"cannot run the sandbox interpreter {python}: {e}") from None
     if major != 3:
         raise SandboxUnavailable(f"the sandbox interpreter {python} is not Python 3")
-    stdlib = os.path.realpath(stdlib)
-    libs = _shared_libraries(python)
+    stdlibs = sorted({os.path.realpath(d) for d in stdlib_dirs})
     dirs: set[str] = set()
     files: set[str] = set()
-    for lib in libs:
-        d = os.path.dirname(lib)
+    for lib in _shared_libraries(python):
+        d = os.path.dirname(lib).rstrip("/") + "/"
         # A directory that holds the stdlib (a prefix's lib/) would bring its site-packages: bind the file.
-        if (stdlib + "/").startswith(d.rstrip("/") + "/"):
+        if any((s + "/").startswith(d) for s in stdlibs):
             files.add(lib)
         else:
-            dirs.add(d)
+            dirs.add(d.rstrip("/"))
     # The loader searches both /lib/<triplet> and /usr/lib/<triplet>; keep each pair together.
     for d in list(dirs):
         twin = d.removeprefix("/usr") if d.startswith("/usr/") else "/usr" + d
         if os.path.isdir(twin):
             dirs.add(twin)
-    return stdlib, sorted(dirs), sorted(files)
+    return stdlibs, sorted(dirs), sorted(files)
 
 
 def _shared_libraries(python: str) -> list[str]:
@@ -218,13 +218,13 @@ def _layout(config: SandboxConfig, as_root: bool) -> _Layout:
             f"bubblewrap not found ({config.bwrap!r}): model-written code runs only inside it. Install it "
             "(Debian/Ubuntu: apt-get install bubblewrap) or set TAPER_SANDBOX_BWRAP to the binary. " + _UNSAFE_HINT)
     python = _sandbox_python(config, as_root)
-    stdlib, lib_dirs, lib_files = _interpreter_files(python)
+    stdlibs, lib_dirs, lib_files = _interpreter_files(python)
     args: list[str] = []
-    for path in [python, stdlib, *lib_dirs, *lib_files]:
+    for path in [python, *stdlibs, *lib_dirs, *lib_files]:
         args += ["--ro-bind", path, path]
-    site = os.path.join(stdlib, "site-packages")
-    if os.path.isdir(site):  # hide the interpreter's installed packages
-        args += ["--size", "4096", "--tmpfs", site, "--remount-ro", site]
+    for site in (os.path.join(d, "site-packages") for d in stdlibs):
+        if os.path.isdir(site):  # hide the interpreter's installed packages
+            args += ["--size", "4096", "--tmpfs", site, "--remount-ro", site]
     args += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     return _Layout(bwrap=bwrap, python=python, mount_args=tuple(args), as_uid=SANDBOX_UID if as_root else None)
