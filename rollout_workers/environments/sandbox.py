@@ -297,6 +297,8 @@ def _checked(config: SandboxConfig, as_root: bool) -> _Layout:
         proc = subprocess.run(_bwrap_argv(layout, limits, code_fd, info_w), capture_output=True, text=True,
                               timeout=60, env={}, pass_fds=(code_fd, info_w), stdin=subprocess.DEVNULL,
                               **_spawn_kwargs(layout))  # type: ignore[call-overload]
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailable(f"cannot start bubblewrap ({layout.bwrap}): {e}. " + _UNSAFE_HINT) from None
     finally:
         for fd in (code_fd, info_r, info_w):
             os.close(fd)
@@ -405,11 +407,17 @@ async def _kill_sandbox(proc: asyncio.subprocess.Process, info_fd: int) -> None:
     (which waits for its pid 1) exits only after they are all gone."""
     try:
         child = int(json.loads(os.read(info_fd, 4096))["child-pid"])
-    except (BlockingIOError, OSError, ValueError, KeyError):
-        child = None  # still setting up: killing bwrap takes its child along (--die-with-parent)
+        pidfd = os.pidfd_open(child)  # pins the process, so a reused pid cannot be hit by mistake
+    except (OSError, ValueError, KeyError):
+        child = None  # still setting up, or already gone: killing bwrap takes its child along
     if child is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
+        try:
+            if _parent_of(child) == proc.pid:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(pidfd)
         try:
             await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=5.0)
             return
@@ -418,6 +426,11 @@ async def _kill_sandbox(proc: asyncio.subprocess.Process, info_fd: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
     await proc.wait()
+
+
+def _parent_of(pid: int) -> int:
+    stat_line = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat_line[stat_line.rindex(")") + 2:].split()[1])
 
 
 def _memfd(data: bytes) -> int:
