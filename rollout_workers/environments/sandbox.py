@@ -347,7 +347,7 @@ async def run_python_async(code: str, limits: SandboxLimits = SandboxLimits(), s
         info_w = -1
         os.close(code_fd)
         code_fd = -1
-        return await _supervise(proc, limits, stdin, start, lambda: _kill_sandbox(proc, info_r), sandboxed=True)
+        return await _supervise(proc, limits, stdin, start, lambda: _kill_sandbox(proc, info_r))
     finally:
         for fd in (code_fd, info_r, info_w):
             if fd >= 0:
@@ -355,31 +355,40 @@ async def run_python_async(code: str, limits: SandboxLimits = SandboxLimits(), s
 
 
 async def _supervise(proc: asyncio.subprocess.Process, limits: SandboxLimits, stdin: str, start: float,
-                     kill: Callable[[], Awaitable[None]], sandboxed: bool) -> SandboxResult:
+                     kill: Callable[[], Awaitable[None]]) -> SandboxResult:
+    """Feed stdin and collect capped output through pipes while the sandbox runs. Its pipes close as soon as
+    its last process is gone, which the pid namespace guarantees when the call ends."""
     assert proc.stdin and proc.stdout and proc.stderr
-    feed = asyncio.ensure_future(_feed(proc.stdin, stdin.encode("utf-8", errors="surrogateescape")))
-    out = asyncio.ensure_future(_read_capped(proc.stdout, limits.output_bytes))
-    err = asyncio.ensure_future(_read_capped(proc.stderr, limits.output_bytes))
-    timed_out = False
+    out, err = _CappedOutput(limits.output_bytes), _CappedOutput(limits.output_bytes)
+    tasks = [asyncio.ensure_future(_feed(proc.stdin, stdin.encode("utf-8", errors="surrogateescape"))),
+             asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]
     try:
-        await asyncio.wait_for(proc.wait(), timeout=limits.wall_seconds)
+        timed_out = await _wait_or_kill(proc, limits.wall_seconds, kill)
+        duration = time.monotonic() - start
+        await asyncio.gather(*tasks[1:])
+    finally:
+        for task in tasks:
+            task.cancel()
+    code = proc.returncode
+    if code is not None and code > 128:  # bwrap reports death by signal N as 128 + N
+        code = 128 - code
+    return SandboxResult(stdout=out.text(), stderr=err.text(), exit_code=None if timed_out else code,
+                         timed_out=timed_out, output_truncated=out.truncated or err.truncated, sandboxed=True,
+                         duration_s=duration)
+
+
+async def _wait_or_kill(proc: asyncio.subprocess.Process, wall_seconds: float,
+                        kill: Callable[[], Awaitable[None]]) -> bool:
+    """Wait for the program; kill it at the wall-clock limit (True) or when the call is cancelled."""
+    try:
+        await asyncio.wait_for(proc.wait(), timeout=wall_seconds)
+        return False
     except TimeoutError:
-        timed_out = True
         await kill()
+        return True
     except asyncio.CancelledError:
         await kill()
-        for task in (feed, out, err):
-            task.cancel()
         raise
-    duration = time.monotonic() - start
-    feed.cancel()
-    (stdout, out_trunc), (stderr, err_trunc) = await asyncio.gather(out, err)
-    code = proc.returncode
-    if sandboxed and code is not None and code > 128:  # bwrap reports death by signal N as 128 + N
-        code = 128 - code
-    return SandboxResult(stdout=stdout, stderr=stderr, exit_code=None if timed_out else code,
-                         timed_out=timed_out, output_truncated=out_trunc or err_trunc, sandboxed=sandboxed,
-                         duration_s=duration)
 
 
 async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -390,16 +399,22 @@ async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
         writer.close()
 
 
-async def _read_capped(reader: asyncio.StreamReader, cap: int) -> tuple[str, bool]:
-    """Up to `cap` bytes of the stream; the rest is read and dropped so the writer never blocks on us."""
-    kept = bytearray()
-    truncated = False
-    while chunk := await reader.read(65536):
-        room = cap - len(kept)
-        if len(chunk) > room:
-            truncated = True
-        kept += chunk[:max(room, 0)]
-    return kept.decode("utf-8", errors="replace"), truncated
+class _CappedOutput:
+    """The first `cap` bytes of a stream; the rest is read and dropped so the writer never blocks on us."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.truncated = False
+
+    async def drain(self, reader: asyncio.StreamReader) -> None:
+        while chunk := await reader.read(65536):
+            room = self.cap - len(self.kept)
+            self.truncated = self.truncated or len(chunk) > room
+            self.kept += chunk[:max(room, 0)]
+
+    def text(self) -> str:
+        return self.kept.decode("utf-8", errors="replace")
 
 
 async def _kill_sandbox(proc: asyncio.subprocess.Process, info_fd: int) -> None:
@@ -459,19 +474,35 @@ os.execv(sys.executable, [sys.executable, "-I", "main.py"])
 
 
 async def _run_unsafe(code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
-    with tempfile.TemporaryDirectory(prefix="taper-unsafe-") as work:
-        Path(work, "main.py").write_text(code, errors="surrogateescape")
-        start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", _UNSAFE_LAUNCHER, str(limits.cpu_seconds), str(limits.memory_bytes),
-            str(limits.tmpfs_bytes), str(limits.max_open_files),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=work,
-            env={"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"}, start_new_session=True,
-        )
+    # Output goes to memory files, not pipes: a process that left the group could hold a pipe open.
+    fds = [_memfd(stdin.encode("utf-8", errors="surrogateescape")), _memfd(b""), _memfd(b"")]
+    try:
+        with tempfile.TemporaryDirectory(prefix="taper-unsafe-") as work:
+            Path(work, "main.py").write_text(code, errors="surrogateescape")
+            start = time.monotonic()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", "-c", _UNSAFE_LAUNCHER, str(limits.cpu_seconds),
+                str(limits.memory_bytes), str(limits.tmpfs_bytes), str(limits.max_open_files),
+                stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=work,
+                env={"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"}, start_new_session=True,
+            )
 
-        async def kill_group() -> None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            async def kill_group() -> None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
 
-        return await _supervise(proc, limits, stdin, start, kill_group, sandboxed=False)
+            timed_out = await _wait_or_kill(proc, limits.wall_seconds, kill_group)
+            duration = time.monotonic() - start
+        (stdout, out_trunc), (stderr, err_trunc) = (_read_capped(fd, limits.output_bytes) for fd in fds[1:])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return SandboxResult(stdout=stdout, stderr=stderr, exit_code=None if timed_out else proc.returncode,
+                         timed_out=timed_out, output_truncated=out_trunc or err_trunc, sandboxed=False,
+                         duration_s=duration)
+
+
+def _read_capped(fd: int, cap: int) -> tuple[str, bool]:
+    data = os.pread(fd, cap + 1, 0)
+    return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
