@@ -2,9 +2,10 @@
 wall-clock limits and no network.
 
 Each call starts `bwrap` with new user, pid, net, ipc, uts and cgroup namespaces (no nested user
-namespaces), an empty environment and a new session. The filesystem holds only the interpreter, its
-standard library (its site-packages hidden) and the shared libraries it loads, all read-only; a fresh
-/proc, a minimal /dev, and a private size-capped tmpfs as /tmp, the working directory. A trusted
+namespaces), no capabilities, a seccomp filter (`seccomp.py`), an empty environment and a new session.
+The filesystem holds only the interpreter, its standard library (its site-packages hidden) and the
+shared libraries it loads, all read-only; a fresh /proc, a minimal /dev, and a private size-capped
+tmpfs as /tmp, the working directory. A trusted
 bootstrap sets the rlimits inside the namespaces, then runs the program. The wall-clock kill ends pid 1
 of the sandbox's pid namespace, which ends every process in it (setsid and double forks included).
 
@@ -35,10 +36,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from rollout_workers.environments.seccomp import seccomp_filter
 
 SandboxMode = Literal["bwrap", "unsafe-rlimits-only"]
 MODES: tuple[SandboxMode, ...] = ("bwrap", "unsafe-rlimits-only")
@@ -261,16 +264,35 @@ def _bootstrap(limits: SandboxLimits) -> str:
     return _BOOTSTRAP.replace("LIMITS", repr(rlimits), 1)
 
 
-def _bwrap_argv(layout: _Layout, limits: SandboxLimits, code_fd: int, info_fd: int) -> list[str]:
-    return [
+_SECCOMP_FILTER = seccomp_filter()
+
+
+@contextlib.contextmanager
+def _bwrap_call(layout: _Layout, limits: SandboxLimits, code: bytes) -> Iterator[tuple[list[str], tuple[int, ...], int]]:
+    """The argv of one call, the fds bwrap reads (pass them to it) and the read end of its info pipe,
+    which tells the sandbox's pid 1; the fds are closed on exit."""
+    code_fd = _memfd(code)
+    info_r, info_w = os.pipe()
+    os.set_blocking(info_r, False)
+    passed = [code_fd, info_w]
+    seccomp: list[str] = []
+    if _SECCOMP_FILTER is not None:
+        passed.append(_memfd(_SECCOMP_FILTER))
+        seccomp = ["--seccomp", str(passed[-1])]
+    argv = [
         layout.bwrap, *_NAMESPACES, "--die-with-parent", "--new-session", "--cap-drop", "ALL",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
         "--setenv", "LANG", "C.UTF-8", "--hostname", "sandbox",
         *layout.mount_args,
         "--size", str(limits.tmpfs_bytes), "--tmpfs", _WORKDIR, "--file", str(code_fd), f"{_WORKDIR}/main.py",
-        "--chdir", _WORKDIR, "--remount-ro", "/", "--info-fd", str(info_fd),
+        "--chdir", _WORKDIR, "--remount-ro", "/", "--info-fd", str(info_w), *seccomp,
         "--", layout.python, "-I", "-B", "-c", _bootstrap(limits),
     ]
+    try:
+        yield argv, tuple(passed), info_r
+    finally:
+        for fd in (*passed, info_r):
+            os.close(fd)
 
 
 def _spawn_kwargs(layout: _Layout) -> dict[str, object]:
@@ -290,18 +312,12 @@ def _unavailable_message(stderr: str) -> str:
 @functools.lru_cache(maxsize=8)
 def _checked(config: SandboxConfig, as_root: bool) -> _Layout:
     layout = _layout(config, as_root)
-    limits = SandboxLimits()
-    code_fd = _memfd(b"print('ok')")
-    info_r, info_w = os.pipe()
     try:
-        proc = subprocess.run(_bwrap_argv(layout, limits, code_fd, info_w), capture_output=True, text=True,
-                              timeout=60, env={}, pass_fds=(code_fd, info_w), stdin=subprocess.DEVNULL,
-                              **_spawn_kwargs(layout))  # type: ignore[call-overload]
+        with _bwrap_call(layout, SandboxLimits(), b"print('ok')") as (argv, passed, _):
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={}, pass_fds=passed,
+                                  stdin=subprocess.DEVNULL, **_spawn_kwargs(layout))  # type: ignore[call-overload]
     except (OSError, subprocess.SubprocessError) as e:
         raise SandboxUnavailable(f"cannot start bubblewrap ({layout.bwrap}): {e}. " + _UNSAFE_HINT) from None
-    finally:
-        for fd in (code_fd, info_r, info_w):
-            os.close(fd)
     if proc.returncode != 0 or proc.stdout != "ok\n":
         raise SandboxUnavailable(_unavailable_message(proc.stderr))
     return layout
@@ -333,25 +349,13 @@ async def run_python_async(code: str, limits: SandboxLimits = SandboxLimits(), s
     if config.mode == "unsafe-rlimits-only":
         return await _run_unsafe(code, limits, stdin)
     layout = _checked(config, os.geteuid() == 0)
-    code_fd = _memfd(code.encode("utf-8", errors="surrogateescape"))
-    info_r, info_w = os.pipe()
-    os.set_blocking(info_r, False)
-    try:
+    with _bwrap_call(layout, limits, code.encode("utf-8", errors="surrogateescape")) as (argv, passed, info_r):
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            *_bwrap_argv(layout, limits, code_fd, info_w),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
-            pass_fds=(code_fd, info_w), start_new_session=True, **_spawn_kwargs(layout),  # type: ignore[arg-type]
+            *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, pass_fds=passed,
+            start_new_session=True, **_spawn_kwargs(layout),  # type: ignore[arg-type]
         )
-        os.close(info_w)
-        info_w = -1
-        os.close(code_fd)
-        code_fd = -1
         return await _supervise(proc, limits, stdin, start, lambda: _kill_sandbox(proc, info_r))
-    finally:
-        for fd in (code_fd, info_r, info_w):
-            if fd >= 0:
-                os.close(fd)
 
 
 async def _supervise(proc: asyncio.subprocess.Process, limits: SandboxLimits, stdin: str, start: float,
