@@ -208,9 +208,7 @@ def _shared_libraries(python: str) -> list[str]:
         m = re.search(r"(?:=>\s*)?(/\S+)\s+\(0x", line)
         if m:
             libs.append(m.group(1))
-    if not libs:  # statically linked: nothing to bind
-        return []
-    return libs
+    return libs  # empty when statically linked
 
 
 @functools.lru_cache(maxsize=8)
@@ -225,6 +223,9 @@ def _layout(config: SandboxConfig, as_root: bool) -> _Layout:
     args: list[str] = []
     for path in [python, *stdlibs, *lib_dirs, *lib_files]:
         args += ["--ro-bind", path, path]
+    # The loader's cache: how it finds a libpython outside the default directories (/usr/local/lib)
+    # when the interpreter carries no RUNPATH, as in the official Python images.
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     for site in (os.path.join(d, "site-packages") for d in stdlibs):
         if os.path.isdir(site):  # hide the interpreter's installed packages
             args += ["--size", "4096", "--tmpfs", site, "--remount-ro", site]

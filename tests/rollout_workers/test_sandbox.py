@@ -165,7 +165,8 @@ def test_host_files_cannot_be_read(run: Run, host_dir: Path, secret: str) -> Non
     targets = [
         host_dir / "secret.txt", host_dir, REPO / "pyproject.toml", REPO, Path(sandbox_module.__file__),
         Path(sys.prefix) / "pyvenv.cfg", Path(sysconfig.get_paths()["purelib"]), Path.home(), Path("/home"),
-        Path("/root"), Path("/etc/passwd"), Path("/etc"), Path("/var"), Path("/tmp") / host_dir.name,
+        Path("/root"), Path("/etc/passwd"), Path("/etc/hostname"), Path("/etc/ssl"), Path("/var"),
+        Path("/tmp") / host_dir.name,
     ]
     code = f"""
 import os
