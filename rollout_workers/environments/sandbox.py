@@ -356,7 +356,11 @@ async def run_python_async(code: str, limits: SandboxLimits = SandboxLimits(), s
             *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, pass_fds=passed,
             start_new_session=True, **_spawn_kwargs(layout),  # type: ignore[arg-type]
         )
-        return await _supervise(proc, limits, stdin, start, lambda: _kill_sandbox(proc, info_r))
+        init = _SandboxInit(proc, info_r)
+        try:
+            return await _supervise(proc, limits, stdin, start, init.kill)
+        finally:
+            await init.end()
 
 
 async def _supervise(proc: asyncio.subprocess.Process, limits: SandboxLimits, stdin: str, start: float,
@@ -422,30 +426,67 @@ class _CappedOutput:
         return self.kept.decode("utf-8", errors="replace")
 
 
-async def _kill_sandbox(proc: asyncio.subprocess.Process, info_fd: int) -> None:
-    """Kill pid 1 of the sandbox's pid namespace: the kernel then kills every process in it, and bwrap
-    (which waits for its pid 1) exits only after they are all gone."""
-    try:
-        child = int(json.loads(os.read(info_fd, 4096))["child-pid"])
-        pidfd = os.pidfd_open(child)  # pins the process, so a reused pid cannot be hit by mistake
-    except (OSError, ValueError, KeyError):
-        child = None  # still setting up, or already gone: killing bwrap takes its child along
-    if child is not None:
+class _SandboxInit:
+    """Pid 1 of a call's pid namespace, held by a pidfd (so a reused pid is never hit): when it dies the
+    kernel kills every process in the namespace, and it exits only after they are all gone."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, info_fd: int) -> None:
+        self.proc = proc
+        self.pidfd: int | None = None
+        self._found = asyncio.ensure_future(self._find(info_fd))
+
+    async def _find(self, info_fd: int) -> None:
+        await _readable(info_fd)  # bwrap writes {"child-pid": ...} once the sandbox is set up
         try:
-            if _parent_of(child) == proc.pid:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
-        finally:
-            os.close(pidfd)
-        try:
-            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=5.0)
+            child = int(json.loads(os.read(info_fd, 4096))["child-pid"])
+            pidfd = os.pidfd_open(child)
+        except (OSError, ValueError, KeyError):
             return
-        except TimeoutError:
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    await proc.wait()
+        try:
+            is_ours = _parent_of(child) == self.proc.pid
+        except (OSError, ValueError):
+            is_ours = False
+        if is_ours:
+            self.pidfd = pidfd
+        else:
+            os.close(pidfd)
+
+    async def kill(self) -> None:
+        """End the sandbox now; bwrap, which waits for its pid 1, exits after that."""
+        if self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout=5.0)
+                return
+        with contextlib.suppress(ProcessLookupError):  # not set up yet: its pid 1 dies with bwrap
+            self.proc.kill()
+        await self.proc.wait()
+
+    async def end(self) -> None:
+        """After the program: end what is left in the namespace (a daemon that closed its output) and
+        wait until it is gone, so nothing outlives the call."""
+        self._found.cancel()
+        if self.pidfd is None:
+            return
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_readable(self.pidfd), timeout=5.0)
+        finally:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
 
 
 def _parent_of(pid: int) -> int:

@@ -286,6 +286,7 @@ import os, sys, time
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
+        os.closerange(0, 3)  # a proper daemon: it does not hold the call's output open
         os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(120)", {marker!r}])
     os._exit(0)
 os.wait()
