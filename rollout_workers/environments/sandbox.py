@@ -246,10 +246,9 @@ for _name, _soft, _hard in LIMITS:
     _r.setrlimit(getattr(_r, _name), (_soft, _hard))
 _s.argv = ["main.py"]
 _s.excepthook = lambda t, v, tb, _hook=_s.__excepthook__: _hook(t, v.with_traceback(tb.tb_next), tb.tb_next)
-with open("main.py") as _f:
-    _code = compile(_f.read(), "main.py", "exec")
-del _r, _s, _f, _name, _soft, _hard
-exec(_code, {"__name__": "__main__", "__file__": "/tmp/main.py", "__builtins__": __builtins__})
+del _r, _s, _name, _soft, _hard
+__file__ = "/tmp/main.py"
+exec(compile(open("main.py").read(), "main.py", "exec"))  # in __main__ itself: pickling by name works
 """
 
 

@@ -366,7 +366,11 @@ for name, nr in SYSCALLS:  # kernel interfaces the seccomp filter takes away
 
 def test_ordinary_programs_run(run: Run) -> None:
     code = """
-import json, math, os, sys, tempfile, threading
+import json, math, multiprocessing, os, sys, tempfile, threading
+def square(x):
+    return x * x
+with multiprocessing.Pool(2) as pool:  # workers find `square` in __main__ by name
+    squares = sum(pool.map(square, range(100)))
 data = sys.stdin.read()
 with open("notes.txt", "w") as f:
     f.write(data.upper())
@@ -379,13 +383,13 @@ out = []
 th = threading.Thread(target=lambda: out.append(math.factorial(20)))
 th.start()
 th.join()
-print(json.dumps({"stdin": open("notes.txt").read(), "tmp": tmp, "thread": out[0], "cwd": os.getcwd(),
+print(json.dumps({"stdin": open("notes.txt").read(), "tmp": tmp, "thread": out[0], "pool": squares, "cwd": os.getcwd(),
                   "pi": round(math.pi, 5), "text": "naïve ✓"}, ensure_ascii=False))
 """
     r = run(code, stdin="hello sandbox")
     assert (r.exit_code, r.timed_out, r.sandboxed, r.stderr) == (0, False, True, "")
     assert json.loads(r.stdout) == {"stdin": "HELLO SANDBOX", "tmp": "tmp ok", "thread": 2432902008176640000,
-                                    "cwd": "/tmp", "pi": 3.14159, "text": "naïve ✓"}
+                                    "pool": 328350, "cwd": "/tmp", "pi": 3.14159, "text": "naïve ✓"}
     r = run("import sys\nprint('partial')\nsys.exit(3)")
     assert (r.stdout, r.exit_code) == ("partial\n", 3)
     r = run("1 / 0")
