@@ -325,6 +325,35 @@ time.sleep(60)
     assert processes_with(marker) == []
 
 
+def test_a_killed_worker_leaves_no_sandbox_behind() -> None:
+    """The worker process dies mid-call (SIGKILL, no cleanup of its own): its sandboxes die with it."""
+    marker = "taper-orphan-" + secrets.token_hex(4)
+    code = f"""
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(120)", {marker!r}])
+time.sleep(60)
+"""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom rollout_workers.environments.sandbox import run_python\n"
+                               "run_python(sys.stdin.read())"],
+        stdin=subprocess.PIPE, text=True, cwd=REPO)
+    assert worker.stdin
+    worker.stdin.write(code)
+    worker.stdin.close()
+    deadline = time.monotonic() + 30
+    while not processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(processes_with(marker)) == 1
+    worker.kill()
+    worker.wait()
+    deadline = time.monotonic() + 5  # the kernel delivers the parent-death signals asynchronously
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(marker) == []
+
+
 FILTERED_X86_64 = [("bpf", 321), ("userfaultfd", 323), ("perf_event_open", 298), ("keyctl", 250),
                    ("io_uring_setup", 425), ("ptrace", 101), ("x32-getpid", 39 | 0x40000000)]
 
