@@ -218,6 +218,7 @@ def _layout(config: SandboxConfig, as_root: bool) -> _Layout:
         raise SandboxUnavailable(
             f"bubblewrap not found ({config.bwrap!r}): model-written code runs only inside it. Install it "
             "(Debian/Ubuntu: apt-get install bubblewrap) or set TAPER_SANDBOX_BWRAP to the binary. " + _UNSAFE_HINT)
+    _require_version(bwrap)
     python = _sandbox_python(config, as_root)
     stdlibs, lib_dirs, lib_files = _interpreter_files(python)
     args: list[str] = []
@@ -232,6 +233,21 @@ def _layout(config: SandboxConfig, as_root: bool) -> _Layout:
     args += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     return _Layout(bwrap=bwrap, python=python, mount_args=tuple(args), as_uid=SANDBOX_UID if as_root else None)
+
+
+_MIN_BWRAP = (0, 8, 0)  # --disable-userns and --size
+
+
+def _require_version(bwrap: str) -> None:
+    try:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30, env={}).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailable(f"cannot run bubblewrap ({bwrap}): {e}") from None
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
+    if m is None or tuple(map(int, m.groups())) < _MIN_BWRAP:
+        raise SandboxUnavailable(
+            f"bubblewrap {m.group(0) if m else '(unknown version)'} at {bwrap} is too old: the sandbox needs "
+            f"{'.'.join(map(str, _MIN_BWRAP))} or later (Debian 12, Ubuntu 24.04). " + _UNSAFE_HINT)
 
 
 _NAMESPACES = ("--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",

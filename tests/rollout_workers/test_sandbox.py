@@ -462,6 +462,10 @@ def test_refuses_to_start_without_bwrap(monkeypatch: pytest.MonkeyPatch, tmp_pat
         PythonEnv()
     with pytest.raises(SandboxUnavailable):
         run_python("print('ran anyway')")
+    monkeypatch.delenv("TAPER_SANDBOX_BWRAP")
+    monkeypatch.setenv("TAPER_SANDBOX_PYTHON", str(tmp_path / "no-such-python"))
+    with pytest.raises(SandboxUnavailable, match="TAPER_SANDBOX_PYTHON: .* is not an executable interpreter"):
+        PythonEnv()
     monkeypatch.setenv("TAPER_SANDBOX_MODE", "off")
     with pytest.raises(SandboxUnavailable, match="TAPER_SANDBOX_MODE: must be one of bwrap, unsafe-rlimits-only"):
         PythonEnv()
