@@ -1,4 +1,7 @@
-"""Service settings: the one place that reads the environment (prefix ``TAPER_``; ``RAY_ADDRESS`` as Ray names it)."""
+"""Service settings: the one place that reads the environment (prefix ``TAPER_``; ``RAY_ADDRESS`` as Ray names it).
+
+The python sandbox's ``TAPER_SANDBOX_*`` are read in ``rollout_workers.environments.sandbox`` instead: the
+Ray workers that run it do not import the service."""
 
 from __future__ import annotations
 

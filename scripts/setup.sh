@@ -28,10 +28,12 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-# System packages: redis-server (the embedded default starts a private one); with --test also Debian's
-# chromium, which the dashboard's browser tests drive.
+# System packages: redis-server (the embedded default starts a private one); bubblewrap (the python
+# environment runs model-written code under bwrap and refuses to start without it); with --test also
+# Debian's chromium, which the dashboard's browser tests drive.
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 if [ "${1:-}" = "--test" ]; then command -v chromium >/dev/null 2>&1 || need+=(chromium); fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "==> installing ${need[*]}"
@@ -40,7 +42,8 @@ if [ ${#need[@]} -gt 0 ]; then
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
   else
     echo "missing ${need[*]} and apt-get is not available: install Redis (e.g. 'brew install redis' or" >&2
-    echo "'conda install -c conda-forge redis', or point TAPER_REDIS_URL at a server) and Chromium." >&2
+    echo "'conda install -c conda-forge redis', or point TAPER_REDIS_URL at a server), bubblewrap (the" >&2
+    echo "distribution's package) and Chromium." >&2
     exit 1
   fi
 fi

@@ -17,7 +17,7 @@ from rollout_workers.environments.base import (
     tool_call_message,
 )
 from rollout_workers.environments.policy import context_policy
-from rollout_workers.environments.sandbox import SandboxLimits, run_python_async
+from rollout_workers.environments.sandbox import SandboxLimits, check_sandbox, run_python_async
 
 if TYPE_CHECKING:
     from rollout_workers.trajectory import Trajectory
@@ -113,6 +113,7 @@ class PythonEnv(Environment):
             output_bytes=o.output_bytes,
             wall_seconds=o.wall_seconds,
         )
+        self.sandbox = check_sandbox()  # refuse to start where model-written code cannot be sandboxed
 
     def tools(self) -> list[dict[str, Any]]:
         return [
@@ -134,7 +135,7 @@ class PythonEnv(Environment):
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool != "run_python":
             raise ToolError(f"unknown tool {tool!r}")
-        result = await run_python_async(str(args["code"]), self.limits)
+        result = await run_python_async(str(args["code"]), self.limits, config=self.sandbox)
         return result.summary()
 
     def outcome(self, trajectory: Trajectory) -> float:

@@ -1,82 +1,82 @@
-"""Run untrusted Python in a subprocess with CPU-time, memory, output-size and wall-clock limits and
-no network.
+"""Run untrusted Python under bubblewrap: an OS-level sandbox with CPU, memory, process, file and
+wall-clock limits and no network.
 
-Layers: rlimits (CPU seconds, address space, file size, core dumps) set in the child before exec; a
-fresh network namespace (where the kernel lets us unshare one) and, always,
-a CPython audit hook installed before the user's code runs that refuses sockets, subprocesses, exec,
-fork and ctypes (audit hooks cannot be removed from inside the interpreter). The child runs in its own
-process group, so a wall-clock timeout kills it and anything it spawned.
+Each call starts `bwrap` with new user, pid, net, ipc, uts and cgroup namespaces (no nested user
+namespaces), no capabilities, a seccomp filter (`seccomp.py`), an empty environment and a new session.
+The filesystem holds only the interpreter, its standard library (its site-packages hidden) and the
+shared libraries it loads, all read-only; a fresh /proc, a minimal /dev, and a private size-capped
+tmpfs as /tmp, the working directory. A trusted
+bootstrap sets the rlimits inside the namespaces, then runs the program. The wall-clock kill ends pid 1
+of the sandbox's pid namespace, which ends every process in it (setsid and double forks included).
+
+RLIMIT_NPROC is counted per user namespace and real uid, so set inside the sandbox it bounds the
+sandbox's own tasks. The kernel never applies it to processes of real root, so a worker running as root
+starts bwrap as uid 65534: the interpreter must then be readable by that uid (`TAPER_SANDBOX_PYTHON`).
+
+Operator settings (read here only: Ray workers run this and must not import the service's settings):
+- `TAPER_SANDBOX_MODE`: `bwrap` (default) or `unsafe-rlimits-only` (rlimits, no isolation: for machines
+  where bwrap cannot run, and only when the code it runs is trusted).
+- `TAPER_SANDBOX_BWRAP`: the bwrap binary (default: `bwrap` on PATH).
+- `TAPER_SANDBOX_PYTHON`: the interpreter sandboxed code runs on (default: the worker's own; for a root
+  worker whose interpreter uid 65534 cannot read, the system python3).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import json
 import os
+import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-# Trusted first stage (no preexec_fn: forking a threaded parent and running Python before exec can
-# deadlock): leave the network namespace where allowed, set the rlimits, then exec the interpreter that
-# runs the user's code. One byte over the output cap lets us tell "hit the cap" from "exactly the cap".
-_LAUNCHER = r"""
-import ctypes, os, resource, sys
-bootstrap, src, netns_flag, cpu, mem, fsize = sys.argv[1:7]
-try:
-    if ctypes.CDLL(None, use_errno=True).unshare(0x40000000) == 0:
-        open(netns_flag, "w").close()
-except (OSError, AttributeError):
-    pass
-cpu, mem, fsize = int(cpu), int(mem), int(fsize)
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-os.execv(sys.executable, [sys.executable, "-I", "-c", bootstrap, src])
-"""
+from rollout_workers.environments.seccomp import seccomp_filter
 
-# Runs inside the child: install the audit hook, then execute the user's file.
-_BOOTSTRAP = r"""
-import sys
-_BLOCKED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-            "os.forkpty", "ctypes.", "_ctypes.", "pty.", "os.kill", "signal.pthread_kill")
-def _hook(event, args, _blocked=_BLOCKED):
-    if event.startswith(_blocked):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-_path = sys.argv[1]
-with open(_path) as _f:
-    _code = _f.read()
-sys.addaudithook(_hook)
-del _f, _path, _hook
-_g = {"__name__": "__main__", "__builtins__": __builtins__}
-exec(compile(_code, "<sandbox>", "exec"), _g)
-"""
+SandboxMode = Literal["bwrap", "unsafe-rlimits-only"]
+MODES: tuple[SandboxMode, ...] = ("bwrap", "unsafe-rlimits-only")
+SANDBOX_UID = 65534  # who sandboxed code runs as when the worker is root ("nobody" on Debian)
+_WORKDIR = "/tmp"
+_SHM_BYTES = 1024 * 1024  # /dev/shm: room for multiprocessing's semaphores, not a second scratch disk
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
     cpu_seconds: int = 5
-    memory_bytes: int = 256 * 1024 * 1024
+    memory_bytes: int = 256 * 1024 * 1024  # address space of each process
     output_bytes: int = 16 * 1024
     wall_seconds: float = 10.0
+    max_processes: int = 16  # tasks (processes and threads) in the sandbox, its pid 1 included
+    max_open_files: int = 64
+    tmpfs_bytes: int = 16 * 1024 * 1024  # the working directory; also the largest file it may write
 
     def __post_init__(self) -> None:
-        for name in ("cpu_seconds", "memory_bytes", "output_bytes", "wall_seconds"):
+        for name in ("cpu_seconds", "memory_bytes", "output_bytes", "wall_seconds", "max_open_files",
+                     "tmpfs_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
+        if self.max_processes < 3:  # bwrap's pid 1 and the interpreter, plus one
+            raise ValueError("max_processes: must be >= 3")
 
 
 @dataclass
 class SandboxResult:
     stdout: str
     stderr: str
-    exit_code: int | None
+    exit_code: int | None  # negative: killed by that signal
     timed_out: bool
     output_truncated: bool
-    network_namespace: bool
+    sandboxed: bool  # False only in the operator's unsafe-rlimits-only mode
     duration_s: float
 
     def summary(self, max_chars: int = 2000) -> str:
@@ -96,66 +96,474 @@ class SandboxResult:
         return text if len(text) <= max_chars else text[:max_chars] + "\n[output truncated]"
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` under `limits`; never raises for anything the code does."""
-    return asyncio.run(run_python_async(code, limits))
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot run on this machine; the message says why and what the operator can do."""
 
 
-async def run_python_async(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """`run_python` on an event loop. Cancelling it (e.g. a tool timeout shorter than the wall-clock limit)
-    kills the program at once instead of leaving it to run to its own limit."""
-    with tempfile.TemporaryDirectory(prefix="taper-sandbox-") as work:
-        src = os.path.join(work, "main.py")
-        with open(src, "w") as f:
-            f.write(code)
-        out_path, err_path = os.path.join(work, "stdout"), os.path.join(work, "stderr")
-        netns_flag = os.path.join(work, "netns")
-
-        env = {"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8", "HOME": work}
-        start = time.monotonic()
-        timed_out = False
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-c", _LAUNCHER, _BOOTSTRAP, src, netns_flag,
-                str(limits.cpu_seconds), str(limits.memory_bytes), str(limits.output_bytes + 1),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=work,
-                env=env,
-                start_new_session=True,
-            )
-            try:
-                await asyncio.wait_for(proc.wait(), timeout=limits.wall_seconds)
-            except TimeoutError:
-                timed_out = True
-                await _kill_group(proc)
-            except asyncio.CancelledError:
-                await _kill_group(proc)
-                raise
-        duration = time.monotonic() - start
-        stdout, out_trunc = _read_capped(out_path, limits.output_bytes)
-        stderr, err_trunc = _read_capped(err_path, limits.output_bytes)
-        return SandboxResult(
-            stdout=stdout,
-            stderr=stderr,
-            exit_code=None if timed_out else proc.returncode,
-            timed_out=timed_out,
-            output_truncated=out_trunc or err_trunc,
-            network_namespace=os.path.exists(netns_flag),
-            duration_s=duration,
-        )
+_UNSAFE_HINT = ("Only if the code it runs is trusted, TAPER_SANDBOX_MODE=unsafe-rlimits-only runs it without "
+                "isolation (rlimits only).")
 
 
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+@dataclass(frozen=True)
+class SandboxConfig:
+    mode: SandboxMode = "bwrap"
+    bwrap: str = "bwrap"
+    python: str | None = None  # None: see _sandbox_python
+
+    @classmethod
+    def from_environment(cls) -> SandboxConfig:
+        mode = os.environ.get("TAPER_SANDBOX_MODE", "bwrap")
+        if mode not in MODES:
+            raise SandboxUnavailable(f"TAPER_SANDBOX_MODE: must be one of {', '.join(MODES)}, got {mode!r}")
+        return cls(mode=mode, bwrap=os.environ.get("TAPER_SANDBOX_BWRAP") or "bwrap",
+                   python=os.environ.get("TAPER_SANDBOX_PYTHON") or None)
+
+
+# ------------------------------------------------------------------------------------------ the layout
+
+@dataclass(frozen=True)
+class _Layout:
+    """What bwrap needs for one interpreter: the argv prefix that builds the filesystem, and how to run it."""
+
+    bwrap: str
+    python: str
+    mount_args: tuple[str, ...]
+    as_uid: int | None  # drop to this uid before starting bwrap (the worker is root)
+
+
+def _world_readable(path: str) -> bool:
+    """Whether a user other than the owner and group (uid 65534) can reach and read `path`."""
+    p = Path(path)
+    if any(not os.stat(d).st_mode & stat.S_IXOTH for d in p.parents):
+        return False
+    return bool(os.stat(p).st_mode & stat.S_IROTH)
+
+
+def _base_interpreter() -> str:
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _sandbox_python(config: SandboxConfig, as_root: bool) -> str:
+    if config.python:
+        python = shutil.which(config.python) or config.python
+        if not os.access(python, os.X_OK):
+            raise SandboxUnavailable(f"TAPER_SANDBOX_PYTHON: {config.python!r} is not an executable interpreter")
+        python = os.path.realpath(python)
+        if as_root and not _world_readable(python):
+            raise SandboxUnavailable(
+                f"TAPER_SANDBOX_PYTHON: {python} is not readable by uid {SANDBOX_UID}, which sandboxed code runs "
+                "as when the worker is root; point it at a world-readable interpreter (e.g. /usr/bin/python3)")
+        return python
+    python = _base_interpreter()
+    if not as_root or _world_readable(python):
+        return python
+    for candidate in ("/usr/local/bin/python3", "/usr/bin/python3"):
+        if os.access(candidate, os.X_OK) and _world_readable(os.path.realpath(candidate)):
+            return os.path.realpath(candidate)
+    raise SandboxUnavailable(
+        f"the worker runs as root and its interpreter {python} is not readable by uid {SANDBOX_UID}, which "
+        "sandboxed code runs as; set TAPER_SANDBOX_PYTHON to a world-readable Python 3 (or install python3)")
+
+
+_PROBE = ("import json, sys, sysconfig; "
+          "print(json.dumps([sys.version_info[0], sysconfig.get_path('stdlib'), sysconfig.get_path('platstdlib')]))")
+
+
+def _interpreter_files(python: str) -> tuple[list[str], list[str], list[str]]:
+    """(stdlib dirs, library directories to bind, single library files to bind) for `python`."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    await proc.wait()
+        out = subprocess.run([python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=30,
+                             env={}, check=True).stdout
+        major, *stdlib_dirs = json.loads(out)
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        raise SandboxUnavailable(f"cannot run the sandbox interpreter {python}: {e}") from None
+    if major != 3:
+        raise SandboxUnavailable(f"the sandbox interpreter {python} is not Python 3")
+    stdlibs = sorted({os.path.realpath(d) for d in stdlib_dirs})
+    dirs: set[str] = set()
+    files: set[str] = set()
+    for lib in _shared_libraries(python):
+        d = os.path.dirname(lib).rstrip("/") + "/"
+        # A directory that holds the stdlib (a prefix's lib/) would bring its site-packages: bind the file.
+        if any((s + "/").startswith(d) for s in stdlibs):
+            files.add(lib)
+        else:
+            dirs.add(d.rstrip("/"))
+    # The loader searches both /lib/<triplet> and /usr/lib/<triplet>; keep each pair together.
+    for d in list(dirs):
+        twin = d.removeprefix("/usr") if d.startswith("/usr/") else "/usr" + d
+        if os.path.isdir(twin):
+            dirs.add(twin)
+    return stdlibs, sorted(dirs), sorted(files)
 
 
-def _read_capped(path: str, cap: int) -> tuple[str, bool]:
-    with open(path, "rb") as f:
-        data = f.read(cap + 1)
+def _shared_libraries(python: str) -> list[str]:
+    """The libraries (and the loader) `python` links, as the paths the loader names them by."""
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        raise SandboxUnavailable("ldd is not installed: it lists the libraries the sandbox interpreter needs")
+    out = subprocess.run([ldd, python], capture_output=True, text=True, timeout=30, env={}).stdout
+    libs = []
+    for line in out.splitlines():
+        m = re.search(r"(?:=>\s*)?(/\S+)\s+\(0x", line)
+        if m:
+            libs.append(m.group(1))
+    return libs  # empty when statically linked
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(config: SandboxConfig, as_root: bool) -> _Layout:
+    bwrap = shutil.which(config.bwrap)
+    if bwrap is None:
+        raise SandboxUnavailable(
+            f"bubblewrap not found ({config.bwrap!r}): model-written code runs only inside it. Install it "
+            "(Debian/Ubuntu: apt-get install bubblewrap) or set TAPER_SANDBOX_BWRAP to the binary. " + _UNSAFE_HINT)
+    _require_version(bwrap)
+    python = _sandbox_python(config, as_root)
+    stdlibs, lib_dirs, lib_files = _interpreter_files(python)
+    args: list[str] = []
+    for path in [python, *stdlibs, *lib_dirs, *lib_files]:
+        args += ["--ro-bind", path, path]
+    # The loader's cache: how it finds a libpython outside the default directories (/usr/local/lib)
+    # when the interpreter carries no RUNPATH, as in the official Python images.
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    for site in (os.path.join(d, "site-packages") for d in stdlibs):
+        if os.path.isdir(site):  # hide the interpreter's installed packages
+            args += ["--size", "4096", "--tmpfs", site, "--remount-ro", site]
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", str(_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    return _Layout(bwrap=bwrap, python=python, mount_args=tuple(args), as_uid=SANDBOX_UID if as_root else None)
+
+
+_MIN_BWRAP = (0, 8, 0)  # --disable-userns and --size
+
+
+def _require_version(bwrap: str) -> None:
+    try:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30, env={}).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailable(f"cannot run bubblewrap ({bwrap}): {e}") from None
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
+    if m is None or tuple(map(int, m.groups())) < _MIN_BWRAP:
+        raise SandboxUnavailable(
+            f"bubblewrap {m.group(0) if m else '(unknown version)'} at {bwrap} is too old: the sandbox needs "
+            f"{'.'.join(map(str, _MIN_BWRAP))} or later (Debian 12, Ubuntu 24.04). " + _UNSAFE_HINT)
+
+
+_NAMESPACES = ("--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+               "--unshare-cgroup", "--disable-userns")
+
+# Trusted bootstrap, run by the sandbox's interpreter inside the namespaces before the program: sets
+# the rlimits (RLIMIT_NPROC only counts the sandbox's tasks from inside its user namespace), then runs
+# /tmp/main.py as __main__ with tracebacks that start at the program.
+_BOOTSTRAP = r"""
+import resource as _r, sys as _s
+for _name, _soft, _hard in LIMITS:
+    _r.setrlimit(getattr(_r, _name), (_soft, _hard))
+_s.argv = ["main.py"]
+_s.excepthook = lambda t, v, tb, _hook=_s.__excepthook__: _hook(t, v.with_traceback(tb.tb_next), tb.tb_next)
+del _r, _s, _name, _soft, _hard
+__file__ = "/tmp/main.py"
+exec(compile(open("main.py").read(), "main.py", "exec"))  # in __main__ itself: pickling by name works
+"""
+
+
+def _bootstrap(limits: SandboxLimits) -> str:
+    rlimits = [
+        ("RLIMIT_CPU", limits.cpu_seconds, limits.cpu_seconds + 1),  # SIGXCPU at the soft limit, SIGKILL after
+        ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
+        ("RLIMIT_NPROC", limits.max_processes, limits.max_processes),
+        ("RLIMIT_NOFILE", limits.max_open_files, limits.max_open_files),
+        ("RLIMIT_FSIZE", limits.tmpfs_bytes, limits.tmpfs_bytes),
+        ("RLIMIT_CORE", 0, 0),
+    ]
+    return _BOOTSTRAP.replace("LIMITS", repr(rlimits), 1)
+
+
+_SECCOMP_FILTER = seccomp_filter()
+
+
+@contextlib.contextmanager
+def _bwrap_call(layout: _Layout, limits: SandboxLimits, code: bytes) -> Iterator[tuple[list[str], tuple[int, ...], int]]:
+    """The argv of one call, the fds bwrap reads (pass them to it) and the read end of its info pipe,
+    which tells the sandbox's pid 1; the fds are closed on exit."""
+    code_fd = _memfd(code)
+    info_r, info_w = os.pipe()
+    os.set_blocking(info_r, False)
+    passed = [code_fd, info_w]
+    seccomp: list[str] = []
+    if _SECCOMP_FILTER is not None:
+        passed.append(_memfd(_SECCOMP_FILTER))
+        seccomp = ["--seccomp", str(passed[-1])]
+    argv = [
+        layout.bwrap, *_NAMESPACES, "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
+        "--setenv", "LANG", "C.UTF-8", "--hostname", "sandbox",
+        *layout.mount_args,
+        "--size", str(limits.tmpfs_bytes), "--tmpfs", _WORKDIR, "--file", str(code_fd), f"{_WORKDIR}/main.py",
+        "--chdir", _WORKDIR, "--remount-ro", "/", "--info-fd", str(info_w), *seccomp,
+        "--", layout.python, "-I", "-B", "-c", _bootstrap(limits),
+    ]
+    try:
+        yield argv, tuple(passed), info_r
+    finally:
+        for fd in (*passed, info_r):
+            os.close(fd)
+
+
+def _spawn_kwargs(layout: _Layout) -> dict[str, object]:
+    if layout.as_uid is None:
+        return {}
+    return {"user": layout.as_uid, "group": layout.as_uid, "extra_groups": []}
+
+
+def _unavailable_message(stderr: str) -> str:
+    return (f"bubblewrap cannot create the sandbox here ({stderr.strip() or 'no message'}). It needs unprivileged "
+            "user namespaces: on the host, sysctl user.max_user_namespaces > 0 (Debian's older kernels: "
+            "kernel.unprivileged_userns_clone=1; Ubuntu 24.04: kernel.apparmor_restrict_unprivileged_userns=0 or "
+            "an AppArmor profile for bwrap); in a container, a seccomp/AppArmor profile that allows unshare and "
+            "mount in user namespaces (see deploy/README.md). " + _UNSAFE_HINT)
+
+
+@functools.lru_cache(maxsize=8)
+def _checked(config: SandboxConfig, as_root: bool) -> _Layout:
+    layout = _layout(config, as_root)
+    try:
+        with _bwrap_call(layout, SandboxLimits(), b"print('ok')") as (argv, passed, _):
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={}, pass_fds=passed,
+                                  stdin=subprocess.DEVNULL, **_spawn_kwargs(layout))  # type: ignore[call-overload]
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailable(f"cannot start bubblewrap ({layout.bwrap}): {e}. " + _UNSAFE_HINT) from None
+    if proc.returncode != 0 or proc.stdout != "ok\n":
+        raise SandboxUnavailable(_unavailable_message(proc.stderr))
+    return layout
+
+
+def check_sandbox(config: SandboxConfig | None = None) -> SandboxConfig:
+    """The operator's sandbox configuration, after checking it can run here (once per process and
+    configuration); raises SandboxUnavailable with what to do otherwise."""
+    config = config or SandboxConfig.from_environment()
+    if config.mode == "bwrap":
+        _checked(config, os.geteuid() == 0)
+    return config
+
+
+# ------------------------------------------------------------------------------------------ running
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = "",
+               config: SandboxConfig | None = None) -> SandboxResult:
+    """Run `code` under `limits`; never raises for anything the code does."""
+    return asyncio.run(run_python_async(code, limits, stdin, config))
+
+
+async def run_python_async(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = "",
+                           config: SandboxConfig | None = None) -> SandboxResult:
+    """`run_python` on an event loop. Cancelling it (e.g. a tool timeout shorter than the wall-clock limit)
+    kills the program at once instead of leaving it to run to its own limit. Raises SandboxUnavailable
+    when the configured sandbox cannot run here."""
+    config = check_sandbox(config)
+    if config.mode == "unsafe-rlimits-only":
+        return await _run_unsafe(code, limits, stdin)
+    layout = _checked(config, os.geteuid() == 0)
+    with _bwrap_call(layout, limits, code.encode("utf-8", errors="surrogateescape")) as (argv, passed, info_r):
+        start = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, pass_fds=passed,
+            start_new_session=True, **_spawn_kwargs(layout),  # type: ignore[arg-type]
+        )
+        init = _SandboxInit(proc, info_r)
+        try:
+            return await _supervise(proc, limits, stdin, start, init.kill)
+        finally:
+            await init.end()
+
+
+async def _supervise(proc: asyncio.subprocess.Process, limits: SandboxLimits, stdin: str, start: float,
+                     kill: Callable[[], Awaitable[None]]) -> SandboxResult:
+    """Feed stdin and collect capped output through pipes while the sandbox runs. Its pipes close as soon as
+    its last process is gone, which the pid namespace guarantees when the call ends."""
+    assert proc.stdin and proc.stdout and proc.stderr
+    out, err = _CappedOutput(limits.output_bytes), _CappedOutput(limits.output_bytes)
+    tasks = [asyncio.ensure_future(_feed(proc.stdin, stdin.encode("utf-8", errors="surrogateescape"))),
+             asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]
+    try:
+        timed_out = await _wait_or_kill(proc, limits.wall_seconds, kill)
+        duration = time.monotonic() - start
+        await asyncio.gather(*tasks[1:])
+    finally:
+        for task in tasks:
+            task.cancel()
+    code = proc.returncode
+    if code is not None and code > 128:  # bwrap reports death by signal N as 128 + N
+        code = 128 - code
+    return SandboxResult(stdout=out.text(), stderr=err.text(), exit_code=None if timed_out else code,
+                         timed_out=timed_out, output_truncated=out.truncated or err.truncated, sandboxed=True,
+                         duration_s=duration)
+
+
+async def _wait_or_kill(proc: asyncio.subprocess.Process, wall_seconds: float,
+                        kill: Callable[[], Awaitable[None]]) -> bool:
+    """Wait for the program; kill it at the wall-clock limit (True) or when the call is cancelled."""
+    try:
+        await asyncio.wait_for(proc.wait(), timeout=wall_seconds)
+        return False
+    except TimeoutError:
+        await kill()
+        return True
+    except asyncio.CancelledError:
+        await kill()
+        raise
+
+
+async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(ConnectionError):
+        if data:
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+
+class _CappedOutput:
+    """The first `cap` bytes of a stream; the rest is read and dropped so the writer never blocks on us."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.truncated = False
+
+    async def drain(self, reader: asyncio.StreamReader) -> None:
+        while chunk := await reader.read(65536):
+            room = self.cap - len(self.kept)
+            self.truncated = self.truncated or len(chunk) > room
+            self.kept += chunk[:max(room, 0)]
+
+    def text(self) -> str:
+        return self.kept.decode("utf-8", errors="replace")
+
+
+class _SandboxInit:
+    """Pid 1 of a call's pid namespace, held by a pidfd (so a reused pid is never hit): when it dies the
+    kernel kills every process in the namespace, and it exits only after they are all gone."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, info_fd: int) -> None:
+        self.proc = proc
+        self.pidfd: int | None = None
+        self._found = asyncio.ensure_future(self._find(info_fd))
+
+    async def _find(self, info_fd: int) -> None:
+        await _readable(info_fd)  # bwrap writes {"child-pid": ...} once the sandbox is set up
+        try:
+            child = int(json.loads(os.read(info_fd, 4096))["child-pid"])
+            pidfd = os.pidfd_open(child)
+        except (OSError, ValueError, KeyError):
+            return
+        try:
+            is_ours = _parent_of(child) == self.proc.pid
+        except (OSError, ValueError):
+            is_ours = False
+        if is_ours:
+            self.pidfd = pidfd
+        else:
+            os.close(pidfd)
+
+    async def kill(self) -> None:
+        """End the sandbox now; bwrap, which waits for its pid 1, exits after that."""
+        if self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout=5.0)
+                return
+        with contextlib.suppress(ProcessLookupError):  # not set up yet: its pid 1 dies with bwrap
+            self.proc.kill()
+        await self.proc.wait()
+
+    async def end(self) -> None:
+        """After the program: end what is left in the namespace (a daemon that closed its output) and
+        wait until it is gone, so nothing outlives the call."""
+        self._found.cancel()
+        if self.pidfd is None:
+            return
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_readable(self.pidfd), timeout=5.0)
+        finally:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+def _parent_of(pid: int) -> int:
+    stat_line = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat_line[stat_line.rindex(")") + 2:].split()[1])
+
+
+def _memfd(data: bytes) -> int:
+    fd = os.memfd_create("main.py", os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+# ------------------------------------------------------------------------------------------ unsafe mode
+
+# Operator-chosen unsafe mode: the same rlimits (no RLIMIT_NPROC: outside a user namespace it would count
+# every process of the worker's uid), set by a first stage before exec; no isolation of any kind.
+_UNSAFE_LAUNCHER = r"""
+import os, resource, sys
+cpu, mem, fsize, nofile = map(int, sys.argv[1:5])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+os.execv(sys.executable, [sys.executable, "-I", "main.py"])
+"""
+
+
+async def _run_unsafe(code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
+    # Output goes to memory files, not pipes: a process that left the group could hold a pipe open.
+    fds = [_memfd(stdin.encode("utf-8", errors="surrogateescape")), _memfd(b""), _memfd(b"")]
+    try:
+        with tempfile.TemporaryDirectory(prefix="taper-unsafe-") as work:
+            Path(work, "main.py").write_text(code, errors="surrogateescape")
+            start = time.monotonic()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", "-c", _UNSAFE_LAUNCHER, str(limits.cpu_seconds),
+                str(limits.memory_bytes), str(limits.tmpfs_bytes), str(limits.max_open_files),
+                stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=work,
+                env={"PATH": "/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8"}, start_new_session=True,
+            )
+
+            async def kill_group() -> None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+
+            timed_out = await _wait_or_kill(proc, limits.wall_seconds, kill_group)
+            duration = time.monotonic() - start
+        (stdout, out_trunc), (stderr, err_trunc) = (_read_capped(fd, limits.output_bytes) for fd in fds[1:])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return SandboxResult(stdout=stdout, stderr=stderr, exit_code=None if timed_out else proc.returncode,
+                         timed_out=timed_out, output_truncated=out_trunc or err_trunc, sandboxed=False,
+                         duration_s=duration)
+
+
+def _read_capped(fd: int, cap: int) -> tuple[str, bool]:
+    data = os.pread(fd, cap + 1, 0)
     return data[:cap].decode("utf-8", errors="replace"), len(data) > cap

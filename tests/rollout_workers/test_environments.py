@@ -1,18 +1,16 @@
 """Built-in environments: the gold demonstration passes the verifier, a wrong answer does not, the
-process components check the steps against the task; the python sandbox's limits hold."""
+process components check the steps against the task; the python sandbox's limits hold (its isolation
+is attacked in test_sandbox.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rollout_workers.environments import BUILTIN_ENVIRONMENTS, ToolError
 from rollout_workers.environments.calculator import evaluate_expression
-from rollout_workers.environments.python_env import PythonEnv
 from rollout_workers.environments.sandbox import SandboxLimits, run_python
 from rollout_workers.trajectory import Step, ToolCall, Trajectory
 
@@ -90,23 +88,6 @@ def test_sandbox_runs_code() -> None:
     assert (r.stdout, r.exit_code, r.timed_out) == ("45\n", 0, False)
 
 
-@pytest.mark.parametrize(
-    "code",
-    [
-        "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_STREAM)\ns.connect(('127.0.0.1', 9))\nprint('CONNECTED')",
-        "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\nprint('CONNECTED')",
-        "import subprocess\nsubprocess.run(['python3', '-c', 'print(1)'])\nprint('CONNECTED')",
-        "import os\nos.system('echo CONNECTED')",
-        "import ctypes\nprint('CONNECTED', ctypes.CDLL(None))",
-    ],
-)
-def test_sandbox_cannot_open_sockets_or_escape(code: str) -> None:
-    r = run_python(code, LIMITS)
-    assert "CONNECTED" not in r.stdout
-    assert r.exit_code != 0
-    assert "PermissionError" in r.stderr or "Network is unreachable" in r.stderr
-
-
 def test_sandbox_memory_cap() -> None:
     r = run_python("x = bytearray(512 * 1024 * 1024)\nprint('ALLOCATED')", LIMITS)
     assert "ALLOCATED" not in r.stdout
@@ -121,23 +102,6 @@ def test_sandbox_wall_clock_kill_and_output_cap() -> None:
     assert "wall-clock" in r.summary()
     r = run_python("print('x' * 100000)", LIMITS)
     assert r.output_truncated and len(r.stdout) == LIMITS.output_bytes
-
-
-def test_python_env_call_cut_by_a_tool_timeout_kills_the_program(tmp_path: Path) -> None:
-    """The agent loop times a tool call out by cancelling it: the sandboxed program must die then, not
-    run on to its own (longer) wall-clock limit."""
-    pid_file = tmp_path / "pid"
-    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)"
-    env = PythonEnv(wall_seconds=60)
-
-    async def call_with_timeout() -> None:
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(env.call("run_python", {"code": code}), timeout=3.0)
-        pid = int(pid_file.read_text())  # the program had started
-        with pytest.raises(ProcessLookupError):  # and is gone (reaped) as soon as the call is
-            os.kill(pid, 0)
-
-    asyncio.run(call_with_timeout())
 
 
 def test_sandbox_cpu_limit() -> None:
