@@ -34,6 +34,8 @@ fi
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+# As root the sandbox runs code as nobody, who cannot read an interpreter under /root: it uses the system one.
+if [ "$(id -u)" -eq 0 ] && [ ! -x /usr/bin/python3 ]; then need+=(python3-minimal); fi
 if [ "${1:-}" = "--test" ]; then command -v chromium >/dev/null 2>&1 || need+=(chromium); fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "==> installing ${need[*]}"
