@@ -9,7 +9,7 @@ from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.kda import KimiDeltaAttention, causal_conv1d
 from model.layers.mla import GatedMLA
-from model.layers.moe import StableLatentMoE, quantile_balancing_target
+from model.layers.moe import StableLatentMoE, expert_counts, quantile_balancing_target
 from model.layers.situ_glu import situ_glu
 
 TINY = TaperConfig.preset("tiny")
@@ -230,3 +230,42 @@ def test_balancing_bias_is_frozen_in_eval_and_without_autograd():
     moe(torch.randn(64, TINY.hidden_size))
     assert moe.update_balancing() is None
     assert torch.equal(moe.router.bias_correction, torch.zeros(TINY.n_routed_experts))
+
+
+def test_expert_counts_equal_bincount_and_weigh_masked_tokens():
+    ids = torch.randint(0, 8, (37, 2), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(expert_counts(ids, 8), torch.bincount(ids.reshape(-1), minlength=8))
+    keep = torch.rand(37, generator=torch.Generator().manual_seed(1)) > 0.4
+    torch.testing.assert_close(expert_counts(ids, 8, keep), torch.bincount(ids[keep].reshape(-1), minlength=8).float())
+
+
+def test_masked_balancing_uses_only_real_tokens():
+    """Padding rows are recorded with their mask and dropped when the bias is updated: the same bias as a
+    forward over the real tokens alone."""
+    torch.manual_seed(0)
+    config = TaperConfig.preset("tiny", balancing_momentum=0.0)
+    moe = StableLatentMoE(config).train()
+    _randomise(moe, torch.Generator().manual_seed(6))
+    x = torch.randn(2, 20, config.hidden_size)
+    mask = torch.ones(2, 20)
+    mask[0, :7] = 0
+    moe(x, mask)
+    masked_bias = moe.update_balancing()
+    masked_load = moe.last_load.clone()
+    moe.router.bias_correction.zero_()
+    moe(x.reshape(-1, config.hidden_size)[mask.reshape(-1) > 0])
+    torch.testing.assert_close(masked_bias, moe.update_balancing())
+    torch.testing.assert_close(masked_load, moe.last_load)
+    moe(x, torch.zeros(2, 20))  # only padding: nothing to balance on
+    assert moe.update_balancing() is None
+
+
+def test_kda_input_projections_equal_the_separate_projections():
+    layer = KimiDeltaAttention(TINY)
+    _randomise(layer, torch.Generator().manual_seed(7))
+    x = torch.randn(2, 9, TINY.hidden_size)
+    qkv, f, beta, g_low = layer.input_projections(x)
+    torch.testing.assert_close(qkv, layer.project(x))
+    torch.testing.assert_close(f, layer.gate_input(x))
+    torch.testing.assert_close(beta, layer.beta_logits(x))
+    torch.testing.assert_close(g_low, layer.g_a_proj(x))
