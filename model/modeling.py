@@ -290,15 +290,14 @@ class TaperForCausalLM(TaperPreTrainedModel, GenerationMixin):
     def balancing_metrics(self) -> dict[str, float]:
         """max/mean expert load per MoE layer (from the last forward) and their average."""
         metrics: dict[str, float] = {}
-        ratios = []
-        for layer in self.model.layers:
-            if layer.is_moe and layer.mlp.last_load is not None:
-                load = layer.mlp.last_load
-                ratio = float(load.max() / load.mean())
-                metrics[f"moe/layer{layer.layer_idx}/max_over_mean_load"] = ratio
-                ratios.append(ratio)
-        if ratios:
-            metrics["moe/max_over_mean_load"] = sum(ratios) / len(ratios)
+        layers = [layer for layer in self.model.layers if layer.is_moe and layer.mlp.last_load is not None]
+        if not layers:
+            return metrics
+        loads = torch.stack([layer.mlp.last_load for layer in layers])
+        ratios = (loads.max(-1).values / loads.mean(-1)).tolist()  # one device-to-host read for all layers
+        for layer, ratio in zip(layers, ratios, strict=True):
+            metrics[f"moe/layer{layer.layer_idx}/max_over_mean_load"] = ratio
+        metrics["moe/max_over_mean_load"] = sum(ratios) / len(ratios)
         return metrics
 
 

@@ -335,7 +335,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grads):
     q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, *saved = ctx.saved_tensors
-    do, dht = grads[0], grads[1] if ctx.has_final else None
+    # autograd may hand over expanded (stride-0) gradients, e.g. of final_state.sum(); the kernels index densely
+    do, dht = grads[0], grads[1].contiguous() if ctx.has_final and grads[1] is not None else None
     if do is None:
         do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     dq, dk, dv, df, dbeta, dA_log, ddt_bias, dh0 = chunk_kda_bwd_op(

@@ -56,3 +56,8 @@ def test_chunk_op_is_a_compilable_custom_op(results):
     r = results["custom_op"]
     assert r["opcheck_fixed"] and r["opcheck_varlen"]
     assert r["compiled_loss"] < TOL and r["compiled_grads"] < TOL
+
+
+def test_gradients_of_plain_sums_with_expanded_output_gradients(results):
+    bad = {name: err for name, err in results["expanded_grads"].items() if not err < TOL}
+    assert not bad, f"relative errors over {TOL}: {bad}"
