@@ -47,7 +47,7 @@ def test_two_scheduler_processes_place_each_job_once_without_an_api(redis_url, r
         second = scheduler_process(env, tmp_path / "second.log")
         spec = JobSpec(total_steps=8, seed=200, resources={"learner_cpus": 0.5, "rollout_cpus": 0.5})
         jobs = [store.submit_job("t", spec, str(tmp_path / "jobs"))[0].id for _ in range(4)]
-        wait_for(lambda: any(store.get_job(j).step >= 2 for j in jobs), what="progress")
+        wait_for(lambda: any(store.get_job(j).step >= 2 for j in jobs), 300, "progress")
         first.send_signal(signal.SIGKILL)
         first.wait()
         wait_for(lambda: all(store.get_job(j).state == JobState.SUCCEEDED for j in jobs), 240,
