@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 from reward_models.schedule import RewardSchedule, ScheduleVersion
 from rl_service.job_states import JobState
+from rl_service.quota import TenantQuota
 from rl_service.spec import JobSpec
 from rl_service.store import JobRecord
 
@@ -44,7 +45,8 @@ class JobOut(BaseModel):
 
     @classmethod
     def of(cls, job: JobRecord) -> JobOut:
-        data = job.model_dump(exclude={"tenant", "work_dir"})
+        # host paths stay in the control plane: the tenant sees its checkpoint reference, not where it lies
+        data = job.model_dump(exclude={"tenant": True, "work_dir": True, "spec": {"model": {"checkpoint_dir"}}})
         return cls(**data, progress=min(job.step / max(job.total_steps, 1), 1.0))
 
 
@@ -102,6 +104,12 @@ class EnvironmentOut(BaseModel):
     name: str
     builtin: bool
     registration: dict[str, Any] | None
+
+
+class QuotaOut(BaseModel):
+    tenant: str
+    quota: TenantQuota
+    default: bool = Field(description="True when the tenant has no quota of its own (the operator's default applies).")
 
 
 class Health(BaseModel):
