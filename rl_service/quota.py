@@ -9,6 +9,8 @@ and resource caps per job that narrow the operator's. Tenants without a quota ge
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from rl_service.spec import JobSpec
@@ -43,10 +45,13 @@ class JobLimits(ResourceCaps):
     num_workers: int | None = 32
     custom_amount: float | None = 64.0
     rollout_tokens_per_step: int | None = 4_194_304
+    model_presets: list[Literal["tiny", "small", "large"]] = Field(
+        ["tiny", "small", "large"], description="model.preset values tenants may choose")
     model_hidden_size: int = Field(4096, ge=16, description="model.overrides.hidden_size")
     model_num_hidden_layers: int = Field(64, ge=1, description="model.overrides.num_hidden_layers")
-    model_parameters: int = Field(
-        20_000_000_000, ge=1, description="total parameters of the preset with its overrides")
+    model_intermediate_size: int = Field(
+        16384, ge=1, description="model.overrides.intermediate_size and moe_intermediate_size")
+    model_n_routed_experts: int = Field(256, ge=1, description="model.overrides.n_routed_experts")
 
 
 class TenantQuota(_Strict):
@@ -105,29 +110,16 @@ def check_job(spec: JobSpec, limits: JobLimits, quota: TenantQuota) -> None:
         raise LimitExceeded("rollout", f"prompts_per_step x num_generations x max_total_tokens = {r.prompts_per_step} "
                                        f"x {r.num_generations} x {r.max_total_tokens} = {tokens} tokens per step is "
                                        f"above {whose} ({cap})")
+    if spec.model.preset not in limits.model_presets:
+        raise LimitExceeded("model.preset", f"{spec.model.preset!r} is not offered here (choose one of "
+                                            f"{', '.join(limits.model_presets)})")
     overrides = spec.model.overrides
     for name, cap_value in (("hidden_size", limits.model_hidden_size),
-                            ("num_hidden_layers", limits.model_num_hidden_layers)):
+                            ("num_hidden_layers", limits.model_num_hidden_layers),
+                            ("intermediate_size", limits.model_intermediate_size),
+                            ("moe_intermediate_size", limits.model_intermediate_size),
+                            ("n_routed_experts", limits.model_n_routed_experts)):
         value = getattr(overrides, name)
         if value is not None and value > cap_value:
             raise LimitExceeded(f"model.overrides.{name}", f"{value} is above the operator's limit ({cap_value})")
 
-
-def check_model(spec: JobSpec, limits: JobLimits) -> None:
-    """The preset with its overrides must make a valid model within the operator's parameter limit (a job that
-    starts from a checkpoint takes the checkpoint's architecture)."""
-    if spec.model.checkpoint is not None:
-        return
-    from model.config import TaperConfig
-
-    overrides = spec.model.overrides.model_dump(exclude_none=True)
-    try:
-        config = TaperConfig.preset(spec.model.preset, **overrides)
-    except ValueError as exc:
-        name = str(exc).split("=", 1)[0]
-        field = f"model.overrides.{name}" if name in overrides else "model.overrides"
-        raise LimitExceeded(field, str(exc)) from None
-    total = config.parameter_counts()["total"]
-    if total > limits.model_parameters:
-        field = "model.overrides" if overrides else "model.preset"
-        raise LimitExceeded(field, f"{total:,} parameters is above the operator's limit ({limits.model_parameters:,})")

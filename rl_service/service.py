@@ -26,7 +26,7 @@ from rl_service.job_states import (
     InvalidTransition,
     JobState,
 )
-from rl_service.quota import JobLimits, LimitExceeded, TenantQuota, check_job, check_model
+from rl_service.quota import JobLimits, LimitExceeded, TenantQuota, check_job
 from rl_service.spec import JobSpec
 from rl_service.store import (
     IdempotencyConflict,
@@ -241,7 +241,6 @@ class TaperService:
         quota = self.quota_of(p.tenant)
         try:
             check_job(spec, self.limits, quota)
-            check_model(spec, self.limits)
         except LimitExceeded as exc:
             raise InvalidInput(str(exc), field=exc.field) from None
         registration = self._resolve_environment(p, spec.environment.name)
