@@ -182,11 +182,8 @@ class TaperService:
         return self._cached_principal(key) or self._remember(key, await self.store.alookup_api_key(key))
 
     def create_api_key(self, tenant: str, name: str = "", admin: bool = False,
-                       expires_in_s: float | None = None) -> str:
+                       expires_at: float | None = None) -> str:
         validate_tenant(tenant)
-        if expires_in_s is not None and not expires_in_s > 0:
-            raise InvalidInput("expires_in must be positive", field="expires_in")
-        expires_at = None if expires_in_s is None else time.time() + expires_in_s
         return self.store.create_api_key(tenant, name=name, admin=admin, expires_at=expires_at)
 
     @staticmethod

@@ -104,6 +104,7 @@ def load_settings() -> TaperSettings:
                 continue
             field = str(err["loc"][0])
             name = _variable_name(field) if field in TaperSettings.model_fields else field
+            name += "".join(f"__{part}".upper() for part in err["loc"][1:])  # a nested one: TAPER_LIMITS__X
             problems.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
         raise SettingsError("invalid setting: " + "; ".join(problems)) from None
 
