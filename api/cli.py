@@ -346,9 +346,15 @@ def _duration_s(text: str) -> float:
 
 @contextmanager
 def _store_for_admin() -> Iterator[Any]:
+    """The service's Store; a Redis that cannot be reached is a one-line error, not a traceback."""
+    import redis
+
     store, server = _admin_store()
     try:
         yield store
+    except redis.RedisError as exc:
+        console.print(f"[red]error[/red] cannot use the Redis at {store.url}: {escape(str(exc))}")
+        raise typer.Exit(2) from None
     finally:
         store.close()
         if server is not None:

@@ -131,7 +131,6 @@ class Principal:
     tenant: str
     admin: bool = False
     key_name: str = ""
-    key_id: str = ""
 
 
 class TaperService:
@@ -167,7 +166,7 @@ class TaperService:
         left_s = float("inf") if info["expires_at"] is None else info["expires_at"] - time.time()
         if left_s <= 0:
             raise Unauthorized("API key expired", field="Authorization")
-        principal = Principal(tenant=info["tenant"], admin=info["admin"], key_name=info["name"], key_id=info["id"])
+        principal = Principal(tenant=info["tenant"], admin=info["admin"], key_name=info["name"])
         with self._auth_lock:
             if len(self._auth_cache) > 10_000:
                 self._auth_cache.clear()

@@ -133,3 +133,14 @@ def test_delete_a_finished_job(live: Store, tmp_path: Path) -> None:
     run("cancel", job_id)
     assert f"deleted {job_id}" in run("delete", job_id)
     assert not live.job_exists(job_id)
+
+
+def test_key_commands_without_redis_are_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAPER_REDIS_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["keys", "list"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2 and "cannot use the Redis" in result.output and result.exception is not None
+    assert isinstance(result.exception, SystemExit)
