@@ -37,14 +37,14 @@ class ResourceCaps(_Strict):
 class JobLimits(ResourceCaps):
     """The operator's maxima for every job (the defaults suit one machine with a few GPUs)."""
 
-    learner_cpus: float | None = 32.0
-    learner_gpus: int | None = 8
-    num_learners: int | None = 16
-    rollout_cpus: float | None = 32.0
-    rollout_gpus: float | None = 8.0
-    num_workers: int | None = 32
-    custom_amount: float | None = 64.0
-    rollout_tokens_per_step: int | None = 4_194_304
+    learner_cpus: float | None = Field(32.0, gt=0)
+    learner_gpus: int | None = Field(8, ge=0)
+    num_learners: int | None = Field(16, ge=1)
+    rollout_cpus: float | None = Field(32.0, gt=0)
+    rollout_gpus: float | None = Field(8.0, ge=0)
+    num_workers: int | None = Field(32, ge=1)
+    custom_amount: float | None = Field(64.0, gt=0)
+    rollout_tokens_per_step: int | None = Field(4_194_304, ge=16)
     model_presets: list[Literal["tiny", "small", "large"]] = Field(
         ["tiny", "small", "large"], description="model.preset values tenants may choose")
     model_hidden_size: int = Field(4096, ge=16, description="model.overrides.hidden_size")

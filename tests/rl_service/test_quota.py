@@ -44,9 +44,10 @@ def test_limits_quotas_and_base_models_come_from_the_environment(monkeypatch: py
     s = load_settings()
     assert (s.limits.learner_gpus, s.limits.model_presets, s.default_quota.max_running_jobs) == (2, ["tiny"], 1)
     assert str(s.base_models["warm"]) == "/models/warm"
-    monkeypatch.setenv("TAPER_LIMITS__LEARNER_GPUS", "many")
-    with pytest.raises(SettingsError, match="TAPER_LIMITS__LEARNER_GPUS"):
-        load_settings()
+    for bad in ("many", "-1"):
+        monkeypatch.setenv("TAPER_LIMITS__LEARNER_GPUS", bad)
+        with pytest.raises(SettingsError, match="TAPER_LIMITS__LEARNER_GPUS"):
+            load_settings()
     monkeypatch.setenv("TAPER_LIMITS__LEARNER_GPUS", "2")
     monkeypatch.setenv("TAPER_BASE_MODELS", '{"../up": "/x"}')
     with pytest.raises(SettingsError, match="TAPER_BASE_MODELS"):
