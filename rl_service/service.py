@@ -37,6 +37,7 @@ from rl_service.store import (
     RateLimitExceeded,
     ScheduleFull,
     Store,
+    spec_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,8 @@ class TaperService:
         if spec.model.checkpoint_dir is not None:
             raise InvalidInput("set by the service from model.checkpoint; name a checkpoint there instead",
                                field="model.checkpoint_dir")
+        # a retry is the same request even when what the service resolves below changed in between
+        request_digest = spec_digest(spec)
         quota = self.quota_of(p.tenant)
         try:
             check_job(spec, self.limits, quota)
@@ -250,7 +253,7 @@ class TaperService:
         try:
             return self.store.submit_job(p.tenant, spec, str(self.jobs_dir), idempotency_key,
                                          rate_per_minute=self.submit_rate_per_minute,
-                                         max_queued=quota.max_queued_jobs)
+                                         max_queued=quota.max_queued_jobs, request_digest=request_digest)
         except IdempotencyConflict as exc:
             raise Conflict(str(exc), field="Idempotency-Key") from None
         except RateLimitExceeded as exc:

@@ -371,13 +371,15 @@ class Store:
         idempotency_key: str | None = None,
         rate_per_minute: int | None = None,
         max_queued: int | None = None,
+        request_digest: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Create a queued job; returns (job, created). A repeated Idempotency-Key returns the first job
         (and does not count against ``rate_per_minute``, the tenant's submissions per minute: RateLimitExceeded,
-        nor against ``max_queued``, the tenant's queued jobs: QueueFull)."""
+        nor against ``max_queued``, the tenant's queued jobs: QueueFull) if its request is the same:
+        ``request_digest``, by default the digest of ``spec``."""
         job_id = "job-" + uuid.uuid4().hex[:16]
         now = time.time()
-        digest = spec_digest(spec)
+        digest = request_digest or spec_digest(spec)
         history = ScheduleHistory.start(spec.reward_schedule)
         fields = {
             "id": job_id,

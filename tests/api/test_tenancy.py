@@ -147,6 +147,7 @@ def _fake_checkpoint(api: Api, job_id: str, step: int) -> Path:
 
 
 def test_checkpoints_are_references_to_own_jobs_or_operator_base_models(api: Api, tmp_path: Path) -> None:
+    api.service.submit_rate_per_minute = 100
     source = submit(api).json()["id"]
     step2 = _fake_checkpoint(api, source, 2)
     step4 = _fake_checkpoint(api, source, 4)
@@ -166,6 +167,12 @@ def test_checkpoints_are_references_to_own_jobs_or_operator_base_models(api: Api
     refused(api, "POST", "/v1/jobs", "model.checkpoint", json={**SPEC, "model": {"checkpoint": f"{source}:6"}})
     r = submit(api, {**SPEC, "model": {"checkpoint": source}})
     assert api.store.get_job(r.json()["id"]).spec.model.checkpoint_dir == str(step4)
+    # a retry with the same Idempotency-Key is the same request, though `source` has a newer checkpoint now
+    body, again = {**SPEC, "model": {"checkpoint": source}}, {"Idempotency-Key": "ckpt"}
+    first = api.client.post("/v1/jobs", json=body, headers={**api.h(), **again})
+    _fake_checkpoint(api, source, 5)
+    retry = api.client.post("/v1/jobs", json=body, headers={**api.h(), **again})
+    assert (first.status_code, retry.status_code) == (201, 200) and first.json()["id"] == retry.json()["id"]
     # a base model the operator offers, by name
     base = tmp_path / "models" / "warm"
     api.service.base_models = {"warm": base}
