@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from reward_models.schedule import RewardSchedule, ScheduleVersion
 from rl_service.job_states import JobState
@@ -104,6 +104,28 @@ class EnvironmentOut(BaseModel):
     name: str
     builtin: bool
     registration: dict[str, Any] | None
+
+
+class KeyOut(BaseModel):
+    id: str = Field(description="Names the key in listings and revocations (the key itself is never stored).")
+    tenant: str
+    name: str
+    admin: bool
+    created_at: float
+    expires_at: float | None
+
+
+class KeyCreated(KeyOut):
+    key: str = Field(description="The bearer key: shown this once.")
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=64)
+    name: str = Field("", max_length=128)
+    admin: bool = False
+    expires_in_s: float | None = Field(None, gt=0, le=10 * 365 * 86400, description="Lifetime; none: no expiry.")
 
 
 class QuotaOut(BaseModel):

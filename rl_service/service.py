@@ -186,6 +186,30 @@ class TaperService:
         validate_tenant(tenant)
         return self.store.create_api_key(tenant, name=name, admin=admin, expires_at=expires_at)
 
+    # ---- API keys (admin) ----
+    def admin_create_key(self, p: Principal, tenant: str, name: str = "", admin: bool = False,
+                         expires_in_s: float | None = None) -> tuple[str, dict[str, Any]]:
+        """A new key (shown once) and its record."""
+        self.require_admin(p)
+        expires_at = None if expires_in_s is None else time.time() + expires_in_s
+        key = self.create_api_key(tenant, name=name, admin=admin, expires_at=expires_at)
+        info = self.store.lookup_api_key(key)
+        assert info is not None
+        return key, info
+
+    def admin_list_keys(self, p: Principal, tenant: str | None = None) -> list[dict[str, Any]]:
+        self.require_admin(p)
+        return self.store.list_api_keys(tenant)
+
+    def admin_revoke_key(self, p: Principal, key_id: str) -> dict[str, Any]:
+        self.require_admin(p)
+        info = self.store.revoke_api_key_id(key_id)
+        if info is None:
+            raise NotFound(f"API key {key_id!r} not found", field="key_id")
+        with self._auth_lock:  # keys are cached by their secret, which is not stored: drop them all
+            self._auth_cache.clear()
+        return info
+
     @staticmethod
     def require_admin(p: Principal) -> None:
         if not p.admin:

@@ -224,3 +224,28 @@ def test_schedule_history_is_capped(api: Api) -> None:
     assert api.client.patch(url, json={"w_end": 0.1}, headers=api.h()).status_code == 200
     err = refused(api, "PATCH", url, "schedule_version", status=409, json={"w_end": 0.0})
     assert "2 versions" in err["message"]
+
+
+def test_admins_manage_keys_over_rest(api: Api) -> None:
+    admin = admin_key(api)
+    refused(api, "GET", "/v1/keys", "Authorization", status=403)
+    refused(api, "POST", "/v1/keys", "Authorization", status=403, json={"tenant": "alpha", "admin": True})
+    refused(api, "DELETE", "/v1/keys/0123456789abcdef", "Authorization", status=403)
+    refused(api, "POST", "/v1/keys", "tenant", key=admin, json={"tenant": "Not A Tenant"})
+    refused(api, "POST", "/v1/keys", "expires_in_s", key=admin, json={"tenant": "alpha", "expires_in_s": -5})
+    refused(api, "DELETE", "/v1/keys/0123456789abcdef", "key_id", status=404, key=admin)
+
+    r = api.client.post("/v1/keys", json={"tenant": "gamma", "name": "ci", "expires_in_s": 3600}, headers=api.h(admin))
+    assert r.status_code == 201, r.text
+    made = r.json()
+    assert made["key"].startswith("tpr_") and made["tenant"] == "gamma" and not made["admin"]
+    assert made["expires_at"] == pytest.approx(time.time() + 3600, abs=60)
+    assert api.client.get("/v1/jobs", headers=api.h(made["key"])).status_code == 200  # now cached
+    listed = api.client.get("/v1/keys", headers=api.h(admin)).json()
+    assert {"alpha", "beta", "ops", "gamma"} <= {k["tenant"] for k in listed}
+    assert all("key" not in k for k in listed)
+    assert [k["id"] for k in api.client.get("/v1/keys?tenant=gamma", headers=api.h(admin)).json()] == [made["id"]]
+    r = api.client.delete(f"/v1/keys/{made['id']}", headers=api.h(admin))
+    assert r.status_code == 200 and r.json()["tenant"] == "gamma"
+    # revoked over REST: refused at once, though the key was in this process's auth cache
+    assert api.client.get("/v1/jobs", headers=api.h(made["key"])).status_code == 401
