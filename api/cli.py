@@ -366,7 +366,7 @@ def keys_create(
     tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
     name: Annotated[str, typer.Option(help="A label for the key.")] = "",
     expires_in: Annotated[str | None, typer.Option(help="Lifetime, e.g. 12h, 30d, 2w (default: no expiry).")] = None,
-    admin: Annotated[bool, typer.Option(help="An admin key (may set tenant quotas).")] = False,
+    admin: Annotated[bool, typer.Option(help="An admin key (may manage API keys and tenant quotas).")] = False,
 ) -> None:
     """Create an API key; it is printed once and only its hash is stored."""
     from rl_service.service import ServiceError, validate_tenant

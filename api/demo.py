@@ -217,8 +217,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
         console.print(f"API on {service.url} (OpenAPI at {service.url}/docs), private Redis, local Ray")
         key = service.create_key()
         _, losses = warm_start("calculator", warm_dir, steps=cfg.sft_steps, examples=cfg.sft_examples,
-                                  seed=cfg.seed, target_loss=cfg.sft_target_loss, mixed_steps=cfg.mixed_sft_steps,
-                                  tool_use_fraction=cfg.tool_use_fraction, console=console)
+                               seed=cfg.seed, target_loss=cfg.sft_target_loss, mixed_steps=cfg.mixed_sft_steps,
+                               tool_use_fraction=cfg.tool_use_fraction, console=console)
         console.print(f"warm-start done: SFT loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps")
         client = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         job = client.post("/v1/jobs", json=demo_job_spec(cfg)).raise_for_status().json()
