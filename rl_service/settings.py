@@ -63,8 +63,10 @@ class TaperSettings(BaseSettings):
     def _base_model_names(cls, v: dict[str, Path]) -> dict[str, Path]:
         import re
 
+        from rl_service.spec import BASE_MODEL_NAME
+
         for name in v:
-            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            if not re.fullmatch(BASE_MODEL_NAME, name):
                 raise ValueError(f"base model name {name!r}: use 1-64 of A-Z, a-z, 0-9, '_', '.', '-'")
         return v
 

@@ -17,8 +17,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+BASE_MODEL_NAME = r"[A-Za-z0-9_.-]{1,64}"
 # `JOB_ID` (its newest checkpoint), `JOB_ID:STEP`, or `base:NAME` (a base model the operator registered).
-CHECKPOINT_REF = r"^(job-[0-9a-f]{16}(:[0-9]{1,9})?|base:[A-Za-z0-9_.-]{1,64})$"
+CHECKPOINT_REF = rf"^(job-[0-9a-f]{{16}}(:[0-9]{{1,9}})?|base:{BASE_MODEL_NAME})$"
 
 
 class ModelOverrides(_Strict):
