@@ -19,7 +19,7 @@ from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.routers import environments, jobs, system
+from api.routers import admin, environments, jobs, system
 from api.ui import router as ui_router
 from rl_service.service import RateLimited, ServiceError, TaperService, error_field
 from rl_service.settings import TaperSettings, get_settings
@@ -231,7 +231,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestMetrics, registry=registry)
     _install_errors(app)
-    for r in (jobs.router, environments.router, system.router):
+    for r in (jobs.router, environments.router, admin.router, system.router):
         app.include_router(r, responses={401: {"description": "Missing or invalid API key"}})
     app.include_router(ui_router)
     return app

@@ -1,5 +1,6 @@
 """Bearer API keys: each request acts for the tenant its key belongs to. Keys are stored hashed
-(rl_service.store); they are created with `taper keys create --tenant NAME`."""
+(rl_service.store); `taper keys create --tenant NAME [--admin] [--expires-in 30d]` makes one, `taper keys
+revoke ID` ends one. Admin keys may also use the admin routes (API keys, tenant quotas); the service checks that."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import httpx
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
@@ -27,9 +28,11 @@ app = typer.Typer(help="Taper: agentic RL post-training service.", no_args_is_he
 schedule_app = typer.Typer(help="Show or change a job's process-reward schedule.", no_args_is_help=True)
 env_app = typer.Typer(help="Register and list tool environments.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys (admin: talks to Redis directly).", no_args_is_help=True)
+quota_app = typer.Typer(help="Tenant quotas (needs an admin API key).", no_args_is_help=True)
 app.add_typer(schedule_app, name="schedule")
 app.add_typer(env_app, name="env")
 app.add_typer(keys_app, name="keys")
+app.add_typer(quota_app, name="quota")
 
 console = Console()
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -71,7 +74,7 @@ def _check(r: httpx.Response) -> Any:
             msg = f"{r.status_code} {err['code']}{where}: {err['message']}"
         except Exception:
             msg = f"{r.status_code}: {r.text[:500]}"
-        console.print(f"[red]error[/red] {msg}")
+        console.print(f"[red]error[/red] {escape(msg)}")  # "[field]" is text, not markup
         raise typer.Exit(1)
     return r.json() if r.content else None
 
@@ -269,6 +272,17 @@ def resume(job_id: str) -> None:
         console.print(_check(c.post(f"/v1/jobs/{job_id}/resume"))["state"])
 
 
+@app.command()
+def delete(
+    job_id: str,
+    keep_checkpoints: Annotated[bool, typer.Option(help="Keep the checkpoint files.")] = False,
+) -> None:
+    """Delete a finished job with its records, metrics, trajectories and checkpoints."""
+    with _api() as c:
+        _check(c.delete(f"/v1/jobs/{job_id}", params={"keep_checkpoints": keep_checkpoints}))
+    console.print(f"deleted {job_id}")
+
+
 # ---- schedule ----
 @schedule_app.command("show")
 def schedule_show(job_id: str) -> None:
@@ -350,10 +364,41 @@ def _admin_store():
     return Store(server.client_url), server
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _duration_s(text: str) -> float:
+    """Seconds in a duration like 90s, 45m, 12h, 30d or 2w."""
+    number, unit = text[:-1], text[-1:].lower()
+    if unit not in DURATION_UNITS or not number.isdigit() or int(number) < 1:
+        raise typer.BadParameter(f"expected a positive whole number and a unit (s, m, h, d, w), e.g. 30d; got {text!r}",
+                                 param_hint="--expires-in")
+    return int(number) * DURATION_UNITS[unit]
+
+
+@contextmanager
+def _store_for_admin() -> Iterator[Any]:
+    """The service's Store; a Redis that cannot be reached is a one-line error, not a traceback."""
+    import redis
+
+    store, server = _admin_store()
+    try:
+        yield store
+    except redis.RedisError as exc:
+        console.print(f"[red]error[/red] cannot use the Redis at {store.url}: {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+
+
 @keys_app.command("create")
 def keys_create(
     tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
     name: Annotated[str, typer.Option(help="A label for the key.")] = "",
+    expires_in: Annotated[str | None, typer.Option(help="Lifetime, e.g. 12h, 30d, 2w (default: no expiry).")] = None,
+    admin: Annotated[bool, typer.Option(help="An admin key (may manage API keys and tenant quotas).")] = False,
 ) -> None:
     """Create an API key; it is printed once and only its hash is stored."""
     from rl_service.service import ServiceError, validate_tenant
@@ -362,15 +407,92 @@ def keys_create(
         validate_tenant(tenant)
     except ServiceError as exc:
         raise typer.BadParameter(exc.message, param_hint="--tenant") from None
-    store, server = _admin_store()
-    try:
-        key = store.create_api_key(tenant, name=name)
-    finally:
-        store.close()
-        if server is not None:
-            server.stop()
-    console.print(f"API key for tenant [bold]{tenant}[/bold] (shown once):")
+    expires_at = None if expires_in is None else time.time() + _duration_s(expires_in)
+    with _store_for_admin() as store:
+        key = store.create_api_key(tenant, name=name, admin=admin, expires_at=expires_at)
+    until = "" if expires_at is None else f", valid until {_when(expires_at)}"
+    console.print(f"{'admin ' if admin else ''}API key for tenant [bold]{tenant}[/bold]{until} (shown once):")
     print(key)
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+@keys_app.command("list")
+def keys_list(tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None) -> None:
+    """API keys by id (the keys themselves are not stored)."""
+    with _store_for_admin() as store:
+        keys = store.list_api_keys(tenant)
+    table = Table(Column("id", no_wrap=True), "tenant", "name", "admin", "created", "expires")
+    now = time.time()
+    for k in keys:
+        expired = k["expires_at"] is not None and k["expires_at"] <= now
+        table.add_row(k["id"], k["tenant"], k["name"], "yes" if k["admin"] else "", _when(k["created_at"]),
+                      _when(k["expires_at"]) + (" (expired)" if expired else ""))
+    console.print(table)
+    console.print(f"{len(keys)} key(s)")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: Annotated[str, typer.Argument(help="The key's id, as `taper keys list` shows it.")]) -> None:
+    """Revoke a key: requests with it get 401 (within a few seconds: the API caches keys briefly)."""
+    with _store_for_admin() as store:
+        info = store.revoke_api_key_id(key_id)
+    if info is None:
+        console.print(f"[red]error[/red] no API key with id {key_id!r} (see `taper keys list`)")
+        raise typer.Exit(1)
+    console.print(f"revoked {key_id} ({info['tenant']}{', ' + info['name'] if info['name'] else ''})")
+
+
+# ---- quotas ----
+def _print_quota(q: dict[str, Any]) -> None:
+    quota = q["quota"]
+    source = "the operator's default" if q["default"] else "its own"
+    console.print(f"tenant [bold]{q['tenant']}[/bold] ({source} quota)")
+    for field in ("max_running_jobs", "max_queued_jobs", "max_priority"):
+        console.print(f"  {field}: {quota[field]}")
+    caps = {k: v for k, v in quota["resources"].items() if v is not None}
+    console.print("  resources: " + (", ".join(f"{k}={v}" for k, v in caps.items()) or "the operator's limits"))
+
+
+@quota_app.command("show")
+def quota_show(tenant: str) -> None:
+    """A tenant's quota."""
+    with _api() as c:
+        _print_quota(_check(c.get(f"/v1/tenants/{tenant}/quota")))
+
+
+@quota_app.command("set")
+def quota_set(
+    tenant: str,
+    fields: Annotated[list[str], typer.Argument(
+        help="FIELD=VALUE pairs: max_running_jobs, max_queued_jobs, max_priority, resources.learner_cpus, ... "
+             "(resources.X=null drops a cap).")],
+) -> None:
+    """Change some fields of a tenant's quota (the others keep their current values)."""
+    with _api() as c:
+        quota = _check(c.get(f"/v1/tenants/{tenant}/quota"))["quota"]
+        for item in fields:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise typer.BadParameter(f"expected FIELD=VALUE, got {item!r}")
+            group, dot, name = key.partition(".")
+            target = quota
+            if dot:
+                if group != "resources":
+                    raise typer.BadParameter(f"unknown field {key!r}")
+                target, key = quota["resources"], name
+            target[key] = _parse_value(value)
+        _print_quota(_check(c.put(f"/v1/tenants/{tenant}/quota", json=quota)))
+
+
+@quota_app.command("reset")
+def quota_reset(tenant: str) -> None:
+    """Drop a tenant's own quota: the operator's default applies again."""
+    with _api() as c:
+        _check(c.delete(f"/v1/tenants/{tenant}/quota"))
+    console.print(f"tenant {tenant} has the operator's default quota")
 
 
 demo.register(app)

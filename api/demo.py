@@ -2,7 +2,9 @@
 
 Starts the embedded defaults (a private Redis, the API server with a local Ray), warm-starts the tiny model
 by supervised fine-tuning on gold calculator traces, submits an RL job over the REST API with a linear
-process-reward decay, follows it, patches the schedule once mid-run, and writes a report.
+process-reward decay, follows it, patches the schedule once mid-run, and writes a report. The demo acts as
+the operator too: its warm start is a base model it offers to tenants (`TAPER_BASE_MODELS`), which the job
+names as `base:demo-warmstart`, as a tenant would.
 """
 
 from __future__ import annotations
@@ -49,10 +51,13 @@ class DemoConfig:
     seed: int = 0
 
 
-def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
+WARM_START_MODEL = "demo-warmstart"  # the base model name the demo's server offers its warm start under
+
+
+def demo_job_spec(cfg: DemoConfig) -> dict[str, Any]:
     return {
         "name": "demo-calculator",
-        "model": {"preset": "tiny", "checkpoint": str(checkpoint)},
+        "model": {"preset": "tiny", "checkpoint": f"base:{WARM_START_MODEL}"},
         "environment": {"name": "calculator"},
         "tasks": {"seed": cfg.seed, "num_train": 5000, "num_eval": cfg.eval_tasks},
         "algorithm": {"loss_type": "dapo", "learning_rate": 5e-4, "beta": 0.0, "scale_rewards": "group"},
@@ -75,11 +80,12 @@ def demo_job_spec(cfg: DemoConfig, checkpoint: Path) -> dict[str, Any]:
 
 class EmbeddedService:
     """The embedded defaults of a data dir (a private Redis and a local Ray head) and the API server as a
-    subprocess; all of them are stopped on exit."""
+    subprocess (with the operator settings in `env`); all of them are stopped on exit."""
 
-    def __init__(self, data_dir: Path, console: Console) -> None:
+    def __init__(self, data_dir: Path, console: Console, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir.resolve()
         self.console = console
+        self.env = dict(env or {})
         self.redis: RedisServer | None = None
         self.api: ApiServerProcess | None = None
         self.url = ""
@@ -89,7 +95,7 @@ class EmbeddedService:
         try:
             self.redis = ensure_embedded_redis(self.data_dir)
             # the server finds this Redis (and its password) in the data dir, and starts or finds its Ray head
-            self.api = ApiServerProcess(self.data_dir / "api.log", env={"TAPER_DATA_DIR": str(self.data_dir)})
+            self.api = ApiServerProcess(self.data_dir / "api.log", env={**self.env, "TAPER_DATA_DIR": str(self.data_dir)})
             self.api.env.pop("TAPER_REDIS_URL", None)
             self.api.start()
         except BaseException:
@@ -206,15 +212,17 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
     out = cfg.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     settings = TaperSettings(data_dir=out / "service")
-    with EmbeddedService(settings.data_dir, console) as service:
+    warm_dir = out / "warmstart"
+    base_models = json.dumps({WARM_START_MODEL: str(warm_dir)})
+    with EmbeddedService(settings.data_dir, console, env={"TAPER_BASE_MODELS": base_models}) as service:
         console.print(f"API on {service.url} (OpenAPI at {service.url}/docs), private Redis, local Ray")
         key = service.create_key()
-        ckpt, losses = warm_start("calculator", out / "warmstart", steps=cfg.sft_steps, examples=cfg.sft_examples,
-                                  seed=cfg.seed, target_loss=cfg.sft_target_loss, mixed_steps=cfg.mixed_sft_steps,
-                                  tool_use_fraction=cfg.tool_use_fraction, console=console)
+        _, losses = warm_start("calculator", warm_dir, steps=cfg.sft_steps, examples=cfg.sft_examples,
+                               seed=cfg.seed, target_loss=cfg.sft_target_loss, mixed_steps=cfg.mixed_sft_steps,
+                               tool_use_fraction=cfg.tool_use_fraction, console=console)
         console.print(f"warm-start done: SFT loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps")
         client = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        job = client.post("/v1/jobs", json=demo_job_spec(cfg, ckpt)).raise_for_status().json()
+        job = client.post("/v1/jobs", json=demo_job_spec(cfg)).raise_for_status().json()
         job_id = job["id"]
         console.print(f"submitted RL job {job_id}")
         metrics, patch = follow_job(client, job_id, cfg, console)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from reward_models.schedule import RewardSchedule, ScheduleVersion
 from rl_service.job_states import JobState
+from rl_service.quota import TenantQuota
 from rl_service.spec import JobSpec
 from rl_service.store import JobRecord
 
@@ -46,7 +47,8 @@ class JobOut(BaseModel):
 
     @classmethod
     def of(cls, job: JobRecord) -> JobOut:
-        data = job.model_dump(exclude={"tenant", "work_dir"})
+        # host paths stay in the control plane: the tenant sees its checkpoint reference, not where it lies
+        data = job.model_dump(exclude={"tenant": True, "work_dir": True, "spec": {"model": {"checkpoint_dir"}}})
         return cls(**data, progress=min(job.step / max(job.total_steps, 1), 1.0))
 
 
@@ -104,6 +106,34 @@ class EnvironmentOut(BaseModel):
     name: str
     builtin: bool
     registration: dict[str, Any] | None
+
+
+class KeyOut(BaseModel):
+    id: str = Field(description="Names the key in listings and revocations (the key itself is never stored).")
+    tenant: str
+    name: str
+    admin: bool
+    created_at: float
+    expires_at: float | None
+
+
+class KeyCreated(KeyOut):
+    key: str = Field(description="The bearer key: shown this once.")
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=64)
+    name: str = Field("", max_length=128)
+    admin: bool = False
+    expires_in_s: float | None = Field(None, gt=0, le=10 * 365 * 86400, description="Lifetime; none: no expiry.")
+
+
+class QuotaOut(BaseModel):
+    tenant: str
+    quota: TenantQuota
+    default: bool = Field(description="True when the tenant has no quota of its own (the operator's default applies).")
 
 
 class Health(BaseModel):

@@ -51,7 +51,7 @@ def job_spec(env: str, variant: str, seed: int, steps: int, checkpoint: Path) ->
     schedule = dict(v["reward_schedule"], horizon=steps)
     return {
         "name": f"curriculum-{env}-{variant}-{seed}",
-        "model": {"preset": "tiny", "checkpoint": str(checkpoint)},
+        "model": {"preset": "tiny", "checkpoint_dir": str(checkpoint)},  # the runner directly: no control plane
         "environment": {"name": env},
         "tasks": {"seed": seed, "num_train": 5000, "num_eval": 50, "options": ENV_TASKS[env]},
         "algorithm": {"loss_type": "dapo", "learning_rate": 5e-4, **v["algorithm"]},

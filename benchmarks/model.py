@@ -1,15 +1,21 @@
 """Model-level benchmarks of TaperForCausalLM.
 
-1. Training throughput: tokens/s of forward+backward (bf16 on CUDA, fp32 on CPU), KDA through our Triton
-   kernels vs the pure-torch chunked path; on CUDA also model FLOP utilisation against the measured bf16
-   matmul rate (active-parameter FLOPs 6*N_active*tokens plus KDA and attention FLOPs).
+1. Training throughput. CPU: tokens/s of forward+backward of the tiny preset (fp32). CUDA: whole training
+   steps (forward + backward + fused AdamW, bf16) side by side: ours eager, per-part compiled
+   (`TaperModel.compile_layers`) and compiled with the step captured as one CUDA graph, the dense variant,
+   flash-linear-attention's KDA model and a Llama of matching size (SDPA); tokens/s, MFU against the bf16
+   matmul rate measured in the same run (6 x active non-embedding params + lm_head per token, plus KDA and
+   attention FLOPs), kernels per step and host syncs in forward+backward. fla's first step autotunes its
+   kernels for minutes (343 s at 1 x 8K on an H200).
 2. Decode memory vs context length: cache bytes per sequence after a prefill of T tokens and the decode
    latency per token, against a same-size standard-attention model (transformers' Llama). KDA layers'
    state is constant in T; only the MLA layers' keys/values grow.
-Prints tables and writes JSON.
+Prints tables and writes JSON. On CUDA it first runs correctness checks (Triton vs torch paths, compiled vs
+eager).
 
     python benchmarks/model.py                   # CPU: the tiny preset
     python benchmarks/model.py --device cuda     # GPU: the small preset, ours vs fla's KDA model and a Llama
+    python benchmarks/model.py --device cuda --no-decode --runs taper:graph,llama:eager --shapes 4x8192
     python benchmarks/model.py --quick           # fewer/shorter runs (smoke test)
 """
 
@@ -483,7 +489,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--checks-only", action="store_true", help="CUDA: run the correctness checks only")
     parser.add_argument("--no-checks", action="store_true", help="CUDA: skip the correctness checks")
-    parser.add_argument("--runs", default="taper:eager,taper:compiled,taper_dense:compiled,fla_kda:eager,llama:eager",
+    parser.add_argument("--runs", default="taper:eager,taper:compiled,taper:graph,taper_dense:graph,llama:eager,"
+                                          "fla_kda:eager",
                         help="CUDA: model:mode pairs (models taper, taper_dense, fla_kda, llama; modes eager, "
                              "compiled = per-part torch.compile, graph = compiled + the step as one CUDA graph; "
                              "compiled and graph for ours only)")

@@ -212,10 +212,10 @@ class JobRunner:
 
         environment_class(self._environment(), self.env_policy)  # a registered environment's own module
 
-        if self.spec.model.checkpoint:  # the checkpoint's own model class (a Llama, a Qwen, ...)
+        if self.spec.model.checkpoint_dir:  # the checkpoint's own model class (a Llama, a Qwen, ...)
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            path = Path(self.spec.model.checkpoint.removeprefix("file://"))
+            path = Path(self.spec.model.checkpoint_dir)
             with contextlib.suppress(Exception):  # a bad checkpoint is reported by the real load in `run`
                 AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
         if self.spec.resources.num_learners > 1:
@@ -265,17 +265,18 @@ class JobRunner:
 
         ms = self.spec.model
         torch.manual_seed(self.spec.seed)
-        if ms.checkpoint:
+        if ms.checkpoint_dir:  # resolved by the control plane from `model.checkpoint`
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            path = Path(ms.checkpoint.removeprefix("file://"))
+            path = Path(ms.checkpoint_dir)
             if not path.is_dir():
-                raise ValueError(f"model.checkpoint: {ms.checkpoint!r} is not a checkpoint directory")
+                raise ValueError(f"model.checkpoint: {ms.checkpoint or ms.checkpoint_dir!r} is no longer a checkpoint "
+                                 "directory")
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").exists() else load_tokenizer()
         else:
             tokenizer = load_tokenizer()
-            config = TaperConfig.preset(ms.preset, **ms.overrides)
+            config = TaperConfig.preset(ms.preset, **ms.overrides.model_dump(exclude_none=True))
             model = TaperForCausalLM(config)
         return model.float(), tokenizer
 

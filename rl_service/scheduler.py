@@ -9,7 +9,8 @@ The loop is a reconciler: every tick it compares what Redis says each job should
 and fixes the difference, so a crash at any point of placing a job is repaired on the next tick.
 
 - queued jobs are placed in queue order (priority, then arrival) while the cluster has room for them; a job
-  that does not fit now blocks lower ones (strict priority), except one that can never fit the cluster.
+  that does not fit now blocks lower ones (strict priority), except one that can never fit the cluster or
+  whose tenant already has its quota of starting and running jobs (it waits queued, `quota_wait` event).
 - starting jobs get their placement group and, once it is ready, a driver actor.
 - running jobs whose driver is gone (killed, node lost, crashed) go back to starting and get a new driver,
   which resumes from the newest checkpoint in the job's work dir; after ``max_attempts`` they fail.
@@ -46,6 +47,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, JobState
+from rl_service.quota import TenantQuota
 from rl_service.redis_hooks import RedisHooks
 from rl_service.settings import get_settings
 from rl_service.spec import JobSpec
@@ -151,11 +153,11 @@ class JobDriver:
     """Runs one job (a detached Ray actor; see Scheduler._start_driver). Threaded so ping() answers mid-run."""
 
     def __init__(self, job_id: str, redis_url: str, prefix: str, runner: str | type,
-                 heartbeat_every_s: float = 10.0) -> None:
+                 heartbeat_every_s: float = 10.0, store_caps: dict[str, int] | None = None) -> None:
         """Errors in RESTARTABLE_ERRORS (a learner rank or worker that died or hung) restart the runner, which
         resumes from its last checkpoint, up to the spec's `watchdog.max_training_restarts` times."""
         self.job_id = job_id
-        self.store = Store(redis_url, prefix=prefix)
+        self.store = Store(redis_url, prefix=prefix, **(store_caps or {}))
         self.runner = runner
         self.heartbeat_every_s = heartbeat_every_s
         self.running = False
@@ -253,8 +255,10 @@ class Scheduler:
         liveness_every_s: float = 15.0,
         heartbeat_every_s: float | None = None,
         heartbeat_timeout_s: float | None = None,
+        default_quota: TenantQuota | None = None,
     ) -> None:
-        """`heartbeat_every_s` / `heartbeat_timeout_s` default to the settings' `driver_heartbeat_*`."""
+        """`heartbeat_every_s` / `heartbeat_timeout_s` default to the settings' `driver_heartbeat_*`;
+        `default_quota` (the running-jobs quota of tenants an admin gave none) to no limit."""
         self.store = store
         self.runner = runner
         self.namespace = namespace
@@ -270,11 +274,13 @@ class Scheduler:
         if self.heartbeat_timeout_s <= self.heartbeat_every_s:
             raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_every_s "
                              f"({self.heartbeat_every_s})")
+        self.default_quota = default_quota
         self._last_liveness: dict[str, float] = {}
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned_unschedulable: set[str] = set()
+        self._warned_quota: set[str] = set()
         self._driver_started: dict[str, float] = {}
         self._pending_pg_since: dict[str, float] = {}
 
@@ -462,11 +468,17 @@ class Scheduler:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
                 ),
-            ).remote(job.id, self.store.url, self.store.prefix, self.runner, self.heartbeat_every_s)
+            ).remote(job.id, self.store.url, self.store.prefix, self.runner, self.heartbeat_every_s, self.store.caps)
         except ValueError:  # the name is still held by a driver that is going away; retry next tick
             return
         self._driver_started[job.id] = time.monotonic()
         driver.run.remote()  # fire and forget: the driver reports through Redis
+
+    def _running_room(self, tenant: str) -> int:
+        quota = self.store.get_quota(tenant) or self.default_quota
+        if quota is None:
+            return 1 << 30
+        return quota.max_running_jobs - self.store.count_active(tenant)
 
     def place(self) -> None:
         """Move queued jobs to starting while the cluster has room, in queue order."""
@@ -475,11 +487,19 @@ class Scheduler:
             return
         available = dict(ray.available_resources())
         total = dict(ray.cluster_resources())
+        room: dict[str, int] = {}  # per tenant: how many more jobs it may start now
         for job_id in queued:
             try:
                 job = self.store.get_job(job_id)
             except JobNotFound:
                 continue
+            if job.tenant not in room:
+                room[job.tenant] = self._running_room(job.tenant)
+            if room[job.tenant] <= 0:
+                if job_id not in self._warned_quota:
+                    self._warned_quota.add(job_id)
+                    self.store.add_event(job_id, "quota_wait", {"reason": "the tenant has its max_running_jobs"})
+                continue  # other tenants' jobs may go ahead: the quota, not the cluster, holds this one
             need = _total(job_bundles(job.spec))
             if not _fits(need, total):
                 if job_id not in self._warned_unschedulable:
@@ -493,6 +513,7 @@ class Scheduler:
                 self.store.transition(job_id, JobState.STARTING, expect=[JobState.QUEUED], reason="placed")
             except Exception:
                 continue  # cancelled or taken meanwhile
+            room[job.tenant] -= 1
             for k, v in need.items():
                 available[k] = available.get(k, 0.0) - v
             self._reconcile_one(self.store.get_job(job_id))

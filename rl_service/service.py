@@ -6,12 +6,15 @@ state-machine checks and the store's atomic writes all happen here or below.
 
 from __future__ import annotations
 
+import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from pydantic import BaseModel, ValidationError
 
@@ -23,8 +26,21 @@ from rl_service.job_states import (
     InvalidTransition,
     JobState,
 )
+from rl_service.quota import JobLimits, LimitExceeded, TenantQuota, check_job
 from rl_service.spec import JobSpec
-from rl_service.store import IdempotencyConflict, JobNotFound, JobRecord, RateLimitExceeded, Store
+from rl_service.store import (
+    IdempotencyConflict,
+    JobActive,
+    JobNotFound,
+    JobRecord,
+    QueueFull,
+    RateLimitExceeded,
+    ScheduleFull,
+    Store,
+    spec_digest,
+)
+
+log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
@@ -68,6 +84,10 @@ class RateLimited(ServiceError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(ServiceError):
+    status, code = 429, "quota_exceeded"
 
 
 def _model_field_names(model: type[BaseModel], out: set[str] | None = None) -> set[str]:
@@ -124,14 +144,21 @@ class Principal:
 
 class TaperService:
     def __init__(self, store: Store, data_dir: Path, submit_rate_per_minute: int = 60,
-                 auth_cache_s: float = 5.0, status_cache_s: float = 0.25, env_policy: Any = None) -> None:
+                 auth_cache_s: float = 5.0, status_cache_s: float = 0.25, env_policy: Any = None, *,
+                 limits: JobLimits | None = None, default_quota: TenantQuota | None = None,
+                 base_models: dict[str, Path] | None = None) -> None:
         """`env_policy`: the operator's EnvironmentPolicy (TaperSettings.environment_policy()); default: the
-        safe defaults (no internal HTTP targets, no extra python modules, only the built-in data)."""
+        safe defaults (no internal HTTP targets, no extra python modules, only the built-in data).
+        ``limits`` (the operator's maxima per job), ``default_quota`` (of tenants an admin gave none) and
+        ``base_models`` (name -> model directory tenants may start from) come from the settings."""
         self.store = store
         self._env_policy = env_policy
         self.data_dir = Path(data_dir)
         self.jobs_dir = (self.data_dir / "jobs").resolve()
         self.submit_rate_per_minute = submit_rate_per_minute
+        self.limits = limits or JobLimits()
+        self.default_quota = default_quota or TenantQuota()
+        self.base_models = {name: Path(path) for name, path in (base_models or {}).items()}
         self.auth_cache_s = auth_cache_s
         self._auth_cache: dict[str, tuple[float, Principal]] = {}
         self._auth_lock = threading.Lock()
@@ -149,11 +176,14 @@ class TaperService:
     def _remember(self, key: str, info: dict[str, Any] | None) -> Principal:
         if info is None:
             raise Unauthorized("invalid API key", field="Authorization")
+        left_s = float("inf") if info["expires_at"] is None else info["expires_at"] - time.time()
+        if left_s <= 0:
+            raise Unauthorized("API key expired", field="Authorization")
         principal = Principal(tenant=info["tenant"], admin=info["admin"], key_name=info["name"])
         with self._auth_lock:
             if len(self._auth_cache) > 10_000:
                 self._auth_cache.clear()
-            self._auth_cache[key] = (time.monotonic() + self.auth_cache_s, principal)
+            self._auth_cache[key] = (time.monotonic() + min(self.auth_cache_s, left_s), principal)
         return principal
 
     def authenticate(self, key: str | None) -> Principal:
@@ -163,9 +193,67 @@ class TaperService:
     async def aauthenticate(self, key: str | None) -> Principal:
         return self._cached_principal(key) or self._remember(key, await self.store.alookup_api_key(key))
 
-    def create_api_key(self, tenant: str, name: str = "", admin: bool = False) -> str:
+    def create_api_key(self, tenant: str, name: str = "", admin: bool = False,
+                       expires_at: float | None = None) -> str:
         validate_tenant(tenant)
-        return self.store.create_api_key(tenant, name=name, admin=admin)
+        return self.store.create_api_key(tenant, name=name, admin=admin, expires_at=expires_at)
+
+    # ---- API keys (admin) ----
+    def admin_create_key(self, p: Principal, tenant: str, name: str = "", admin: bool = False,
+                         expires_in_s: float | None = None) -> tuple[str, dict[str, Any]]:
+        """A new key (shown once) and its record."""
+        self.require_admin(p)
+        expires_at = None if expires_in_s is None else time.time() + expires_in_s
+        key = self.create_api_key(tenant, name=name, admin=admin, expires_at=expires_at)
+        info = self.store.lookup_api_key(key)
+        assert info is not None
+        return key, info
+
+    def admin_list_keys(self, p: Principal, tenant: str | None = None) -> list[dict[str, Any]]:
+        self.require_admin(p)
+        return self.store.list_api_keys(tenant)
+
+    def admin_revoke_key(self, p: Principal, key_id: str) -> dict[str, Any]:
+        self.require_admin(p)
+        info = self.store.revoke_api_key_id(key_id)
+        if info is None:
+            raise NotFound(f"API key {key_id!r} not found", field="key_id")
+        with self._auth_lock:  # keys are cached by their secret, which is not stored: drop them all
+            self._auth_cache.clear()
+        return info
+
+    @staticmethod
+    def require_admin(p: Principal) -> None:
+        if not p.admin:
+            raise Forbidden("this needs an admin API key", field="Authorization")
+
+    # ---- tenant quotas (admin) ----
+    def quota_of(self, tenant: str) -> TenantQuota:
+        """The quota in force for ``tenant``: the one an admin set, else the operator's default."""
+        return self.store.get_quota(tenant) or self.default_quota
+
+    def get_quota(self, p: Principal, tenant: str) -> tuple[TenantQuota, bool]:
+        """(the tenant's quota, whether an admin set it rather than it being the default)."""
+        self.require_admin(p)
+        validate_tenant(tenant)
+        own = self.store.get_quota(tenant)
+        return own or self.default_quota, own is not None
+
+    def set_quota(self, p: Principal, tenant: str, body: Any) -> TenantQuota:
+        self.require_admin(p)
+        validate_tenant(tenant)
+        try:
+            quota = body if isinstance(body, TenantQuota) else TenantQuota.model_validate(body)
+        except ValidationError as exc:
+            raise invalid_from(exc) from None
+        self.store.set_quota(tenant, quota)
+        return quota
+
+    def reset_quota(self, p: Principal, tenant: str) -> None:
+        """Drop the tenant's own quota: the operator's default applies again."""
+        self.require_admin(p)
+        validate_tenant(tenant)
+        self.store.delete_quota(tenant)
 
     # ---- jobs ----
     def _job(self, p: Principal, job_id: str) -> JobRecord:
@@ -180,19 +268,66 @@ class TaperService:
         if spec.environment.registration is not None:
             raise InvalidInput("set by the service from the tenant's registered environments; name one instead",
                                field="environment.registration")
+        if spec.model.checkpoint_dir is not None:
+            raise InvalidInput("set by the service from model.checkpoint; name a checkpoint there instead",
+                               field="model.checkpoint_dir")
+        # a retry is the same request even when what the service resolves below changed in between
+        request_digest = spec_digest(spec)
+        quota = self.quota_of(p.tenant)
+        try:
+            check_job(spec, self.limits, quota)
+        except LimitExceeded as exc:
+            raise InvalidInput(str(exc), field=exc.field) from None
         registration = self._resolve_environment(p, spec.environment.name)
         self._check_job_environment(spec, registration)
         if registration is not None:
             # the job carries its registration, so its driver never reads the (tenant's, mutable) registry
             spec = spec.model_copy(update={
                 "environment": spec.environment.model_copy(update={"registration": registration})})
+        if spec.model.checkpoint is not None:
+            checkpoint_dir = self._resolve_checkpoint(p, spec.model.checkpoint)
+            spec = spec.model_copy(update={"model": spec.model.model_copy(update={"checkpoint_dir": checkpoint_dir})})
         try:
             return self.store.submit_job(p.tenant, spec, str(self.jobs_dir), idempotency_key,
-                                         rate_per_minute=self.submit_rate_per_minute)
+                                         rate_per_minute=self.submit_rate_per_minute,
+                                         max_queued=quota.max_queued_jobs, request_digest=request_digest)
         except IdempotencyConflict as exc:
             raise Conflict(str(exc), field="Idempotency-Key") from None
         except RateLimitExceeded as exc:
             raise RateLimited(str(exc), retry_after_s=60 - int(time.time()) % 60) from None
+        except QueueFull as exc:
+            raise QuotaExceeded(f"{exc}; wait for some to start or finish", field="max_queued_jobs") from None
+
+    def _resolve_checkpoint(self, p: Principal, ref: str) -> str:
+        """The directory of a checkpoint reference (rl_service.spec.CHECKPOINT_REF): a base model the operator
+        registered, or a checkpoint the store lists for one of the tenant's own jobs that lies in that job's
+        work dir. Never a path the tenant wrote."""
+        field = "model.checkpoint"
+        if ref.startswith("base:"):
+            name = ref.removeprefix("base:")
+            path = self.base_models.get(name)
+            if path is None:
+                offered = ", ".join(sorted(self.base_models)) or "none"
+                raise InvalidInput(f"{field}: no base model {name!r} (the operator offers: {offered})", field=field)
+            if not path.is_dir():
+                raise InvalidInput(f"{field}: base model {name!r} is not available now", field=field)
+            return str(path.resolve())
+        job_id, _, step = ref.partition(":")
+        try:
+            source = self.store.get_job(job_id, tenant=p.tenant)
+        except JobNotFound:
+            raise InvalidInput(f"{field}: job {job_id!r} not found", field=field) from None
+        work_dir = Path(source.work_dir).resolve()
+        found = [c for c in self.store.checkpoints(job_id) if not step or c["step"] == int(step)]
+        for c in sorted(found, key=lambda c: c["step"], reverse=True):
+            uri = urlparse(c["uri"])
+            if uri.scheme not in ("", "file"):
+                continue
+            path = Path(unquote(uri.path)).resolve()
+            if path.is_relative_to(work_dir) and path.is_dir():
+                return str(path)
+        which = f"a checkpoint of step {step}" if step else "a checkpoint"
+        raise InvalidInput(f"{field}: job {job_id!r} has no {which} (see its /checkpoints)", field=field)
 
     def list_jobs(self, p: Principal, state: JobState | None, offset: int, limit: int) -> tuple[list[JobRecord], int]:
         return self.store.list_jobs(p.tenant, state, offset, limit)
@@ -282,6 +417,30 @@ class TaperService:
 
         return self._control(p, job_id, act)
 
+    def delete_job(self, p: Principal, job_id: str, keep_checkpoints: bool = False) -> None:
+        """Delete a finished job: its records in Redis, then its files (all of its work dir, or all but
+        ``checkpoints/`` with ``keep_checkpoints``). 409 while it is not finished."""
+        try:
+            job = self.store.delete_job(job_id, p.tenant)
+        except JobNotFound:
+            raise job_not_found(job_id) from None
+        except JobActive as exc:
+            raise Conflict(f"job is {exc.state}; cancel it and wait for it to end first", field="state") from None
+        finally:
+            self._changed(job_id)
+        work_dir = Path(job.work_dir).resolve()
+        if not work_dir.is_relative_to(self.jobs_dir) or work_dir == self.jobs_dir:
+            log.warning("job %s: work dir %s is outside %s; its files are left alone", job_id, work_dir, self.jobs_dir)
+            return
+        if not work_dir.is_dir():
+            return
+        doomed = [c for c in work_dir.iterdir() if c.name != "checkpoints"] if keep_checkpoints else [work_dir]
+        for path in doomed:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
     def events(self, p: Principal, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         self._job(p, job_id)
         return self.store.events(job_id, after=after, limit=limit)
@@ -323,6 +482,8 @@ class TaperService:
             raise job_not_found(job_id) from None
         except InvalidTransition as exc:
             raise Conflict(f"job is already {exc.current.value}; its schedule is final", field="state") from None
+        except ScheduleFull as exc:
+            raise Conflict(str(exc), field="schedule_version") from None
         except ValidationError as exc:
             raise invalid_from(exc) from None
         except (ValueError, TypeError) as exc:
@@ -445,9 +606,11 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     data_dir = Path(settings.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.redis_url or ensure_embedded_redis(data_dir, binary=settings.redis_server_bin).client_url
-    store = Store(url)
+    store = Store(url, events_maxlen=settings.events_maxlen, metrics_maxlen=settings.metrics_maxlen,
+                  schedule_max_versions=settings.schedule_max_versions)
     service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute,
-                           env_policy=settings.environment_policy())
+                           env_policy=settings.environment_policy(), limits=settings.limits,
+                           default_quota=settings.default_quota, base_models=settings.base_models)
     service.builtin_environments()  # import the environment registry now, not in the first submission
     if not store.has_api_keys():
         key_file = data_dir / "api-key"
@@ -456,6 +619,6 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     scheduler = None
     if run_scheduler:
         ensure_service_ray(settings.ray_address, data_dir, num_cpus=settings.local_cpus)
-        scheduler = Scheduler(store, runner=runner or settings.job_runner)
+        scheduler = Scheduler(store, runner=runner or settings.job_runner, default_quota=settings.default_quota)
         scheduler.start()
     return ServiceRuntime(service=service, scheduler=scheduler)

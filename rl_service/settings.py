@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from rl_service.quota import JobLimits, TenantQuota
+
 if TYPE_CHECKING:
     from rollout_workers.environments.policy import EnvironmentPolicy
 
@@ -22,7 +24,7 @@ ListSetting = Annotated[tuple[str, ...], NoDecode]
 
 
 class TaperSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TAPER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="TAPER_", env_nested_delimiter="__", extra="ignore")
 
     redis_url: str | None = Field(
         None, description="Redis to use. Unset: the service starts a private redis-server under data_dir."
@@ -53,6 +55,32 @@ class TaperSettings(BaseSettings):
                     "last checkpoint. Must exceed driver_heartbeat_every_s and the longest single call a job makes "
                     "without progress (engine start, one weight push, one checkpoint write).",
     )
+    limits: JobLimits = Field(
+        default_factory=JobLimits,
+        description="The operator's maxima for every job (TAPER_LIMITS__LEARNER_CPUS=8, ..., or TAPER_LIMITS as JSON).")
+    default_quota: TenantQuota = Field(
+        default_factory=TenantQuota,
+        description="The quota of a tenant an admin gave none (TAPER_DEFAULT_QUOTA__MAX_RUNNING_JOBS=2, ...).")
+    base_models: dict[str, Path] = Field(
+        default_factory=dict,
+        description="Model directories tenants may start from as `model.checkpoint: base:NAME` "
+                    '(JSON: {"NAME": "/models/dir"}).')
+    events_maxlen: int = Field(10_000, ge=100, description="Events kept per job (older ones are trimmed).")
+    metrics_maxlen: int = Field(100_000, ge=100, description="Metric rows kept per job (older ones are trimmed).")
+    schedule_max_versions: int = Field(
+        1_000, ge=1, description="Reward-schedule versions per job; a patch beyond is refused.")
+
+    @field_validator("base_models")
+    @classmethod
+    def _base_model_names(cls, v: dict[str, Path]) -> dict[str, Path]:
+        import re
+
+        from rl_service.spec import BASE_MODEL_NAME
+
+        for name in v:
+            if not re.fullmatch(BASE_MODEL_NAME, name):
+                raise ValueError(f"base model name {name!r}: use 1-64 of A-Z, a-z, 0-9, '_', '.', '-'")
+        return v
 
     # ---- what tenants' environments may do (DESIGN.md section 10); the defaults are the safe ones
     http_allow: ListSetting = Field(
@@ -159,6 +187,7 @@ def load_settings() -> TaperSettings:
                 continue
             field = str(err["loc"][0])
             name = _variable_name(field) if field in TaperSettings.model_fields else field
+            name += "".join(f"__{part}".upper() for part in err["loc"][1:])  # a nested one: TAPER_LIMITS__X
             problems.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
         raise SettingsError("invalid setting: " + "; ".join(problems)) from None
 

@@ -5,9 +5,9 @@ Field names follow TRL's GRPOConfig where the meaning is the same.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from reward_models.monitor import HackingMonitorConfig
 from reward_models.schedule import RewardSchedule
@@ -17,10 +17,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+BASE_MODEL_NAME = r"[A-Za-z0-9_.-]{1,64}"
+# `JOB_ID` (its newest checkpoint), `JOB_ID:STEP`, or `base:NAME` (a base model the operator registered).
+CHECKPOINT_REF = rf"^(job-[0-9a-f]{{16}}(:[0-9]{{1,9}})?|base:{BASE_MODEL_NAME})$"
+
+
+class ModelOverrides(_Strict):
+    """The TaperConfig fields a tenant may change: architecture sizes (the operator caps some further)."""
+
+    hidden_size: int | None = Field(None, ge=16, le=16384)
+    num_hidden_layers: int | None = Field(None, ge=1, le=256)
+    intermediate_size: int | None = Field(None, ge=1, le=65536, description="Dense MLP width.")
+    kda_num_heads: int | None = Field(None, ge=1, le=256)
+    num_attention_heads: int | None = Field(None, ge=1, le=256, description="MLA heads.")
+    n_routed_experts: int | None = Field(None, ge=1, le=1024)
+    num_experts_per_tok: int | None = Field(None, ge=1, le=64)
+    moe_intermediate_size: int | None = Field(None, ge=1, le=65536)
+
+
 class ModelSpec(_Strict):
     preset: Literal["tiny", "small", "large"] = "tiny"
-    checkpoint: str | None = Field(None, description="Checkpoint directory or URI to start from (overrides preset weights).")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="TaperConfig field overrides.")
+    checkpoint: str | None = Field(
+        None, pattern=CHECKPOINT_REF,
+        description="Start from a checkpoint of one of your jobs (`JOB_ID` for its newest, `JOB_ID:STEP`) or from a "
+                    "base model the operator registered (`base:NAME`), instead of the preset's fresh weights.")
+    checkpoint_dir: str | None = Field(
+        None, description="Set by the service: the directory `checkpoint` resolved to at submit time.")
+    overrides: ModelOverrides = Field(default_factory=ModelOverrides, description="Preset field overrides.")
 
 
 class EnvironmentSpec(_Strict):
@@ -112,19 +135,21 @@ class WatchdogSpec(_Strict):
 
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+CustomResources = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[float, Field(le=1e6)]], Field(max_length=16)]
 
 
 class ResourcesSpec(_Strict):
-    rollout_cpus: float = Field(1.0, gt=0.0, description="CPUs per rollout worker.")
-    rollout_gpus: float = Field(0.0, ge=0.0)
-    learner_cpus: float = Field(1.0, gt=0.0)
-    learner_gpus: int = Field(0, ge=0, le=1024)
+    rollout_cpus: float = Field(1.0, gt=0.0, le=1024.0, description="CPUs per rollout worker.")
+    rollout_gpus: float = Field(0.0, ge=0.0, le=64.0)
+    learner_cpus: float = Field(1.0, gt=0.0, le=1024.0)
+    learner_gpus: int = Field(0, ge=0, le=64)
     num_learners: int = Field(1, ge=1, le=1024, description="Data-parallel learner ranks.")
-    rollout_custom: dict[str, float] = Field(
+    rollout_custom: CustomResources = Field(
         default_factory=dict, description="Custom Ray resources each rollout worker needs, e.g. {'rollout': 1}.")
-    learner_custom: dict[str, float] = Field(
+    learner_custom: CustomResources = Field(
         default_factory=dict, description="Custom Ray resources each learner rank needs, e.g. {'learner': 1}.")
-    custom: dict[str, float] = Field(
+    custom: CustomResources = Field(
         default_factory=dict, description="Older name of rollout_custom (merged into it; rollout_custom wins).")
 
     @model_validator(mode="after")
@@ -168,7 +193,7 @@ class JobSpec(_Strict):
     checkpoint_every: int = Field(10, ge=1)
     keep_last_checkpoints: int = Field(3, ge=1, le=1000)
     seed: int = 0
-    priority: int = Field(0, ge=-100, le=100)
+    priority: int = Field(0, ge=-100, le=100, description="Higher runs first; at most the tenant's max_priority.")
 
     @property
     def rollout_chunk_deadline_s(self) -> float:

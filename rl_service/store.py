@@ -16,7 +16,9 @@ Key layout (the one place it is written down; ``P`` is the key prefix, ``taper``
     P:seq                        STRING  arrival counter (FIFO order within one priority)
     P:idem:{t}:{key}             STRING  "{job id} {sha256 of the canonical spec}" for Idempotency-Key (24 h TTL)
     P:tenant:{t}:envs            HASH    environment name -> registration (JSON)
-    P:apikey:{sha256}            HASH    tenant, name, admin, created_at (the key itself is never stored)
+    P:tenant:{t}:quota           STRING  the tenant's TenantQuota (JSON); absent: the operator's default
+    P:apikey:{sha256}            HASH    tenant, name, admin, created_at, expires_at (the key itself is never
+                                         stored; its id is the digest's first 16 hex digits)
     P:tenant:{t}:apikeys         SET     sha256 digests of the tenant's keys
     P:rate:{t}:{minute}          STRING  jobs the tenant created in that minute (expires)
     P:scheduler:lock             STRING  the token of the process that runs the scheduler loop
@@ -26,6 +28,8 @@ Writes that belong together (a job with its indexes, queue entry, schedule and f
 change with its index moves and event) run in one Lua script or MULTI/EXEC, so a reader never sees half
 of them. State changes are compare-and-set against the sources that rl_service.job_states allows.
 All keys of one deployment live in one Redis (no cluster slot constraints are honoured).
+Events and metrics streams are trimmed to the newest ``events_maxlen`` / ``metrics_maxlen`` entries
+(XADD MAXLEN ~), and a job's schedule history holds at most ``schedule_max_versions`` versions.
 """
 
 from __future__ import annotations
@@ -54,11 +58,14 @@ from rl_service.job_states import (
     JobState,
     sources_of,
 )
+from rl_service.quota import TenantQuota
 from rl_service.spec import JobSpec
 
 EVENTS_MAXLEN = 10_000
 METRICS_MAXLEN = 100_000
+SCHEDULE_MAX_VERSIONS = 1_000
 IDEMPOTENCY_TTL_S = 24 * 3600
+KEY_ID_LEN = 16
 
 
 class JobNotFound(KeyError):
@@ -76,6 +83,22 @@ class RateLimitExceeded(Exception):
 
 class IdempotencyConflict(ValueError):
     """The Idempotency-Key was used before with a different request body."""
+
+
+class QueueFull(Exception):
+    """The tenant has its quota of queued jobs."""
+
+
+class JobActive(Exception):
+    """The job is not finished (it cannot be deleted yet)."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__(state)
+        self.state = state
+
+
+class ScheduleFull(ValueError):
+    """The job's schedule has its maximum number of versions."""
 
 
 class JobRecord(BaseModel):
@@ -139,6 +162,9 @@ if redis.call('EXISTS', job) == 1 then return {'duplicate', id} end
 local rate_key, rate_limit = ARGV[14], tonumber(ARGV[15])
 if rate_key ~= '' and tonumber(redis.call('GET', rate_key) or '0') >= rate_limit then
   return {'rate_limited', ''}
+end
+if ARGV[8] ~= '' and redis.call('ZCARD', p .. ':tenant:' .. tenant .. ':state:queued') >= tonumber(ARGV[8]) then
+  return {'queue_full', ''}
 end
 local seq = redis.call('INCR', p .. ':seq')
 redis.call('HSET', job, unpack(ARGV, 17))
@@ -206,6 +232,32 @@ end
 return {'ok', cur}
 """
 
+# Deletes a finished job: its record, indexes, streams, schedule, checkpoint list and Idempotency-Key.
+# It stays in P:placed (if there) so the scheduler's cleanup still frees whatever Ray holds for it.
+_DELETE = """
+local p, id, tenant = ARGV[1], ARGV[2], ARGV[3]
+local job = p .. ':job:' .. id
+local state = redis.call('HGET', job, 'state')
+if not state or redis.call('HGET', job, 'tenant') ~= tenant then return {'missing', ''} end
+local terminal = false
+for s in string.gmatch(ARGV[4], '[^,]+') do if s == state then terminal = true end end
+if not terminal then return {'active', state} end
+local idem = redis.call('HGET', job, 'idempotency_key')
+if idem then
+  local idem_key = p .. ':idem:' .. tenant .. ':' .. idem
+  local prev = redis.call('GET', idem_key)
+  if prev and string.sub(prev, 1, #id + 1) == id .. ' ' then redis.call('DEL', idem_key) end
+end
+redis.call('DEL', job, job .. ':events', job .. ':metrics', job .. ':schedule', job .. ':checkpoints',
+           job .. ':heartbeat')
+redis.call('ZREM', p .. ':jobs', id)
+redis.call('ZREM', p .. ':state:' .. state, id)
+redis.call('ZREM', p .. ':tenant:' .. tenant .. ':jobs', id)
+redis.call('ZREM', p .. ':tenant:' .. tenant .. ':state:' .. state, id)
+redis.call('ZREM', p .. ':queue', id)
+return {'deleted', state}
+"""
+
 _RENEW_LOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
@@ -215,9 +267,13 @@ return 0
 class Store:
     """All Redis reads and writes of the control plane (sync client; thread-safe via its pool)."""
 
-    def __init__(self, url: str, prefix: str = "taper") -> None:
+    def __init__(self, url: str, prefix: str = "taper", *, events_maxlen: int = EVENTS_MAXLEN,
+                 metrics_maxlen: int = METRICS_MAXLEN, schedule_max_versions: int = SCHEDULE_MAX_VERSIONS) -> None:
         self.url = url
         self.prefix = prefix
+        self.events_maxlen = events_maxlen
+        self.metrics_maxlen = metrics_maxlen
+        self.schedule_max_versions = schedule_max_versions
         # Transient connection errors (a Redis restart, a dropped socket) are retried with backoff, so a
         # job driver rides out a short Redis outage instead of failing its job.
         retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8)
@@ -226,7 +282,14 @@ class Store:
         self._submit = self.r.register_script(_SUBMIT)
         self._update = self.r.register_script(_UPDATE)
         self._renew = self.r.register_script(_RENEW_LOCK)
+        self._delete = self.r.register_script(_DELETE)
         self._async: redis.asyncio.Redis | None = None  # for the API's hottest reads (no thread hop)
+
+    @property
+    def caps(self) -> dict[str, int]:
+        """The stream and history caps, for another Store of the same deployment (a job driver's)."""
+        return {"events_maxlen": self.events_maxlen, "metrics_maxlen": self.metrics_maxlen,
+                "schedule_max_versions": self.schedule_max_versions}
 
     @property
     def ar(self) -> redis.asyncio.Redis:
@@ -284,6 +347,9 @@ class Store:
     def k_envs(self, tenant: str) -> str:
         return f"{self.prefix}:tenant:{tenant}:envs"
 
+    def k_quota(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{tenant}:quota"
+
     def k_apikey(self, digest: str) -> str:
         return f"{self.prefix}:apikey:{digest}"
 
@@ -310,12 +376,16 @@ class Store:
         work_root: str,
         idempotency_key: str | None = None,
         rate_per_minute: int | None = None,
+        max_queued: int | None = None,
+        request_digest: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Create a queued job; returns (job, created). A repeated Idempotency-Key returns the first job
-        (and does not count against ``rate_per_minute``, the tenant's submissions per minute; RateLimited)."""
+        (and does not count against ``rate_per_minute``, the tenant's submissions per minute: RateLimitExceeded,
+        nor against ``max_queued``, the tenant's queued jobs: QueueFull) if its request is the same:
+        ``request_digest``, by default the digest of ``spec``."""
         job_id = "job-" + uuid.uuid4().hex[:16]
         now = time.time()
-        digest = spec_digest(spec)
+        digest = request_digest or spec_digest(spec)
         history = ScheduleHistory.start(spec.reward_schedule)
         fields = {
             "id": job_id,
@@ -346,11 +416,11 @@ class Store:
                 digest,
                 int(now * 1000),
                 spec.priority,
-                "",
+                "" if max_queued is None else max_queued,
                 history.to_json(),
                 dumps({"name": spec.name, "priority": spec.priority}),
                 repr(now),
-                EVENTS_MAXLEN,
+                self.events_maxlen,
                 IDEMPOTENCY_TTL_S,
                 self.k_rate(tenant, int(now // 60)) if rate_per_minute else "",
                 rate_per_minute or 0,
@@ -361,6 +431,8 @@ class Store:
         status, value = res[0], res[1]
         if status == "rate_limited":
             raise RateLimitExceeded(f"more than {rate_per_minute} submissions per minute")
+        if status == "queue_full":
+            raise QueueFull(f"the tenant has {max_queued} queued jobs, its max_queued_jobs quota")
         if status == "existing":
             prev_id, prev_digest = value.split(" ", 1)
             if prev_digest != digest:
@@ -480,7 +552,7 @@ class Store:
                 "",
                 event or "",
                 dumps(event_data or {}),
-                EVENTS_MAXLEN,
+                self.events_maxlen,
                 *[x for kv in str_fields.items() for x in kv],
             ],
         )
@@ -513,6 +585,19 @@ class Store:
             job_id, allowed=allowed, target=target, fields=fields, event="state", event_data=payload
         )
 
+    def delete_job(self, job_id: str, tenant: str) -> JobRecord:
+        """Delete a finished job of ``tenant`` from Redis in one step (record, indexes, events, metrics, schedule,
+        checkpoint list); returns the record as it was. JobNotFound, or JobActive if it is not finished. Its
+        files are the caller's to remove."""
+        job = self.get_job(job_id, tenant=tenant)
+        terminal = ",".join(s.value for s in JobState if s.is_terminal)
+        status, state = self._delete(keys=[], args=[self.prefix, job_id, tenant, terminal])
+        if status == "missing":
+            raise JobNotFound(job_id)
+        if status == "active":
+            raise JobActive(state)
+        return job
+
     # ---- events and metrics ----
     def _write_for_job(self, job_id: str, write: Callable[[Pipeline], None]) -> list[Any]:
         """Run `write`'s commands in one MULTI/EXEC only while the job record exists (WATCHed), so a write
@@ -529,7 +614,7 @@ class Store:
     def add_event(self, job_id: str, kind: str, data: dict[str, Any]) -> str:
         def write(pipe: Pipeline) -> None:
             pipe.xadd(self.k_events(job_id), {"kind": kind, "data": dumps(data), "ts": repr(time.time())},
-                      maxlen=EVENTS_MAXLEN, approximate=True)
+                      maxlen=self.events_maxlen, approximate=True)
 
         return self._write_for_job(job_id, write)[0]
 
@@ -551,7 +636,7 @@ class Store:
 
         def write(pipe: Pipeline) -> None:
             pipe.xadd(self.k_metrics(job_id), {"step": str(step), "data": payload, "ts": repr(time.time())},
-                      maxlen=METRICS_MAXLEN, approximate=True)
+                      maxlen=self.metrics_maxlen, approximate=True)
             pipe.hset(self.k_job(job_id), mapping={"step": str(step), "last_metrics": payload})
 
         self._write_for_job(job_id, write)
@@ -573,7 +658,7 @@ class Store:
             pipe.zadd(self.k_checkpoints(job_id), {member: step})
             pipe.hset(self.k_job(job_id), mapping={"last_checkpoint": uri, "updated_at": repr(now)})
             pipe.xadd(self.k_events(job_id), {"kind": "checkpoint", "data": dumps({"step": step, "uri": uri}),
-                                              "ts": repr(now)}, maxlen=EVENTS_MAXLEN, approximate=True)
+                                              "ts": repr(now)}, maxlen=self.events_maxlen, approximate=True)
 
         self._write_for_job(job_id, write)
 
@@ -595,7 +680,8 @@ class Store:
         """Apply ``patch`` as a new schedule version effective from the job's next step, atomically with
         the job's ``schedule_version`` and a ``schedule_patched`` event (optimistic WATCH/MULTI).
 
-        Raises pydantic.ValidationError / ValueError for a bad patch, InvalidTransition for a finished job."""
+        Raises pydantic.ValidationError / ValueError for a bad patch, InvalidTransition for a finished job,
+        ScheduleFull when the history has ``schedule_max_versions`` versions."""
         job_key, sched_key = self.k_job(job_id), self.k_schedule(job_id)
         with self.r.pipeline(transaction=True) as pipe:
             while True:
@@ -608,6 +694,9 @@ class Store:
                     if JobState(state).is_terminal:
                         raise InvalidTransition(state, state)
                     history = ScheduleHistory.from_json(raw)
+                    if len(history.versions) >= self.schedule_max_versions:
+                        raise ScheduleFull(f"the schedule has {len(history.versions)} versions, the most a job "
+                                           "may have")
                     # The runner is working on step `step`; the patch applies from the step after it.
                     new = history.apply_patch(patch, at_step=int(step or 0))
                     now = time.time()
@@ -628,13 +717,32 @@ class Store:
                             ),
                             "ts": repr(now),
                         },
-                        maxlen=EVENTS_MAXLEN,
+                        maxlen=self.events_maxlen,
                         approximate=True,
                     )
                     pipe.execute()
                     return new
                 except redis.WatchError:
                     continue
+
+    # ---- tenant quotas ----
+    def get_quota(self, tenant: str) -> TenantQuota | None:
+        """The quota an admin set for ``tenant``; None when it has none (the operator's default applies)."""
+        raw = self.r.get(self.k_quota(tenant))
+        return TenantQuota.model_validate_json(raw) if raw else None
+
+    def set_quota(self, tenant: str, quota: TenantQuota) -> None:
+        self.r.set(self.k_quota(tenant), quota.model_dump_json())
+
+    def delete_quota(self, tenant: str) -> bool:
+        return bool(self.r.delete(self.k_quota(tenant)))
+
+    def count_active(self, tenant: str) -> int:
+        """The tenant's jobs that hold (or are being given) resources: starting or running."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.zcard(self.k_state(JobState.STARTING, tenant))
+            pipe.zcard(self.k_state(JobState.RUNNING, tenant))
+            return sum(int(n) for n in pipe.execute())
 
     # ---- environments (per tenant) ----
     def put_environment(self, tenant: str, name: str, registration: dict[str, Any]) -> bool:
@@ -652,33 +760,70 @@ class Store:
         return bool(self.r.hdel(self.k_envs(tenant), name))
 
     # ---- API keys ----
-    def create_api_key(self, tenant: str, name: str = "", admin: bool = False) -> str:
-        """A new bearer key for ``tenant``; only its SHA-256 is stored, so this is the one chance to see it."""
+    def create_api_key(self, tenant: str, name: str = "", admin: bool = False,
+                       expires_at: float | None = None) -> str:
+        """A new bearer key for ``tenant`` (valid until the Unix time ``expires_at``, if given); only its SHA-256
+        is stored, so this is the one chance to see it."""
         key = "tpr_" + secrets.token_urlsafe(32)
         digest = hash_api_key(key)
+        record = {"tenant": tenant, "name": name, "admin": "1" if admin else "0", "created_at": repr(time.time())}
+        if expires_at is not None:
+            record["expires_at"] = repr(expires_at)
         with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                self.k_apikey(digest),
-                mapping={"tenant": tenant, "name": name, "admin": "1" if admin else "0", "created_at": repr(time.time())},
-            )
+            pipe.hset(self.k_apikey(digest), mapping=record)
             pipe.sadd(self.k_tenant_keys(tenant), digest)
             pipe.execute()
         return key
 
+    @staticmethod
+    def _key_info(digest: str, raw: dict[str, str]) -> dict[str, Any]:
+        return {"id": digest[:KEY_ID_LEN], "tenant": raw["tenant"], "name": raw.get("name", ""),
+                "admin": raw.get("admin") == "1", "created_at": float(raw.get("created_at") or 0),
+                "expires_at": float(raw["expires_at"]) if raw.get("expires_at") else None}
+
     def lookup_api_key(self, key: str) -> dict[str, Any] | None:
-        raw = self.r.hgetall(self.k_apikey(hash_api_key(key)))
-        if not raw:
-            return None
-        return {"tenant": raw["tenant"], "name": raw.get("name", ""), "admin": raw.get("admin") == "1"}
+        """The key's record (id, tenant, name, admin, created_at, expires_at), None for an unknown key. Whether it
+        has expired is the caller's to judge (the service answers 401)."""
+        digest = hash_api_key(key)
+        raw = self.r.hgetall(self.k_apikey(digest))
+        return self._key_info(digest, raw) if raw else None
 
     async def alookup_api_key(self, key: str) -> dict[str, Any] | None:
-        raw = await self.ar.hgetall(self.k_apikey(hash_api_key(key)))
-        if not raw:
-            return None
-        return {"tenant": raw["tenant"], "name": raw.get("name", ""), "admin": raw.get("admin") == "1"}
+        digest = hash_api_key(key)
+        raw = await self.ar.hgetall(self.k_apikey(digest))
+        return self._key_info(digest, raw) if raw else None
+
+    def list_api_keys(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """The records of every key (of ``tenant``), oldest first."""
+        if tenant is not None:
+            digests = sorted(self.r.smembers(self.k_tenant_keys(tenant)))
+        else:
+            head = f"{self.prefix}:apikey:"
+            digests = sorted(k.removeprefix(head) for k in self.r.scan_iter(match=head + "*", count=1000))
+        with self.r.pipeline(transaction=False) as pipe:
+            for digest in digests:
+                pipe.hgetall(self.k_apikey(digest))
+            raws = pipe.execute()
+        keys = [self._key_info(d, raw) for d, raw in zip(digests, raws, strict=True) if raw]
+        return sorted(keys, key=lambda k: k["created_at"])
 
     def revoke_api_key(self, key: str) -> bool:
-        digest = hash_api_key(key)
+        return self._revoke_digest(hash_api_key(key))
+
+    def revoke_api_key_id(self, key_id: str) -> dict[str, Any] | None:
+        """Revoke the key whose id (see list_api_keys) is ``key_id``; returns its record, None if there is none."""
+        if len(key_id) != KEY_ID_LEN or not all(c in "0123456789abcdef" for c in key_id):
+            return None
+        matches = list(self.r.scan_iter(match=self.k_apikey(key_id) + "*", count=1000))
+        if len(matches) != 1:
+            return None
+        digest = matches[0].rsplit(":", 1)[1]
+        raw = self.r.hgetall(matches[0])
+        if not raw or not self._revoke_digest(digest):
+            return None
+        return self._key_info(digest, raw)
+
+    def _revoke_digest(self, digest: str) -> bool:
         tenant = self.r.hget(self.k_apikey(digest), "tenant")
         if tenant is None:
             return False

@@ -66,6 +66,17 @@ async def get_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
     return JobOut.of(await svc.aget_job(who, job_id))
 
 
+@router.delete("/{job_id}", status_code=204, response_class=Response,
+               summary="Delete a finished job with its records and files",
+               responses={409: {"description": "The job has not finished"}})
+def delete_job(
+    job_id: JobId, svc: Svc, who: Who,
+    keep_checkpoints: Annotated[bool, Query(description="Keep the checkpoint files (records go either way).")] = False,
+) -> Response:
+    svc.delete_job(who, job_id, keep_checkpoints=keep_checkpoints)
+    return Response(status_code=204)
+
+
 @router.post("/{job_id}/{action}", response_model=JobOut, summary="Cancel, pause or resume a job")
 def control_job(job_id: JobId, action: Literal["cancel", "pause", "resume"], svc: Svc, who: Who) -> JobOut:
     do = {"cancel": svc.cancel, "pause": svc.pause, "resume": svc.resume}[action]

@@ -152,7 +152,7 @@ async def decode_tokens(job_id: JobId, svc: Svc, who: Who, body: TokenIds) -> di
     def compute() -> dict[str, dict[str, str]]:
         job = svc.get_job(who, job_id)
         try:
-            pieces = token_pieces(body.ids, job.spec.model.checkpoint)
+            pieces = token_pieces(body.ids, job.spec.model.checkpoint_dir)
         except ValueError as exc:
             raise InvalidInput(str(exc), field="ids") from None
         return {"pieces": {str(k): v for k, v in pieces.items()}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,58 @@ def test_unreachable_api_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         get_settings.cache_clear()
     assert result.exit_code == 2 and "cannot reach the Taper API" in result.output
+
+
+def test_keys_list_revoke_and_expiry(live: Store) -> None:
+    out = run("keys", "create", "--tenant", "newco", "--name", "ci", "--expires-in", "30d")
+    key = out.strip().splitlines()[-1]
+    assert "valid until" in out and live.lookup_api_key(key)["expires_at"] > time.time() + 29 * 86400
+    admin = run("keys", "create", "--tenant", "ops", "--admin").strip().splitlines()[-1]
+    assert live.lookup_api_key(admin)["admin"] is True
+    listing = run("keys", "list")
+    assert "newco" in listing and "ops" in listing and key not in listing and admin not in listing
+    key_id = live.lookup_api_key(key)["id"]
+    assert key_id in run("keys", "list", "--tenant", "newco") and key_id not in run("keys", "list", "--tenant", "ops")
+    assert f"revoked {key_id}" in run("keys", "revoke", key_id)
+    assert live.lookup_api_key(key) is None
+    result = CliRunner().invoke(cli, ["keys", "revoke", key_id])
+    assert result.exit_code == 1 and "no API key with id" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(cli, ["keys", "create", "--tenant", "newco", "--expires-in", "3x"])
+    assert result.exit_code == 2 and "--expires-in" in result.output
+
+
+def test_quota_needs_an_admin_key_and_round_trips(live: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = CliRunner().invoke(cli, ["quota", "show", "cli"])
+    assert result.exit_code == 1 and "403" in result.output and "admin" in result.output
+    monkeypatch.setenv("TAPER_API_KEY", live.create_api_key("ops", admin=True))
+    get_settings.cache_clear()
+    assert "default" in run("quota", "show", "cli")
+    out = run("quota", "set", "cli", "max_running_jobs=1", "max_priority=3", "resources.learner_cpus=2")
+    assert "max_running_jobs: 1" in out and "learner_cpus=2" in out
+    quota = live.get_quota("cli")
+    assert (quota.max_running_jobs, quota.max_priority, quota.resources.learner_cpus) == (1, 3, 2)
+    result = CliRunner().invoke(cli, ["quota", "set", "cli", "max_priority=1000"])
+    assert result.exit_code == 1 and "max_priority" in result.output and live.get_quota("cli").max_priority == 3
+    assert "default" in run("quota", "reset", "cli") and live.get_quota("cli") is None
+
+
+def test_delete_a_finished_job(live: Store, tmp_path: Path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"name": "to-delete", "total_steps": 2}))
+    job_id = run("submit", str(spec)).split()[0]
+    result = CliRunner().invoke(cli, ["delete", job_id])
+    assert result.exit_code == 1 and "409" in result.output and "[state]" in result.output
+    run("cancel", job_id)
+    assert f"deleted {job_id}" in run("delete", job_id)
+    assert not live.job_exists(job_id)
+
+
+def test_key_commands_without_redis_are_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAPER_REDIS_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["keys", "list"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2 and "cannot use the Redis" in result.output and result.exception is not None
+    assert isinstance(result.exception, SystemExit)

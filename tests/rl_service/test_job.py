@@ -37,7 +37,7 @@ def shared_pool(ray_local, tiny_llama_dir):
 
 def make_spec(model_dir, **over) -> JobSpec:
     data = {
-        "model": {"checkpoint": str(model_dir)},
+        "model": {"checkpoint_dir": str(model_dir)},
         "environment": {"name": "graded_calculator", "registration": GRADED},
         "tasks": {"num_train": 6, "num_eval": 0, "seed": 3},
         "rollout": {"prompts_per_step": 2, "num_generations": 2, "max_turns": 1, "max_tokens_per_turn": 8,
@@ -261,7 +261,7 @@ def test_preload_imports_the_checkpoints_model_class(tiny_llama_dir, tmp_path) -
         "from rl_service.job import InMemoryHooks, JobRunner\n"
         "from rl_service.spec import JobSpec\n"
         "name = 'transformers.models.llama.modeling_llama'\n"
-        f"spec = JobSpec.model_validate({{'model': {{'checkpoint': {str(tiny_llama_dir)!r}}}}})\n"
+        f"spec = JobSpec.model_validate({{'model': {{'checkpoint_dir': {str(tiny_llama_dir)!r}}}}})\n"
         f"runner = JobRunner('p', spec, InMemoryHooks(), {str(tmp_path)!r})\n"
         "print(name in sys.modules)\n"
         "runner.preload()\n"

@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from rl_service.job_states import JobState
+from rl_service.quota import TenantQuota
 from rl_service.scheduler import (
     Scheduler,
     driver_name,
@@ -116,6 +117,25 @@ def test_queue_priority_resources_unschedulable_and_failure(store: Store, schedu
     assert failed.state == JobState.FAILED and "boom" in failed.error
     assert _state(store, huge.id) == JobState.QUEUED
     assert any(e["kind"] == "unschedulable" for e in store.events(huge.id))
+
+
+def test_a_tenant_at_its_running_quota_waits_queued_while_other_tenants_run(
+        store: Store, scheduler: Scheduler, tmp_path) -> None:
+    store.set_quota("t", TenantQuota(max_running_jobs=1))
+    half = {"learner_cpus": 0.5, "rollout_cpus": 0.5}  # 1 CPU a job: the cluster has room for two
+    first = store.submit_job("t", _spec(total_steps=10_000, resources=half), str(tmp_path))[0]
+    wait_for(lambda: _state(store, first.id) == JobState.RUNNING, what="the first job running")
+    second = store.submit_job("t", _spec(total_steps=1, resources=half), str(tmp_path))[0]
+    other = store.submit_job("u", _spec(total_steps=10_000, resources=half), str(tmp_path))[0]
+    wait_for(lambda: _state(store, other.id) == JobState.RUNNING, what="another tenant's job running")
+    assert _state(store, second.id) == JobState.QUEUED and _state(store, first.id) == JobState.RUNNING
+    assert [e["kind"] for e in store.events(second.id)].count("quota_wait") == 1
+    store.update_job(first.id, allowed=[JobState.RUNNING], fields={"control": "cancel"})
+    wait_for(lambda: _state(store, second.id) == JobState.SUCCEEDED, what="the second job after the first")
+    assert store.get_job(second.id).started_at >= store.get_job(first.id).finished_at
+    assert store.get_job(second.id).attempts == 1 and _state(store, first.id) == JobState.CANCELLED
+    store.update_job(other.id, allowed=[JobState.RUNNING], fields={"control": "cancel"})
+    wait_for(lambda: _state(store, other.id) == JobState.CANCELLED, what="the other tenant's job cancelled")
 
 
 def test_killed_driver_resumes_from_its_last_checkpoint(store: Store, scheduler: Scheduler, tmp_path) -> None:

@@ -6,8 +6,18 @@ import pytest
 import redis
 
 from rl_service.job_states import InvalidTransition, JobState
+from rl_service.quota import TenantQuota
 from rl_service.spec import JobSpec
-from rl_service.store import IdempotencyConflict, JobNotFound, RateLimitExceeded, Store, hash_api_key
+from rl_service.store import (
+    IdempotencyConflict,
+    JobActive,
+    JobNotFound,
+    QueueFull,
+    RateLimitExceeded,
+    ScheduleFull,
+    Store,
+    hash_api_key,
+)
 
 
 @pytest.fixture
@@ -121,7 +131,10 @@ def test_checkpoints_replace_same_step(store: Store) -> None:
 
 def test_api_keys_are_hashed_at_rest(store: Store, redis_url: str) -> None:
     key = store.create_api_key("acme", name="ci")
-    assert store.lookup_api_key(key) == {"tenant": "acme", "name": "ci", "admin": False}
+    info = store.lookup_api_key(key)
+    assert {k: info[k] for k in ("tenant", "name", "admin", "expires_at")} == {
+        "tenant": "acme", "name": "ci", "admin": False, "expires_at": None}
+    assert info["id"] == hash_api_key(key)[:16]
     assert store.lookup_api_key(key + "x") is None
     raw = redis.Redis.from_url(redis_url, decode_responses=True)
     for k in raw.scan_iter():
@@ -165,3 +178,85 @@ def test_writes_for_a_deleted_job_are_refused_and_recreate_nothing(store: Store)
         with pytest.raises(JobNotFound):
             write()
     assert list(store.r.scan_iter(f"t:job:{job.id}*")) == []
+
+
+def test_keys_are_listed_by_id_revoked_by_id_and_carry_their_expiry(store: Store) -> None:
+    a = store.create_api_key("acme", name="ci")
+    b = store.create_api_key("acme", name="tmp", expires_at=1234.5)
+    c = store.create_api_key("other", name="ops", admin=True)
+    listed = store.list_api_keys()
+    assert [k["name"] for k in listed] == ["ci", "tmp", "ops"]
+    assert [k["name"] for k in store.list_api_keys("acme")] == ["ci", "tmp"]
+    assert listed[1]["expires_at"] == 1234.5 and listed[2]["admin"] is True
+    assert all(key not in str(listed) for key in (a, b, c))
+    tmp_id = listed[1]["id"]
+    assert store.revoke_api_key_id("0" * 16) is None and store.revoke_api_key_id("nope") is None
+    assert store.revoke_api_key_id(tmp_id)["name"] == "tmp"
+    assert store.lookup_api_key(b) is None and store.revoke_api_key_id(tmp_id) is None
+    assert [k["name"] for k in store.list_api_keys("acme")] == ["ci"]
+
+
+def test_queued_quota_is_checked_in_the_submission(store: Store) -> None:
+    store.submit_job("a", _spec(), "/d", max_queued=2)
+    store.submit_job("a", _spec(), "/d", idempotency_key="k", max_queued=2)
+    keys_before = sorted(store.r.keys("*"))
+    with pytest.raises(QueueFull, match="max_queued_jobs"):
+        store.submit_job("a", _spec(), "/d", max_queued=2)
+    assert store.submit_job("a", _spec(), "/d", idempotency_key="k", max_queued=2)[1] is False  # a replay
+    assert sorted(store.r.keys("*")) == keys_before
+    store.submit_job("b", _spec(), "/d", max_queued=2)  # per tenant
+
+
+def test_quota_round_trip_and_active_count(store: Store) -> None:
+    assert store.get_quota("a") is None
+    store.set_quota("a", TenantQuota(max_running_jobs=1, max_priority=3))
+    assert store.get_quota("a") == TenantQuota(max_running_jobs=1, max_priority=3)
+    job = store.submit_job("a", _spec(), "/d")[0]
+    assert store.count_active("a") == 0
+    store.transition(job.id, "starting")
+    assert store.count_active("a") == 1 and store.count_active("b") == 0
+    assert store.delete_quota("a") and store.get_quota("a") is None
+
+
+def test_delete_job_removes_every_key_of_a_finished_job_only(store: Store) -> None:
+    keep = store.submit_job("a", _spec(), "/d")[0]
+    before = set(store.r.keys("*"))
+    job = store.submit_job("a", _spec(), "/d", idempotency_key="once")[0]
+    store.add_metrics(job.id, 1, {"loss": 1.0})
+    store.add_checkpoint(job.id, 1, "file:///x")
+    store.write_heartbeat(job.id)
+    store.patch_schedule(job.id, {"w_end": 0.1})
+    store.transition(job.id, "starting")
+    with pytest.raises(JobActive):
+        store.delete_job(job.id, "a")
+    with pytest.raises(JobNotFound):
+        store.delete_job(job.id, "b")  # another tenant's job
+    store.transition(job.id, "cancelled")
+    assert store.delete_job(job.id, "a").id == job.id
+    after = set(store.r.keys("*"))
+    assert not [k for k in after if job.id in k]
+    # what is left: the other job's keys and the counters shared by all jobs
+    assert after - before <= {"t:state:cancelled", "t:tenant:a:state:cancelled"} and before - after == set()
+    assert store.list_jobs("a")[1] == 1 and store.get_job(keep.id).state == JobState.QUEUED
+    with pytest.raises(JobNotFound):
+        store.delete_job(job.id, "a")
+    # the Idempotency-Key is free again
+    assert store.submit_job("a", _spec(), "/d", idempotency_key="once")[1] is True
+
+
+def test_streams_and_schedule_history_are_capped(redis_url: str) -> None:
+    store = Store(redis_url, prefix="caps", events_maxlen=100, metrics_maxlen=100, schedule_max_versions=3)
+    job = store.submit_job("a", _spec(), "/d")[0]
+    for step in range(1000):
+        store.add_metrics(job.id, step, {"loss": step})
+        store.add_event(job.id, "tick", {"i": step})
+    # XADD MAXLEN ~ trims whole macro nodes: the stream stays near the cap, never near what was written
+    assert 100 <= store.r.xlen(store.k_metrics(job.id)) < 300
+    assert 100 <= store.r.xlen(store.k_events(job.id)) < 300
+    assert store.metrics(job.id, limit=10_000)[-1]["step"] == 999
+    store.patch_schedule(job.id, {"w_end": 0.2})
+    store.patch_schedule(job.id, {"w_end": 0.1})
+    before = store.r.get(store.k_schedule(job.id))
+    with pytest.raises(ScheduleFull, match="3 versions"):
+        store.patch_schedule(job.id, {"w_end": 0.0})
+    assert store.r.get(store.k_schedule(job.id)) == before

@@ -74,9 +74,11 @@ def test_real_job_lifecycle_over_http_and_its_page_updates_takes_a_schedule_patc
         redis_url: str, ray_local, tmp_path: Path, page) -> None:
     key = Store(redis_url).create_api_key("ui-real")
     checkpoint = warm_started_tiny_model(tmp_path / "warm-start")
-    with ThreadedServer(create_app(settings=TaperSettings(redis_url=redis_url, data_dir=tmp_path))) as server:
+    # the warm start is a base model the operator offers; the tenant names it, never its path
+    settings = TaperSettings(redis_url=redis_url, data_dir=tmp_path, base_models={"warm-start": checkpoint})
+    with ThreadedServer(create_app(settings=settings)) as server:
         api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        r = api.post("/v1/jobs", json={**TINY_JOB, "model": {"preset": "tiny", "checkpoint": str(checkpoint)}})
+        r = api.post("/v1/jobs", json={**TINY_JOB, "model": {"preset": "tiny", "checkpoint": "base:warm-start"}})
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
         log_in(page, server.url, key, f"/ui/jobs/{job_id}")
