@@ -7,7 +7,10 @@ Parameter names are documented in model/PARAMETERS.md (the vLLM plugin uses the 
 
 Decoding: the model creates a `TaperCache` (KDA conv + recurrent states, MLA keys/values) on the first
 forward with use_cache and returns it; `generate()` threads it through (greedy, sampling, beams).
-Training: call `update_balancing()` after each optimizer step; `gradient_checkpointing_enable()` works.
+Training: call `update_balancing()` after each optimizer step; `gradient_checkpointing_enable()` works. On a
+GPU, `model.model.compile_layers()` fuses the layers' elementwise work; forward+backward then has no host sync
+(without an attention_mask), so a learner with fixed batch shapes can also capture the whole step as a CUDA
+graph (benchmarks/model.py, mode "graph").
 """
 
 from __future__ import annotations
