@@ -115,11 +115,19 @@ def expanded_values(mixed: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 def cached_latents(kv_cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` latents of a request from a latent-cache layer's pages: kv_cache
     [blocks, 1, block, 2r] as vLLM's CPU backend holds it (per page: keys, packed for its kernel, then
-    values row by row; keys and values are the same latents, so the values are read), pages [n] its
-    page ids in order. Returns [length, r]."""
-    blocks, _, block, _ = kv_cache.shape
-    values = kv_cache.view(blocks, 2 * block, -1)[:, block:]
-    return values.index_select(0, pages.long()).reshape(-1, values.shape[-1])[:length]
+    values; keys and values are the same latents, so the values are read), pages [n] its page ids in
+    order. Returns [length, r].
+
+    Values are row by row, except for the AMX kernel (bf16 on CPUs with AMX tiles), which packs each page
+    as [r/16 channel blocks][block/2 token pairs][16 channels][2 tokens of the pair]."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    blocks, _, block, width = kv_cache.shape
+    r = width // 2
+    values = kv_cache.view(blocks, 2 * block, r)[:, block:].index_select(0, pages.long())
+    if _get_attn_isa(kv_cache.dtype, block, r) == "amx":
+        values = values.reshape(-1, r // 16, block // 2, 16, 2).permute(0, 2, 4, 1, 3)
+    return values.reshape(-1, r)[:length]
 
 
 def latent_cache_supported(config: TaperConfig, vllm_config: VllmConfig) -> bool:
