@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from reward_models.schedule import RewardSchedule, ScheduleHistory, ScheduleVersion
+from reward_models.schedule import RewardSchedule, ScheduleHistory, SchedulePatch, ScheduleVersion
 from rl_service.job_states import (
     CONTROL_CANCEL,
     CONTROL_PAUSE,
@@ -300,20 +300,28 @@ class TaperService:
         return self.store.schedule_history(job_id)
 
     def patch_schedule(self, p: Principal, job_id: str, patch: dict[str, Any]) -> ScheduleVersion:
+        """422 for a patch that is invalid on its own; 409 for a valid one the job's schedule cannot take (e.g.
+        `half_life` while the kind is linear: the same patch fits an exponential schedule)."""
         self._job(p, job_id)
         self._changed(job_id)
         if not isinstance(patch, dict) or not patch:
             raise InvalidInput("the patch must be a non-empty JSON object of schedule fields", field="body")
         try:
-            return self.store.patch_schedule(job_id, patch)
+            changes = SchedulePatch.model_validate(patch).changes()
+        except ValidationError as exc:
+            raise invalid_from(exc) from None
+        try:
+            return self.store.patch_schedule(job_id, changes)
         except JobNotFound:
             raise job_not_found(job_id) from None
         except InvalidTransition as exc:
             raise Conflict(f"job is already {exc.current.value}; its schedule is final", field="state") from None
         except ValidationError as exc:
-            raise invalid_from(exc) from None
-        except (ValueError, TypeError) as exc:
-            raise InvalidInput(str(exc), field="body") from None
+            invalid = invalid_from(exc)
+            raise Conflict(f"the patch does not fit the job's current schedule: {invalid.message}",
+                           field=invalid.field) from None
+        except ValueError as exc:  # the job's step is behind its current version (a patch cannot change the past)
+            raise Conflict(str(exc), field="state") from None
 
     # ---- environments ----
     def _registry(self):  # imported lazily: the registry pulls in environment code the API rarely needs

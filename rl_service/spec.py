@@ -5,7 +5,7 @@ Field names follow TRL's GRPOConfig where the meaning is the same.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,7 +45,7 @@ class RolloutSpec(_Strict):
     prompts_per_step: int = Field(8, ge=1, le=4096, description="Distinct tasks per training step.")
     num_generations: int = Field(8, ge=1, le=256, description="Group size: samples per task (TRL's num_generations).")
     max_turns: int = Field(4, ge=1, le=256)
-    max_tokens_per_turn: int = Field(64, ge=1, le=65536)
+    max_tokens_per_turn: int = Field(64, ge=1, le=65536, description="Capped by what is left of max_total_tokens.")
     max_total_tokens: int = Field(512, ge=16, le=1_048_576)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -79,6 +79,11 @@ class AlgorithmSpec(_Strict):
 
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+# What _check_custom enforces, declared for the JSON Schema too.
+CustomResources = dict[
+    Annotated[str, Field(min_length=1, json_schema_extra={"not": {"enum": list(RAY_BUILTIN_RESOURCES)}})],
+    Annotated[float, Field(gt=0.0)],
+]
 
 
 class ResourcesSpec(_Strict):
@@ -87,11 +92,11 @@ class ResourcesSpec(_Strict):
     learner_cpus: float = Field(1.0, gt=0.0)
     learner_gpus: int = Field(0, ge=0, le=1024)
     num_learners: int = Field(1, ge=1, le=1024, description="Data-parallel learner ranks.")
-    rollout_custom: dict[str, float] = Field(
+    rollout_custom: CustomResources = Field(
         default_factory=dict, description="Custom Ray resources each rollout worker needs, e.g. {'rollout': 1}.")
-    learner_custom: dict[str, float] = Field(
+    learner_custom: CustomResources = Field(
         default_factory=dict, description="Custom Ray resources each learner rank needs, e.g. {'learner': 1}.")
-    custom: dict[str, float] = Field(
+    custom: CustomResources = Field(
         default_factory=dict, description="Older name of rollout_custom (merged into it; rollout_custom wins).")
 
     @model_validator(mode="after")
@@ -134,9 +139,3 @@ class JobSpec(_Strict):
     keep_last_checkpoints: int = Field(3, ge=1, le=1000)
     seed: int = 0
     priority: int = Field(0, ge=-100, le=100)
-
-    @model_validator(mode="after")
-    def _check(self) -> JobSpec:
-        if self.rollout.max_tokens_per_turn > self.rollout.max_total_tokens:
-            raise ValueError("rollout.max_tokens_per_turn must not exceed rollout.max_total_tokens")
-        return self
