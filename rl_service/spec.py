@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from reward_models.monitor import HackingMonitorConfig
 from reward_models.schedule import RewardSchedule
@@ -26,7 +26,8 @@ class ModelSpec(_Strict):
 class EnvironmentSpec(_Strict):
     name: str = Field("calculator", min_length=1, max_length=64, description="A built-in or registered environment.")
     options: dict[str, Any] = Field(default_factory=dict, description="Passed to the environment's constructor / task generator.")
-    registration: dict[str, Any] | None = Field(
+    # Set by the control plane, never by a submission: the request schema says null.
+    registration: Annotated[dict[str, Any] | None, WithJsonSchema({"type": "null"}, mode="validation")] = Field(
         None,
         description="The EnvironmentRegistration of a registered (non built-in) environment, resolved by the "
         "control plane at submit time so the job runs without reading the registry.",
