@@ -83,6 +83,8 @@ class SchemaCheckedRoute(APIRoute):
     `true` or `"1"` for an integer, which the schema (and every client generated from it) calls invalid; such a
     body gets the 422 of a schema mismatch. A body pydantic rejects keeps pydantic's errors."""
 
+    _validator: jsonschema.protocols.Validator | None = None
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         if self.body_field is None or not self.include_in_schema:
@@ -102,8 +104,9 @@ class SchemaCheckedRoute(APIRoute):
             body = await request.json()
         except ValueError:  # not JSON (or not UTF-8): the route's own validation answers
             return
-        validator = _body_validator(request.app, self.path_format, next(iter(self.methods)).lower())
-        error = jsonschema.exceptions.best_match(validator.iter_errors(body)) if validator else None
+        if self._validator is None:  # a route belongs to one app (include_router copies routes)
+            self._validator = _body_validator(request.app.openapi(), self.path_format, next(iter(self.methods)))
+        error = jsonschema.exceptions.best_match(self._validator.iter_errors(body))
         if error is None:
             return
         assert self.body_field is not None
@@ -120,12 +123,9 @@ def _adapter(annotation: Any) -> TypeAdapter:
     return TypeAdapter(annotation)
 
 
-def _body_validator(app: FastAPI, path: str, method: str) -> jsonschema.protocols.Validator | None:
-    cache: dict[tuple[str, str], Any] = app.state.__dict__.setdefault("_body_validators", {})
-    if (path, method) not in cache:
-        document = app.openapi()
-        operation = document["paths"].get(path, {}).get(method, {})
-        schema = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
-        cache[(path, method)] = None if schema is None else jsonschema.Draft202012Validator(
-            {**schema, "components": document.get("components", {})})
-    return cache[(path, method)]
+def _body_validator(document: dict[str, Any], path: str, method: str) -> jsonschema.protocols.Validator:
+    """A validator of the JSON body of an operation of the OpenAPI ``document`` (an empty schema if none)."""
+    operation = document["paths"].get(path, {}).get(method.lower(), {})
+    schema = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    # the operation's schema refers to "#/components/schemas/...": give it the document's components
+    return jsonschema.Draft202012Validator({**schema, "components": document.get("components", {})})
