@@ -32,6 +32,7 @@ _ERROR_STATUSES: dict[int, tuple[str, dict[str, dict[str, Any]]]] = {
     400: ("The request body could not be read (e.g. not UTF-8)", {}),
     401: ("Missing or invalid API key",
           {"WWW-Authenticate": {"description": "The auth scheme to use", "schema": {"type": "string"}}}),
+    403: ("The API key may not do this (e.g. an admin-only operation)", {}),
     404: ("The job or environment does not exist (or belongs to another tenant)", {}),
     409: ("The request conflicts with the resource's current state", {}),
     413: ("The request body is over the configured size limit", {}),
