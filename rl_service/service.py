@@ -107,6 +107,22 @@ def invalid_from(exc: ValidationError | ValueError, prefix: str = "") -> Invalid
     return InvalidInput(str(exc), field=prefix or None)
 
 
+def schedule_patch_changes(patch: Any) -> dict[str, Any]:
+    """The fields a reward-schedule patch sets, if it is valid on its own (else a 422 naming the field)."""
+    if not isinstance(patch, dict) or not patch:
+        raise InvalidInput("the patch must be a non-empty JSON object of schedule fields", field="body")
+    try:
+        return SchedulePatch.model_validate(patch).changes()
+    except ValidationError as exc:
+        raise invalid_from(exc) from None
+
+
+def schedule_conflict(exc: ValidationError) -> Conflict:
+    """A valid patch that the job's current schedule cannot take (e.g. `half_life` while the kind is linear)."""
+    invalid = invalid_from(exc)
+    return Conflict(f"the patch does not fit the job's current schedule: {invalid.message}", field=invalid.field)
+
+
 @dataclass(frozen=True)
 class Principal:
     tenant: str
@@ -304,12 +320,7 @@ class TaperService:
         `half_life` while the kind is linear: the same patch fits an exponential schedule)."""
         self._job(p, job_id)
         self._changed(job_id)
-        if not isinstance(patch, dict) or not patch:
-            raise InvalidInput("the patch must be a non-empty JSON object of schedule fields", field="body")
-        try:
-            changes = SchedulePatch.model_validate(patch).changes()
-        except ValidationError as exc:
-            raise invalid_from(exc) from None
+        changes = schedule_patch_changes(patch)
         try:
             return self.store.patch_schedule(job_id, changes)
         except JobNotFound:
@@ -317,9 +328,7 @@ class TaperService:
         except InvalidTransition as exc:
             raise Conflict(f"job is already {exc.current.value}; its schedule is final", field="state") from None
         except ValidationError as exc:
-            invalid = invalid_from(exc)
-            raise Conflict(f"the patch does not fit the job's current schedule: {invalid.message}",
-                           field=invalid.field) from None
+            raise schedule_conflict(exc) from None
         except ValueError as exc:  # the job's step is behind its current version (a patch cannot change the past)
             raise Conflict(str(exc), field="state") from None
 
