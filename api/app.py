@@ -17,9 +17,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.openapi import install_openapi
 from api.routers import admin, environments, jobs, system
+from api.schemas import error_responses
 from api.ui import router as ui_router
 from rl_service.service import RateLimited, ServiceError, TaperService, error_field
 from rl_service.settings import TaperSettings, get_settings
@@ -136,8 +139,11 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail), None, getattr(exc, "headers", None))
+        code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(exc.status_code, code, str(exc.detail), None, headers)
 
     @app.exception_handler(UnicodeError)
     async def _unicode_error(request: Request, exc: UnicodeError) -> JSONResponse:
@@ -158,6 +164,16 @@ def _install_errors(app: FastAPI) -> None:
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, "internal", "internal error", None)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of the request's path over all the app's routes: a route serves one path and some methods,
+    and several routes can share a path (Starlette's own 405 names only the first one's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 class RequestMetrics:
@@ -232,6 +248,7 @@ def create_app(
     app.add_middleware(RequestMetrics, registry=registry)
     _install_errors(app)
     for r in (jobs.router, environments.router, admin.router, system.router):
-        app.include_router(r, responses={401: {"description": "Missing or invalid API key"}})
+        app.include_router(r, responses=error_responses(401) if r is not system.router else None)
     app.include_router(ui_router)
+    install_openapi(app)
     return app

@@ -13,14 +13,45 @@ from rl_service.spec import JobSpec
 from rl_service.store import JobRecord
 
 
+class ErrorDetail(BaseModel):
+    field: str
+    message: str
+
+
 class ErrorBody(BaseModel):
-    code: str
+    code: str = Field(description="Machine-readable kind: not_found, conflict, invalid, unauthorized, ...")
     message: str
     field: str | None = Field(None, description="The offending field (dotted path), header or parameter.")
+    details: list[ErrorDetail] | None = Field(None, description="Every invalid field (validation errors only).")
 
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+_ERROR_STATUSES: dict[int, tuple[str, dict[str, dict[str, Any]]]] = {
+    400: ("The request body could not be read (e.g. not UTF-8)", {}),
+    401: ("Missing or invalid API key",
+          {"WWW-Authenticate": {"description": "The auth scheme to use", "schema": {"type": "string"}}}),
+    403: ("The API key may not do this (e.g. an admin-only operation)", {}),
+    404: ("The job or environment does not exist (or belongs to another tenant)", {}),
+    409: ("The request conflicts with the resource's current state", {}),
+    413: ("The request body is over the configured size limit", {}),
+    422: ("Invalid input; `error.field` names the offending field", {}),
+    429: ("Rate limited", {"Retry-After": {"description": "Seconds to wait before retrying",
+                                          "schema": {"type": "integer", "minimum": 0}}}),
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of the error statuses a route can answer, all with the shared error body."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        description, headers = _ERROR_STATUSES[status]
+        out[status] = {"model": ErrorResponse, "description": description}
+        if headers:
+            out[status]["headers"] = {name: {**header, "required": True} for name, header in headers.items()}
+    return out
 
 
 class JobOut(BaseModel):

@@ -14,7 +14,7 @@ import math
 from collections import deque
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 WARNING_KIND = "reward_hacking_suspected"
 
@@ -22,16 +22,11 @@ WARNING_KIND = "reward_hacking_suspected"
 class HackingMonitorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    window: int = Field(20, ge=2, description="Steps the condition is judged over.")
+    window: int = Field(20, ge=2, multiple_of=2, description="Steps the condition is judged over (even: its halves "
+                        "are compared).")
     baseline_steps: int = Field(5, ge=1, description="First steps whose mean success is the starting level.")
     min_rise: float = Field(0.0, ge=0.0, description="Weighted process rise (half-window means) that counts.")
     min_drop: float = Field(0.0, ge=0.0, description="How far below the start success must fall.")
-
-    @model_validator(mode="after")
-    def _check(self) -> HackingMonitorConfig:
-        if self.window % 2:
-            raise ValueError(f"window must be even (its halves are compared; got {self.window})")
-        return self
 
 
 class HackingMonitor:

@@ -6,9 +6,10 @@
 - ``linear``:       w(t) = w_start + (w_end - w_start) * p(t)
 - ``cosine``:       w(t) = w_end + (w_start - w_end) * (1 + cos(pi * p(t))) / 2
 - ``exponential``:  w(t) = w_end + (w_start - w_end) * 0.5 ** (max(t - warmup, 0) / half_life)
-- ``step``:         w drops in equal parts from w_start to w_end at each of the `milestones` (absolute steps;
-                    a milestone m applies from step m on)
-- ``piecewise``:    linear interpolation through `points` [(step, w), ...] (absolute steps), flat outside
+- ``step``:         w drops in equal parts from w_start to w_end at each of the `milestones` (distinct absolute
+                    steps, kept sorted; a milestone m applies from step m on)
+- ``piecewise``:    linear interpolation through `points` [(step, w), ...] (absolute steps, kept sorted by step),
+                    flat outside; a step listed twice is a jump: its later point applies from that step on
 
 with the progress ``p(t) = clamp((t - warmup) / horizon, 0, 1)``: `w` holds at `w_start` for the first
 `warmup` steps and reaches `w_end` at step `warmup + horizon`.
@@ -18,30 +19,67 @@ linearly (same `p(t)`) from `density_start` to `density_end` (constant when `den
 are kept is a deterministic hash of (seed, trajectory id, step index), so a lower density keeps a subset
 of the nodes a higher one keeps.
 
+Each kind reads its own field (`half_life`, `milestones` or `points`); the other kinds' fields must be left
+out, or at their default (null, or an empty list). The JSON Schema says so: a union of one object per kind,
+told apart by `kind` (see `_kind_union`), so that a schema-valid schedule is a valid one.
+
 A `ScheduleHistory` versions live changes: a patch applied at step t becomes version v+1, effective
-from step t+1; earlier versions stay in the history.
+from step t+1; earlier versions stay in the history. A `SchedulePatch` is a patch that is valid on its own;
+whether it fits a job's schedule (e.g. `half_life` needs kind `exponential`) depends on that schedule.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 ScheduleKind = Literal["constant", "linear", "cosine", "exponential", "step", "piecewise"]
+DEFAULT_KIND = "linear"
 
 # Fields that only one kind reads: anything else set with another kind is an error, not silently ignored.
 _KIND_ONLY_FIELDS: dict[str, str] = {"half_life": "exponential", "milestones": "step", "points": "piecewise"}
+MAX_LIST = 1000  # milestones or points
+
+
+def _unused(value: Any) -> bool:
+    """A kind-only field left at its default (null or an empty list): accepted with any kind."""
+    return value is None or value == []
+
+
+def _distinct_sorted(steps: list[int]) -> list[int]:
+    if len(set(steps)) != len(steps):
+        raise ValueError(f"milestones must be distinct steps (got {steps})")
+    return sorted(steps)
+
+
+Step = Annotated[int, Field(ge=0)]
+HalfLife = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+Milestones = Annotated[list[Step], Field(max_length=MAX_LIST, json_schema_extra={"uniqueItems": True}),
+                       AfterValidator(_distinct_sorted)]
+# sorted by step; sort is stable, so a step listed twice keeps its points' order (a jump)
+Points = Annotated[list[tuple[Step, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]]],
+                   Field(max_length=MAX_LIST), AfterValidator(lambda pts: sorted(pts, key=lambda p: p[0]))]
 
 
 class RewardSchedule(BaseModel):
     """Process-reward weight `w(t)` and node density over training steps (discriminated by `kind`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=lambda schema: _kind_union(schema, partial=False))
 
-    kind: ScheduleKind = "linear"
+    kind: ScheduleKind = DEFAULT_KIND
     w_start: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="Process weight at the start.")
     w_end: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Process weight at the end.")
     horizon: int = Field(
@@ -50,14 +88,15 @@ class RewardSchedule(BaseModel):
     warmup: int = Field(0, ge=0, description="Steps w holds at w_start before moving.")
     # Kind-specific fields are validated even when left out (validate_default), so that a missing one is
     # reported under its own name.
-    half_life: float | None = Field(
+    half_life: HalfLife | None = Field(
         None, validate_default=True, description="exponential only: steps for (w - w_end) to halve."
     )
-    milestones: list[int] | None = Field(
-        None, validate_default=True, description="step only: strictly increasing steps where w drops."
+    milestones: Milestones | None = Field(
+        None, validate_default=True, description="step only: the distinct steps where w drops."
     )
-    points: list[tuple[int, float]] | None = Field(
-        None, validate_default=True, description="piecewise only: [(step, w), ...] with increasing steps."
+    points: Points | None = Field(
+        None, validate_default=True,
+        description="piecewise only: [(step, w), ...]; a step listed twice jumps to its later w there.",
     )
     density_start: float = Field(
         1.0, ge=0.0, le=1.0, allow_inf_nan=False, description="Fraction of process nodes kept at the start."
@@ -77,32 +116,11 @@ class RewardSchedule(BaseModel):
         if kind is None:  # kind itself failed validation; that error is reported already
             return value
         if kind != owner:
-            if value is not None:
+            if not _unused(value):
                 raise ValueError(f"{field} is only used by kind '{owner}' (kind is '{kind}')")
-            return value
-        if value is None:
-            raise ValueError(f"{field} is required for kind '{owner}'")
-        if field == "half_life":
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"half_life must be a positive number of steps (got {value})")
-        elif field == "milestones":
-            if not value:
-                raise ValueError("milestones must list at least one step")
-            if value[0] < 0:
-                raise ValueError(f"milestones must be >= 0 (got {value[0]})")
-            if any(b <= a for a, b in zip(value, value[1:], strict=False)):
-                raise ValueError(f"milestones must be strictly increasing (got {value})")
-        else:
-            if not value:
-                raise ValueError("points must list at least one (step, w) pair")
-            steps = [s for s, _ in value]
-            if steps[0] < 0:
-                raise ValueError(f"points steps must be >= 0 (got {steps[0]})")
-            if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
-                raise ValueError(f"points steps must be strictly increasing (got {steps})")
-            for s, w in value:
-                if not (math.isfinite(w) and w >= 0):
-                    raise ValueError(f"points weight at step {s} must be a finite number >= 0 (got {w})")
+            return None
+        if _unused(value):
+            raise ValueError(f"{field} is required for kind '{owner}' (and must not be empty)")
         return value
 
     # ---- values ----
@@ -127,12 +145,13 @@ class RewardSchedule(BaseModel):
             return a + (b - a) * passed / len(self.milestones)
         assert self.points is not None  # piecewise
         pts = self.points
-        if step <= pts[0][0]:
+        last = bisect.bisect_right(pts, step, key=lambda p: p[0]) - 1  # the last point at or before `step`
+        if last < 0:
             return pts[0][1]
-        for (s0, w0), (s1, w1) in zip(pts, pts[1:], strict=False):
-            if step <= s1:
-                return w0 + (w1 - w0) * (step - s0) / (s1 - s0)
-        return pts[-1][1]
+        if last == len(pts) - 1:
+            return pts[-1][1]
+        (s0, w0), (s1, w1) = pts[last], pts[last + 1]  # s0 <= step < s1
+        return w0 + (w1 - w0) * (step - s0) / (s1 - s0)
 
     def density(self, step: int) -> float:
         """The fraction of process nodes kept at training step `step`."""
@@ -163,6 +182,95 @@ class RewardSchedule(BaseModel):
                     data[field] = None
         data.update(patch)
         return RewardSchedule.model_validate(data)
+
+
+class _PatchRules(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=lambda schema: _kind_union(schema, partial=True))
+
+    @field_validator(*_KIND_ONLY_FIELDS, check_fields=False)
+    @classmethod
+    def _fits_one_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        field = info.field_name
+        assert field is not None
+        owner = _KIND_ONLY_FIELDS[field]
+        kind = info.data.get("kind")
+        if kind is not None:  # the patch sets the kind: its own fields must be usable, the others unused
+            if owner == kind and _unused(value):
+                raise ValueError(f"{field} is required for kind '{owner}' (and must not be empty)")
+            if owner != kind and not _unused(value):
+                raise ValueError(f"{field} is only used by kind '{owner}' (kind is '{kind}')")
+        elif not _unused(value):
+            for other, other_owner in _KIND_ONLY_FIELDS.items():
+                if other_owner != owner and not _unused(info.data.get(other)):
+                    raise ValueError(f"{field} (kind '{owner}') cannot be set together with {other} "
+                                     f"(kind '{other_owner}')")
+        return value
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> _PatchRules:
+        if not self.model_fields_set:
+            raise ValueError("a patch must change at least one field")
+        return self
+
+    def changes(self) -> dict[str, Any]:
+        """The fields the patch sets, as JSON-ready data."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+def _optional(annotation: Any, metadata: list[Any]) -> Any:
+    return Annotated[(annotation, *metadata)] if metadata else annotation
+
+
+# The fields of RewardSchedule, each optional (left out: unchanged) and none defaulted: valid on its own,
+# a patch can still not fit a given schedule (`half_life` for a linear one; `kind: step` without milestones).
+SchedulePatch = create_model(
+    "SchedulePatch",
+    __base__=_PatchRules,
+    __doc__="RewardSchedule fields to change (at least one), merged into the current schedule; changing `kind` "
+    "drops the old kind's own fields.",
+    **{name: (_optional(info.annotation, info.metadata), Field(None, description=info.description))
+       for name, info in RewardSchedule.model_fields.items()},
+)
+
+
+def _kind_union(schema: dict[str, Any], *, partial: bool) -> None:
+    """Turn the flat object schema of a schedule (or, ``partial``, of a patch) into a union of one object per
+    kind: the kind's own field required (patch: optional but usable), the other kinds' fields null or empty."""
+    properties = schema.pop("properties")
+    for key in ("type", "required", "additionalProperties"):
+        schema.pop(key, None)
+    variants = []
+    for kind in get_args(ScheduleKind):
+        props: dict[str, Any] = {}
+        for name, prop in properties.items():
+            prop = {k: v for k, v in prop.items() if not (partial and k == "default")}
+            owner = _KIND_ONLY_FIELDS.get(name)
+            if name == "kind":
+                default = {"default": kind} if kind == DEFAULT_KIND and not partial else {}
+                props[name] = {"type": "string", "const": kind, **default}
+            elif owner is None:
+                props[name] = prop
+            else:
+                value_schema = next(b for b in prop["anyOf"] if b.get("type") != "null")
+                if owner == kind:
+                    own = {**value_schema, "description": prop.get("description", "")}
+                    props[name] = {**own, "minItems": 1} if own.get("type") == "array" else own
+                else:
+                    empty = [{"type": "null"}, {"type": "array", "maxItems": 0}]
+                    props[name] = {**({"anyOf": empty} if value_schema.get("type") == "array" else empty[0]),
+                                   "description": f"Not used by kind '{kind}': left out, null or empty."}
+        required = [] if partial else [f for f, o in _KIND_ONLY_FIELDS.items() if o == kind]
+        if not partial and kind != DEFAULT_KIND:
+            required.insert(0, "kind")
+        variant = {"title": f"{kind.capitalize()}{schema.get('title', '')}", "type": "object",
+                   "properties": props, "additionalProperties": False}
+        if required:
+            variant["required"] = required
+        variants.append(variant)
+    if partial:  # a patch may leave `kind` out, so several variants can match it
+        schema.update(anyOf=variants, minProperties=1)
+    else:  # `kind` (or its default) picks exactly one
+        schema["oneOf"] = variants
 
 
 def node_uniform(seed: int, traj_id: str, step_index: int) -> float:

@@ -286,7 +286,7 @@ class JobRunner:
         r = self.spec.rollout
         return SamplingConfig(
             temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p, max_turns=r.max_turns,
-            max_tokens_per_turn=r.max_tokens_per_turn, max_total_tokens=r.max_total_tokens,
+            max_tokens_per_turn=min(r.max_tokens_per_turn, r.max_total_tokens), max_total_tokens=r.max_total_tokens,
             tool_timeout_s=r.tool_timeout_s, seed=self.spec.seed,
         )
 

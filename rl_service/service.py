@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import BaseModel, ValidationError
 
-from reward_models.schedule import RewardSchedule, ScheduleHistory, ScheduleVersion
+from reward_models.schedule import RewardSchedule, ScheduleHistory, SchedulePatch, ScheduleVersion
 from rl_service.job_states import (
     CONTROL_CANCEL,
     CONTROL_PAUSE,
@@ -133,6 +133,22 @@ def named_invalid(exc: ValueError) -> InvalidInput:
     head = message.split(":", 1)[0]
     field = head if head.replace(".", "").replace("_", "").isalnum() else None
     return InvalidInput(message, field=field)
+
+
+def schedule_patch_changes(patch: Any) -> dict[str, Any]:
+    """The fields a reward-schedule patch sets, if it is valid on its own (else a 422 naming the field)."""
+    if not isinstance(patch, dict) or not patch:
+        raise InvalidInput("the patch must be a non-empty JSON object of schedule fields", field="body")
+    try:
+        return SchedulePatch.model_validate(patch).changes()
+    except ValidationError as exc:
+        raise invalid_from(exc) from None
+
+
+def schedule_conflict(exc: ValidationError) -> Conflict:
+    """A valid patch that the job's current schedule cannot take (e.g. `half_life` while the kind is linear)."""
+    invalid = invalid_from(exc)
+    return Conflict(f"the patch does not fit the job's current schedule: {invalid.message}", field=invalid.field)
 
 
 @dataclass(frozen=True)
@@ -472,12 +488,13 @@ class TaperService:
         return self.store.schedule_history(job_id)
 
     def patch_schedule(self, p: Principal, job_id: str, patch: dict[str, Any]) -> ScheduleVersion:
+        """422 for a patch that is invalid on its own; 409 for a valid one the job's schedule cannot take (e.g.
+        `half_life` while the kind is linear: the same patch fits an exponential schedule)."""
         self._job(p, job_id)
         self._changed(job_id)
-        if not isinstance(patch, dict) or not patch:
-            raise InvalidInput("the patch must be a non-empty JSON object of schedule fields", field="body")
+        changes = schedule_patch_changes(patch)
         try:
-            return self.store.patch_schedule(job_id, patch)
+            return self.store.patch_schedule(job_id, changes)
         except JobNotFound:
             raise job_not_found(job_id) from None
         except InvalidTransition as exc:
@@ -485,9 +502,9 @@ class TaperService:
         except ScheduleFull as exc:
             raise Conflict(str(exc), field="schedule_version") from None
         except ValidationError as exc:
-            raise invalid_from(exc) from None
-        except (ValueError, TypeError) as exc:
-            raise InvalidInput(str(exc), field="body") from None
+            raise schedule_conflict(exc) from None
+        except ValueError as exc:  # the job's step is behind its current version (a patch cannot change the past)
+            raise Conflict(str(exc), field="state") from None
 
     # ---- environments ----
     def _registry(self):  # imported lazily: the registry pulls in environment code the API rarely needs

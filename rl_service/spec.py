@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 
 from reward_models.monitor import HackingMonitorConfig
 from reward_models.schedule import RewardSchedule
@@ -49,7 +49,8 @@ class ModelSpec(_Strict):
 class EnvironmentSpec(_Strict):
     name: str = Field("calculator", min_length=1, max_length=64, description="A built-in or registered environment.")
     options: dict[str, Any] = Field(default_factory=dict, description="Passed to the environment's constructor / task generator.")
-    registration: dict[str, Any] | None = Field(
+    # Set by the control plane, never by a submission: the request schema says null.
+    registration: Annotated[dict[str, Any] | None, WithJsonSchema({"type": "null"}, mode="validation")] = Field(
         None,
         description="The EnvironmentRegistration of a registered (non built-in) environment, resolved by the "
         "control plane at submit time so the job runs without reading the registry.",
@@ -68,7 +69,7 @@ class RolloutSpec(_Strict):
     prompts_per_step: int = Field(8, ge=1, le=4096, description="Distinct tasks per training step.")
     num_generations: int = Field(8, ge=1, le=256, description="Group size: samples per task (TRL's num_generations).")
     max_turns: int = Field(4, ge=1, le=256)
-    max_tokens_per_turn: int = Field(64, ge=1, le=65536)
+    max_tokens_per_turn: int = Field(64, ge=1, le=65536, description="Capped by what is left of max_total_tokens.")
     max_total_tokens: int = Field(512, ge=16, le=1_048_576)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -135,8 +136,15 @@ class WatchdogSpec(_Strict):
 
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+# What _check_custom enforces, declared for the JSON Schema too; bounded in number and size.
 CustomResources = Annotated[
-    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[float, Field(le=1e6)]], Field(max_length=16)]
+    dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=64),
+                  Field(json_schema_extra={"not": {"enum": list(RAY_BUILTIN_RESOURCES)}})],
+        Annotated[float, Field(gt=0.0, le=1e6)],
+    ],
+    Field(max_length=16),
+]
 
 
 class ResourcesSpec(_Strict):
@@ -207,9 +215,3 @@ class JobSpec(_Strict):
         tokens_per_rank = (r.prompts_per_step * r.num_generations * r.max_total_tokens * self.algorithm.num_iterations
                            / self.resources.num_learners)
         return self.watchdog.learner_rank_s or 600.0 + 0.05 * tokens_per_rank
-
-    @model_validator(mode="after")
-    def _check(self) -> JobSpec:
-        if self.rollout.max_tokens_per_turn > self.rollout.max_total_tokens:
-            raise ValueError("rollout.max_tokens_per_turn must not exceed rollout.max_total_tokens")
-        return self

@@ -6,11 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
+from api.openapi import SchemaCheckedRoute
 from api.routers.params import Svc, Who
-from api.schemas import KeyCreate, KeyCreated, KeyOut, QuotaOut
+from api.schemas import KeyCreate, KeyCreated, KeyOut, QuotaOut, error_responses
 from rl_service.quota import TenantQuota
 
-router = APIRouter(prefix="/v1", tags=["admin"], responses={403: {"description": "Not an admin key"}})
+router = APIRouter(prefix="/v1", tags=["admin"], route_class=SchemaCheckedRoute, responses=error_responses(403, 422))
 
 TENANT = r"^[a-z0-9][a-z0-9_-]*$"
 Tenant = Annotated[str, Path(min_length=1, max_length=64, pattern=TENANT)]
@@ -30,7 +31,7 @@ def create_key(svc: Svc, who: Who, body: KeyCreate) -> KeyCreated:
     return KeyCreated(**info, key=key)
 
 
-@router.delete("/keys/{key_id}", response_model=KeyOut, summary="Revoke an API key")
+@router.delete("/keys/{key_id}", response_model=KeyOut, summary="Revoke an API key", responses=error_responses(404))
 def revoke_key(key_id: KeyId, svc: Svc, who: Who) -> KeyOut:
     return KeyOut(**svc.admin_revoke_key(who, key_id))
 

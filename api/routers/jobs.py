@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Header, Query, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
+from api.openapi import SchemaCheckedRoute
 from api.routers.params import JobId, Svc, Who
 from api.schemas import (
     CheckpointOut,
@@ -22,25 +23,36 @@ from api.schemas import (
     MetricsRow,
     ScheduleOut,
     TrajectoryPage,
+    error_responses,
 )
+from reward_models.schedule import SchedulePatch
 from rl_service.job_states import JobState
 from rl_service.service import TaperService
 from rl_service.spec import JobSpec
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SchemaCheckedRoute)
 
-Cursor = Annotated[str | None, Query(pattern=r"^\d{1,19}-\d{1,19}$", description="Return items after this id.")]
+# A stream id `ms-seq`, or `ms` alone for `ms-0` (as Redis reads it)
+STREAM_ID = r"^\d{1,19}(-\d{1,19})?$"
+Cursor = Annotated[str | None, Query(pattern=STREAM_ID, description="Return items after this stream id.")]
 Offset = Annotated[int, Query(ge=0, le=1_000_000)]
 
 
+_LOCATION = {"Location": {"description": "The job's URL", "schema": {"type": "string"}, "required": True}}
+
+
 @router.post("", status_code=201, response_model=JobOut, summary="Submit a job",
-             responses={200: {"model": JobOut, "description": "Replay of an earlier submission (Idempotency-Key)"}})
+             responses={201: {"headers": _LOCATION},
+                        200: {"model": JobOut, "headers": _LOCATION,
+                              "description": "Replay of an earlier submission (Idempotency-Key)"},
+                        **error_responses(400, 409, 413, 422, 429)})
 def submit_job(
     spec: JobSpec,
     svc: Svc,
     who: Who,
     response: Response,
-    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255, pattern=r"^[!-~]([ -~]*[!-~])?$",
+                                                  description="Printable ASCII: a repeat answers the first job")] = None,
 ) -> JobOut:
     job, created = svc.submit(who, spec, idempotency_key)
     if not created:
@@ -49,7 +61,8 @@ def submit_job(
     return JobOut.of(job)
 
 
-@router.get("", response_model=JobPage, summary="List the tenant's jobs, newest first")
+@router.get("", response_model=JobPage, summary="List the tenant's jobs, newest first",
+            responses=error_responses(422))
 def list_jobs(
     svc: Svc,
     who: Who,
@@ -61,14 +74,14 @@ def list_jobs(
     return JobPage(items=[JobOut.of(j) for j in jobs], total=total, offset=offset, limit=limit)
 
 
-@router.get("/{job_id}", response_model=JobOut)
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404, 422))
 async def get_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
     return JobOut.of(await svc.aget_job(who, job_id))
 
 
 @router.delete("/{job_id}", status_code=204, response_class=Response,
                summary="Delete a finished job with its records and files",
-               responses={409: {"description": "The job has not finished"}})
+               responses=error_responses(404, 409, 422))
 def delete_job(
     job_id: JobId, svc: Svc, who: Who,
     keep_checkpoints: Annotated[bool, Query(description="Keep the checkpoint files (records go either way).")] = False,
@@ -77,16 +90,33 @@ def delete_job(
     return Response(status_code=204)
 
 
-@router.post("/{job_id}/{action}", response_model=JobOut, summary="Cancel, pause or resume a job")
-def control_job(job_id: JobId, action: Literal["cancel", "pause", "resume"], svc: Svc, who: Who) -> JobOut:
-    do = {"cancel": svc.cancel, "pause": svc.pause, "resume": svc.resume}[action]
-    return JobOut.of(do(who, job_id))
+_CONTROL = error_responses(404, 409, 422)
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut, summary="Cancel a job", responses=_CONTROL)
+def cancel_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
+    """A queued or paused job is cancelled at once; a starting or running one is asked to stop."""
+    return JobOut.of(svc.cancel(who, job_id))
+
+
+@router.post("/{job_id}/pause", response_model=JobOut, summary="Pause a job", responses=_CONTROL)
+def pause_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
+    """A starting or running job is asked to pause after its current step (it keeps its checkpoint)."""
+    return JobOut.of(svc.pause(who, job_id))
+
+
+@router.post("/{job_id}/resume", response_model=JobOut, summary="Resume a job", responses=_CONTROL)
+def resume_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
+    """A paused job is queued again and resumes from its last checkpoint; a pending pause is withdrawn."""
+    return JobOut.of(svc.resume(who, job_id))
 
 
 @router.get(
     "/{job_id}/events",
     response_model=EventPage,
     summary="Job events: a paged JSON list, or a live SSE stream with `Accept: text/event-stream`",
+    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+               **error_responses(404, 422)},
 )
 async def job_events(
     request: Request,
@@ -95,7 +125,7 @@ async def job_events(
     who: Who,
     after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    last_event_id: Annotated[str | None, Header(pattern=r"^\d{1,19}-\d{1,19}$")] = None,
+    last_event_id: Annotated[str | None, Header(pattern=STREAM_ID)] = None,
 ) -> Any:
     items = await asyncio.to_thread(svc.events, who, job_id, after or last_event_id, limit)
     if "text/event-stream" not in request.headers.get("accept", ""):
@@ -122,7 +152,8 @@ async def _event_stream(request: Request, svc: TaperService, job_id: str, after:
             await asyncio.sleep(0.25)
 
 
-@router.get("/{job_id}/metrics", response_model=MetricsPage, summary="Per-step training metrics")
+@router.get("/{job_id}/metrics", response_model=MetricsPage, summary="Per-step training metrics",
+            responses=error_responses(404, 422))
 def job_metrics(
     job_id: JobId, svc: Svc, who: Who, after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
@@ -131,7 +162,8 @@ def job_metrics(
     return MetricsPage(items=[MetricsRow(**r) for r in rows], next=rows[-1]["id"] if len(rows) == limit else None)
 
 
-@router.get("/{job_id}/trajectories", response_model=TrajectoryPage, summary="Recorded trajectories (paged)")
+@router.get("/{job_id}/trajectories", response_model=TrajectoryPage, summary="Recorded trajectories (paged)",
+            responses=error_responses(404, 422))
 def job_trajectories(
     job_id: JobId,
     svc: Svc,
@@ -148,7 +180,7 @@ def job_trajectories(
     return TrajectoryPage(items=items, offset=offset, limit=limit)
 
 
-@router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
+@router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=error_responses(404, 422))
 def job_checkpoints(job_id: JobId, svc: Svc, who: Who) -> list[CheckpointOut]:
     return [CheckpointOut(**c) for c in svc.checkpoints(who, job_id)]
 
@@ -159,7 +191,8 @@ def _schedule_out(history) -> ScheduleOut:
                        history=history.versions)
 
 
-@router.get("/{job_id}/reward-schedule", response_model=ScheduleOut, tags=["schedule"])
+@router.get("/{job_id}/reward-schedule", response_model=ScheduleOut, tags=["schedule"],
+            responses=error_responses(404, 422))
 def get_reward_schedule(job_id: JobId, svc: Svc, who: Who) -> ScheduleOut:
     return _schedule_out(svc.schedule(who, job_id))
 
@@ -169,19 +202,15 @@ def get_reward_schedule(job_id: JobId, svc: Svc, who: Who) -> ScheduleOut:
     response_model=ScheduleOut,
     tags=["schedule"],
     summary="Change the process-reward schedule from the job's next step (a new version)",
+    responses=error_responses(400, 404, 409, 413, 422),
 )
 def patch_reward_schedule(
     job_id: JobId,
     svc: Svc,
     who: Who,
-    patch: Annotated[
-        dict[str, Any],
-        Body(
-            description="RewardSchedule fields to change (merged into the current schedule; changing `kind` "
-            "drops the old kind's own fields).",
-            examples=[{"w_end": 0.0, "horizon": 50}],
-        ),
-    ],
+    patch: Annotated[SchedulePatch, Body(examples=[{"w_end": 0.0, "horizon": 50}])],
 ) -> ScheduleOut:
-    svc.patch_schedule(who, job_id, patch)
+    """A patch that is valid on its own but does not fit the job's schedule (e.g. `half_life` while the kind is
+    linear) is a 409, as is any patch of a finished job."""
+    svc.patch_schedule(who, job_id, patch.changes())
     return _schedule_out(svc.schedule(who, job_id))

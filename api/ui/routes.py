@@ -23,7 +23,8 @@ from rl_service.service import (
     InvalidInput,
     NotFound,
     ServiceError,
-    invalid_from,
+    schedule_conflict,
+    schedule_patch_changes,
 )
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -121,7 +122,7 @@ async def preview_schedule(
     last_step: Annotated[int | None, Query(ge=0, le=10_000_000)] = None,
 ) -> dict[str, Any]:
     """The job's schedule curve (every version in force) and, for a non-empty patch, the curve it would follow
-    if the patch were PATCHed now. Nothing is stored; a bad patch gets the same 422 the PATCH would."""
+    if the patch were PATCHed now. Nothing is stored; a bad patch gets the same 422 or 409 the PATCH would."""
 
     def compute() -> dict[str, Any]:
         job = svc.get_job(who, job_id)
@@ -130,9 +131,10 @@ async def preview_schedule(
         history = svc.schedule(who, job_id)
         end = last_step if last_step is not None else max(job.total_steps, job.step + 1)
         try:
-            out = schedule_preview(history, at_step=job.step, last_step=end, patch=patch)
+            out = schedule_preview(history, at_step=job.step, last_step=end,
+                                   patch=schedule_patch_changes(patch) if patch else None)
         except ValidationError as exc:
-            raise invalid_from(exc) from None
+            raise schedule_conflict(exc) from None
         except (ValueError, TypeError) as exc:
             raise InvalidInput(str(exc), field="body") from None
         out["job_step"] = job.step

@@ -25,6 +25,7 @@ from rollout_workers.environments.http_env import HttpEnvironment
 from rollout_workers.environments.long_horizon import LongHorizonEnv
 from rollout_workers.environments.policy import EnvironmentPolicy, check_options
 from rollout_workers.environments.python_env import PythonEnv
+from rollout_workers.environments.registration_schema import kind_union_schema
 from rollout_workers.environments.retrieval import RetrievalEnv
 from rollout_workers.net_guard import AllowList, TargetRefused, check_base_url, resolve_target
 
@@ -37,12 +38,14 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[
 
 
 class EnvironmentRegistration(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=kind_union_schema)
 
     kind: Literal["python", "http"]
-    name: str = Field(description="Unique environment name, lowercase: [a-z][a-z0-9_-]*.")
+    name: str = Field(description="Unique environment name, lowercase: [a-z][a-z0-9_-]*.",
+                      json_schema_extra={"pattern": _NAME.pattern})
     description: str = Field("", max_length=2000)
-    import_path: str | None = Field(None, description="python kind: 'package.module:ClassName', installed on the cluster.")
+    import_path: str | None = Field(None, description="python kind: 'package.module:ClassName', installed on the cluster.",
+                                    json_schema_extra={"pattern": _IMPORT_PATH.pattern})
     base_url: str | None = Field(None, description="http kind: the tool server's base URL (http or https).")
     tools: list[dict[str, Any]] | None = Field(None, description="http kind: tool descriptions with JSON Schemas.")
     timeout_s: float = Field(10.0, gt=0.0, le=3600.0, description="http kind: per-request timeout.")

@@ -127,10 +127,17 @@ def test_reward_schedule_get_patch_and_bad_patches(api: Api) -> None:
     events = api.client.get(f"/v1/jobs/{job['id']}/events", headers=api.h()).json()["items"]
     assert events[-1]["kind"] == "schedule_patched" and events[-1]["data"]["version"] == 2
     before = redis_dump(api.store.url)
-    for bad, field in [({"half_life": -1}, "half_life"), ({"kind": "wavy"}, "kind"), ({"nope": 1}, "nope"),
-                       ({"w_end": "x"}, "w_end"), ({}, "body"), ({"kind": "step"}, "")]:
+    # invalid on its own: 422; valid, but not for this (exponential) schedule: 409; the field is named either way
+    for bad, field, status in [
+        ({"half_life": -1}, "half_life", 422), ({"kind": "wavy"}, "kind", 422), ({"nope": 1}, "nope", 422),
+        ({"w_end": "x"}, "w_end", 422), ({"w_end": None}, "w_end", 422), ({}, "body", 422),
+        ({"kind": "linear", "half_life": 3}, "half_life", 422), ({"half_life": 3, "milestones": [2]}, "milestones", 422),
+        ({"milestones": [4, 4]}, "milestones", 422),
+        ({"kind": "step"}, "milestones", 409), ({"milestones": [3]}, "milestones", 409),
+        ({"half_life": None}, "half_life", 409),
+    ]:
         r = api.client.patch(url, json=bad, headers=api.h())
-        assert r.status_code == 422, (bad, r.text)
+        assert r.status_code == status, (bad, r.text)
         assert (r.json()["error"]["field"] or "").startswith(field), (bad, r.json())
     r = api.client.patch(url, content=b"[1]", headers={**api.h(), "Content-Type": "application/json"})
     assert r.status_code == 422
@@ -146,7 +153,7 @@ def test_control_actions_follow_the_state_machine(api: Api) -> None:
     assert api.client.post(f"{base}/cancel", headers=api.h()).json()["state"] == "cancelled"
     assert api.client.post(f"{base}/cancel", headers=api.h()).status_code == 409
     assert api.client.patch(f"{base}/reward-schedule", json={"w_end": 0.1}, headers=api.h()).status_code == 409
-    assert api.client.post(f"{base}/explode", headers=api.h()).status_code == 422
+    assert api.client.post(f"{base}/explode", headers=api.h()).status_code == 404
     # a running job only gets a request; the driver acts on it
     job2 = submit(api).json()
     api.store.transition(job2["id"], "starting")
@@ -285,3 +292,55 @@ def test_status_reads_are_fresh_after_our_writes_and_at_most_briefly_stale_after
     api.client.post(f"{url}/cancel", headers=api.h())
     assert api.client.get(url, headers=api.h()).json()["state"] == "cancelled"  # no wait needed
     assert api.client.get(url, headers=api.h(api.key_b)).status_code == 404  # the cache is tenant-checked
+
+
+def test_undeclared_methods_get_405_with_every_method_of_the_path_in_allow(api: Api) -> None:
+    job = submit(api).json()
+    for method, path, allow in [
+        ("OPTIONS", "/v1/environments", "GET, POST"),
+        ("PUT", "/v1/environments/calculator", "DELETE, GET"),
+        ("POST", f"/v1/jobs/{job['id']}/metrics", "GET"),
+        ("GET", f"/v1/jobs/{job['id']}/cancel", "POST"),
+        ("DELETE", f"/v1/jobs/{job['id']}/reward-schedule", "GET, PATCH"),
+    ]:
+        r = api.client.request(method, path, headers=api.h())
+        assert r.status_code == 405, (method, path, r.text)
+        assert r.headers["Allow"] == allow and r.json()["error"]["code"] == "method_not_allowed", (method, path)
+    # an action that does not exist is an unknown path, not a bad parameter
+    assert api.client.post(f"/v1/jobs/{job['id']}/explode", headers=api.h()).status_code == 404
+
+
+@pytest.mark.parametrize("field, value", [("priority", True), ("total_steps", "3"), ("seed", False)])
+def test_values_pydantic_would_coerce_are_rejected_as_the_schema_says(api: Api, field: str, value) -> None:
+    before = redis_dump(api.store.url)
+    r = submit(api, {**SPEC, field: value})
+    assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+    assert redis_dump(api.store.url) == before
+    assert submit(api, {**SPEC, field: 1.0 if field != "total_steps" else 3.0}).status_code == 201  # an integer
+
+
+def test_openapi_documents_errors_with_the_shared_error_body(api: Api) -> None:
+    schema = api.client.get("/openapi.json").json()
+    error_ref = "#/components/schemas/ErrorResponse"
+    for path, item in schema["paths"].items():
+        for method, operation in item.items():
+            responses = operation["responses"]
+            for status, response in responses.items():
+                if status.startswith("4"):
+                    assert response["content"]["application/json"]["schema"]["$ref"] == error_ref, (path, method)
+            if path.startswith("/v1/"):
+                assert "401" in responses, (method, path)
+            if operation.get("parameters") or "requestBody" in operation:
+                assert "422" in responses, (method, path)
+            if "requestBody" in operation:
+                assert {"400", "413"} <= set(responses), (method, path)
+            if "{" in path:
+                assert "404" in responses, (method, path)
+            for parameter in operation.get("parameters", []):
+                assert "anyOf" not in parameter["schema"], (method, path, parameter)  # never `null`
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    links = schema["paths"]["/v1/jobs"]["post"]["responses"]["201"]["links"]
+    assert {link["parameters"]["job_id"] for link in links.values()} == {"$response.body#/id"} and len(links) >= 9
+    patch_body = schema["paths"]["/v1/jobs/{job_id}/reward-schedule"]["patch"]["requestBody"]["content"]
+    assert patch_body["application/json"]["schema"]["$ref"].endswith("/SchedulePatch")
+    assert schema["components"]["schemas"]["SchedulePatch"]["minProperties"] == 1

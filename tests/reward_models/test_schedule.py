@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from reward_models.schedule import RewardSchedule, ScheduleHistory
+from reward_models.schedule import RewardSchedule, ScheduleHistory, SchedulePatch
 
 
 def test_default_is_linear_one_to_zero() -> None:
@@ -55,6 +56,20 @@ def test_piecewise_interpolates_and_is_flat_outside() -> None:
     assert s.weight(40) == 0.0 and s.weight(500) == 0.0
 
 
+def test_other_kinds_fields_at_their_default_are_accepted_and_lists_are_sorted() -> None:
+    s = RewardSchedule.model_validate({"kind": "linear", "half_life": None, "milestones": [], "points": []})
+    assert (s.half_life, s.milestones, s.points) == (None, None, None)
+    assert RewardSchedule(kind="step", milestones=[40, 10, 25]).milestones == [10, 25, 40]
+    s = RewardSchedule(kind="piecewise", points=[(20, 1.0), (10, 0.2)])
+    assert s.points == [(10, 0.2), (20, 1.0)] and s.weight(15) == pytest.approx(0.6)
+
+
+def test_piecewise_step_listed_twice_is_a_jump() -> None:
+    s = RewardSchedule(kind="piecewise", points=[(0, 1.0), (10, 1.0), (10, 0.2), (20, 0.0)])
+    assert s.weight(9) == 1.0 and s.weight(10) == 0.2 and s.weight(15) == pytest.approx(0.1)
+    assert s.weight(100) == 0.0
+
+
 def test_exponential_halves_every_half_life() -> None:
     s = RewardSchedule(kind="exponential", w_start=1.0, w_end=0.0, half_life=5)
     assert [s.weight(t) for t in (0, 5, 10, 15)] == pytest.approx([1.0, 0.5, 0.25, 0.125])
@@ -86,12 +101,15 @@ def test_monotone_kinds_are_monotone(
     [
         ({"kind": "exponential", "half_life": -3}, "half_life"),
         ({"kind": "exponential"}, "half_life"),
-        ({"kind": "step", "milestones": [10, 5]}, "milestones"),
+        ({"kind": "exponential", "half_life": math.inf}, "half_life"),
         ({"kind": "step", "milestones": [5, 5]}, "milestones"),
+        ({"kind": "step", "milestones": [3, -1]}, "milestones"),
+        ({"kind": "step", "milestones": []}, "milestones"),
         ({"kind": "step"}, "milestones"),
-        ({"kind": "piecewise", "points": [(5, 0.1), (3, 0.2)]}, "points"),
         ({"kind": "piecewise", "points": [(5, -0.1)]}, "points"),
+        ({"kind": "piecewise", "points": [(-5, 0.1)]}, "points"),
         ({"kind": "linear", "half_life": 3}, "half_life"),
+        ({"kind": "linear", "milestones": [3]}, "milestones"),
         ({"w_start": -1}, "w_start"),
         ({"horizon": 0}, "horizon"),
         ({"density_start": 1.5}, "density_start"),
@@ -155,7 +173,7 @@ def test_patch_changing_kind_drops_the_old_kinds_fields_and_validates() -> None:
     h.apply_patch({"kind": "linear"}, at_step=0)
     assert h.current.schedule.half_life is None
     with pytest.raises(ValidationError, match="milestones"):
-        h.apply_patch({"kind": "step", "milestones": [9, 3]}, at_step=1)
+        h.apply_patch({"kind": "step", "milestones": [9, 9]}, at_step=1)
     assert len(h.versions) == 2  # a rejected patch leaves no version behind
     with pytest.raises(ValueError, match="at_step"):
         h.apply_patch({"w_start": 0.5}, at_step=-1)
@@ -169,3 +187,66 @@ def test_spec_default_still_builds() -> None:
 
     spec = JobSpec.model_validate({"reward_schedule": {"kind": "cosine", "w_start": 0.5, "horizon": 10}})
     assert spec.reward_schedule.weight(10) == 0.0 and JobSpec().reward_schedule.weight(0) == 1.0
+
+
+# Values from which the schema-consistency tests below draw schedules and patches: valid and invalid ones,
+# the unused defaults of the kind-only fields, and combinations across kinds.
+_VALUES: dict[str, list] = {
+    "kind": ["constant", "linear", "cosine", "exponential", "step", "piecewise", "bogus", None],
+    "w_start": [0.5, -1.0, "x", None],
+    "horizon": [10, 0],
+    "half_life": [None, 3.0, 0.0, -1.0],
+    "milestones": [None, [], [3], [5, 2], [4, 4], [-1]],
+    "points": [None, [], [[5, 0.1]], [[5, 0.1], [3, 0.2]], [[2, 0.5], [2, 0.7]], [[1, -0.1]], [[1]]],
+    "density_end": [None, 0.5, 2.0],
+    "nope": [1],
+}
+_BASES = [RewardSchedule(kind=k) for k in ("constant", "linear", "cosine")] + [
+    RewardSchedule(kind="exponential", half_life=4),
+    RewardSchedule(kind="step", milestones=[5]),
+    RewardSchedule(kind="piecewise", points=[(1, 0.5)]),
+]
+
+
+@st.composite
+def _documents(draw) -> dict:
+    fields = draw(st.lists(st.sampled_from(sorted(_VALUES)), unique=True, max_size=5))
+    return {f: draw(st.sampled_from(_VALUES[f])) for f in fields}
+
+
+@functools.cache
+def _schema_validator(model):
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(model.model_json_schema())
+
+
+def _accepts(model, data: dict) -> bool:
+    try:
+        model.model_validate(data)
+        return True
+    except ValidationError:
+        return False
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=_documents())
+def test_the_json_schema_of_a_schedule_accepts_exactly_the_valid_ones(data: dict) -> None:
+    assert _schema_validator(RewardSchedule).is_valid(data) == _accepts(RewardSchedule, data), data
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=_documents())
+def test_a_patch_is_valid_exactly_when_its_schema_says_and_then_fits_some_schedule(data: dict) -> None:
+    valid = _accepts(SchedulePatch, data)
+    assert _schema_validator(SchedulePatch).is_valid(data) == valid, data
+    fits = []
+    for base in _BASES:
+        try:
+            base.merged(data)
+            fits.append(True)
+        except ValidationError:
+            fits.append(False)
+    # a valid patch fits a schedule of some kind (so refusing it is a conflict with the job's schedule, not
+    # bad input); an invalid one fits none (except the empty patch, which changes nothing and is refused)
+    assert any(fits) if valid else (not any(fits) or data == {}), (data, fits)

@@ -104,7 +104,9 @@ def test_preview_and_tokens_endpoints_need_a_key_and_name_the_bad_field(client) 
     assert cur["current"]["weight"][0] == 1.0 and cur["current"]["weight"][10] == 0.0
     bad = c.post(url, json={"w_start": -1}, headers=h)
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "w_start"
-    bad = c.post(url, json={"kind": "step"}, headers=h)
+    bad = c.post(url, json={"kind": "step"}, headers=h)  # valid, but not for this linear schedule (as PATCH)
+    assert bad.status_code == 409 and bad.json()["error"]["field"] == "milestones"
+    bad = c.post(url, json={"kind": "linear", "milestones": [3]}, headers=h)  # invalid on its own
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "milestones"
     ok = c.post(url, json={"kind": "step", "milestones": [3, 6]}, headers=h).json()
     # the job is at step 0: the new version applies from step 1 and drops at each milestone
