@@ -24,7 +24,8 @@ def list_keys(svc: Svc, who: Who,
     return [KeyOut(**k) for k in svc.admin_list_keys(who, tenant)]
 
 
-@router.post("/keys", status_code=201, response_model=KeyCreated, summary="Create an API key (shown once)")
+@router.post("/keys", status_code=201, response_model=KeyCreated, summary="Create an API key (shown once)",
+             responses=error_responses(400, 413))
 def create_key(svc: Svc, who: Who, body: KeyCreate) -> KeyCreated:
     key, info = svc.admin_create_key(who, body.tenant, name=body.name, admin=body.admin,
                                      expires_in_s=body.expires_in_s)
@@ -36,20 +37,21 @@ def revoke_key(key_id: KeyId, svc: Svc, who: Who) -> KeyOut:
     return KeyOut(**svc.admin_revoke_key(who, key_id))
 
 
-@router.get("/tenants/{tenant}/quota", response_model=QuotaOut, summary="A tenant's quota (the default when it has none)")
+@router.get("/tenants/{tenant}/quota", response_model=QuotaOut, summary="A tenant's quota (the default when it has none)",
+            responses=error_responses(404))
 def get_quota(tenant: Tenant, svc: Svc, who: Who) -> QuotaOut:
     quota, own = svc.get_quota(who, tenant)
     return QuotaOut(tenant=tenant, quota=quota, default=not own)
 
 
 @router.put("/tenants/{tenant}/quota", response_model=QuotaOut, summary="Set a tenant's quota (every field; omitted ones "
-            "take their defaults)")
+            "take their defaults)", responses=error_responses(400, 404, 413))
 def set_quota(tenant: Tenant, svc: Svc, who: Who, body: TenantQuota) -> QuotaOut:
     return QuotaOut(tenant=tenant, quota=svc.set_quota(who, tenant, body), default=False)
 
 
 @router.delete("/tenants/{tenant}/quota", status_code=204, response_class=Response,
-               summary="Drop a tenant's quota: the operator's default applies again")
+               summary="Drop a tenant's quota: the operator's default applies again", responses=error_responses(404))
 def reset_quota(tenant: Tenant, svc: Svc, who: Who) -> Response:
     svc.reset_quota(who, tenant)
     return Response(status_code=204)
