@@ -98,8 +98,10 @@ def test_chunk_attention_matches_masked_sdpa(dtype, tol, new, total, dqk, dv) ->
 # ---- a real engine in bf16 against fp32 ---------------------------------------------------------------------
 
 STEPS = 200
-PROMPT_LENGTHS = [7, 90, 150]  # 150 > the 64-token budget: chunked prefill through the state slots
-ENGINE_KWARGS = dict(enforce_eager=True, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+# Prompts longer than a page (256 tokens of the tiny model's latent cache) are prefilled in page-aligned
+# chunks: the later chunks read their earlier latents back from the cache and continue the KDA states.
+PROMPT_LENGTHS = [7, 300, 600]
+ENGINE_KWARGS = dict(enforce_eager=True, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=64,
                      kv_cache_memory_bytes=64 << 20, seed=0)
 
 
