@@ -7,7 +7,9 @@ import os
 import platform
 from typing import Any
 
-from model.vllm_plugin.cpu_dtype import cpu_flags
+import torch
+
+from model.vllm_plugin.cpu_dtype import cpu_compute_dtype, cpu_flags
 
 # flags that change which kernels torch/oneDNN and vLLM's CPU backend can use
 RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16",
@@ -27,10 +29,6 @@ def cpu_model() -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-
-    from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
-
     flags = cpu_flags()
     info: dict[str, Any] = {
         "cpu_model": cpu_model(),
