@@ -320,6 +320,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
             "fla_error": FLA_ERROR}
+    from benchmarks.machine import machine_info
+
+    info["machine"] = machine_info()
     import triton
 
     info["triton"] = triton.__version__

@@ -505,7 +505,9 @@ def main() -> None:
     cuda = device == "cuda"
     preset = args.preset or ("small" if cuda else "tiny")
     dtype = torch.bfloat16 if cuda else torch.float32
-    report: dict = {"machine": platform.node(), "torch": torch.__version__,
+    from benchmarks.machine import machine_info
+
+    report: dict = {"machine": platform.node(), "machine_info": machine_info(), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if cuda else None, "cpu_threads": torch.get_num_threads()}
 
     if cuda:

@@ -35,7 +35,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -46,12 +45,14 @@ from typing import Any
 
 # run as a script, this folder would shadow the `model` package with benchmarks/model.py
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for benchmarks.machine
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks.machine import machine_info  # noqa: E402
 from rollout_workers.agent import AgentLoop, make_group_specs  # noqa: E402
 from rollout_workers.chat import as_template_tools  # noqa: E402
 from rollout_workers.engine import TurnRequest  # noqa: E402
@@ -378,7 +379,7 @@ def main() -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "machine": {**machine_info(), "torch_threads": torch.get_num_threads(),
                     "load_average_1m_at_end": os.getloadavg()[0]},
         "model": ("tiny Llama (hidden 128, 2 layers)" if args.model == "llama" else "tiny Taper (the service's preset)")
                  + ", SFT on calculator demonstrations"

@@ -3,7 +3,7 @@
 All three are random-weight models of ~6.5M active parameters (the shipped tokenizer's vocabulary) served
 by the same vLLM (in-process engine, eager, prefix caching off). For each context length a batch of
 `--batch` distinct random prompts is submitted at once and `--new-tokens` tokens generated per request:
-  prefill time   from submission until every sequence has its first token;
+  prefill time   from submission until every sequence has its first token (wall and thread-CPU time);
   decode tok/s   tokens produced after that moment over the time since (not "total minus a prefill-only
                  run", which chunked prefill makes too noisy); the prefills are staggered (chunked, one
                  after another), so by then the first sequences may be done and fewer than `--batch` decode;
@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -135,6 +134,8 @@ def run_worker(args: argparse.Namespace) -> None:
     )
     engine = llm.llm_engine
     kv_cache_config = engine.engine_core.engine_core.scheduler.kv_cache_config
+    served = engine.model_executor.driver_worker.worker.model_runner.model
+    compute_dtype = str(getattr(served, "compute_dtype", served.lm_head.weight.dtype)).removeprefix("torch.")
     vocab = llm.get_tokenizer().vocab_size
     warmup = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(3, 67))}] * 2, warmup, use_tqdm=False)
@@ -144,11 +145,11 @@ def run_worker(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     for context in args.contexts:
         prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in range(args.batch)]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{context}-{i}", {"prompt_token_ids": prompt}, params)
         produced: dict[str, int] = {}
-        first_all = tokens_at_first = None
+        first_all = tokens_at_first = prefill_cpu = None
         now = start
         full_cpu: list[float] = []  # thread-CPU seconds of each step in which all `batch` sequences decode
         full_wall: list[float] = []
@@ -162,10 +163,12 @@ def run_worker(args: argparse.Namespace) -> None:
                 full_wall.append(now - wall0)
             if first_all is None and len(produced) == args.batch and min(produced.values()) >= 1:
                 first_all, tokens_at_first = now, sum(produced.values())
+                prefill_cpu = time.thread_time() - cpu_start
         decode_tokens = sum(produced.values()) - tokens_at_first
         row = {
             "context": context,
             "prefill_s": first_all - start,
+            "prefill_cpu_s": prefill_cpu,  # this thread's CPU time over the same span: steadier on a shared box
             "decode_tok_s": decode_tokens / (now - first_all) if now > first_all else float("nan"),
             "decode_tokens": decode_tokens,
             # steady decode of the whole batch (none while `--new-tokens` is within the prefills' stagger)
@@ -174,15 +177,19 @@ def run_worker(args: argparse.Namespace) -> None:
             "full_batch_step_cpu_ms": 1e3 * statistics.median(full_cpu) if full_cpu else float("nan"),
             "cache_bytes": cache_bytes(kv_cache_config, args.batch, context),
             "load_avg": os.getloadavg()[0],
+            "compute_dtype": compute_dtype,
         }
         print("RESULT " + json.dumps(row), flush=True)
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.machine import describe, machine_info
     from model.tokenizer import TOKENIZER_DIR
 
+    machine = machine_info()
+    print(f"machine: {describe(machine)}", flush=True)
     results: dict[str, Any] = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "machine": machine,
         "settings": {"batch": args.batch, "new_tokens": args.new_tokens, "dtype": args.dtype,
                      "contexts": args.contexts, "engine": "vLLM in-process, eager, prefix caching off, 1 torch thread"},
         "models": {},
@@ -204,38 +211,40 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"benchmark worker for {name} failed (exit {proc.returncode})")
             results["models"][name] = {"params": counts, "runs": rows}
             for row in rows:
-                print(f"  T={row['context']:>6}: prefill {row['prefill_s']:.2f}s, decode {row['decode_tok_s']:.1f} tok/s, "
+                print(f"  T={row['context']:>6}: prefill {row['prefill_s']:.2f}s ({row['prefill_cpu_s']:.2f}s CPU), decode {row['decode_tok_s']:.1f} tok/s, "
                       f"full batch {row['full_batch_tok_s']:.1f} tok/s / {row['full_batch_step_cpu_ms']:.1f} ms CPU "
                       f"per step over {row['full_batch_steps']} steps, cache {row['cache_bytes'] / 2**20:.1f} MiB, "
-                      f"load {row['load_avg']:.1f}", flush=True)
+                      f"load {row['load_avg']:.1f}, computing in {row['compute_dtype']}", flush=True)
     return results
 
 
 def print_table(results: dict[str, Any]) -> None:
     """One line per model and context; the ratios are against the Llama (/L) and Qwen3-Next (/Q) at the
-    same context, for the decode rate and the full-batch decode rate (full)."""
+    same context: prefill wall and CPU time (lower is better), decode and full-batch decode rates, and the
+    full-batch step's CPU time against Qwen3-Next's as a rate (its ms over ours: higher is better)."""
     models = results["models"]
     base, qwen = models.get("llama"), models.get("qwen3_next")
-    head = (f"{'model':<11} {'context':>7} {'prefill s':>10} {'decode tok/s':>13} {'full tok/s':>11} "
+    head = (f"{'model':<11} {'context':>7} {'prefill s':>10} {'prefill CPU s':>14} {'decode tok/s':>13} {'full tok/s':>11} "
             f"{'step CPU ms':>12} {'cache MiB':>10}")
     if base:
-        head += f" {'prefill/L':>10} {'decode/L':>9} {'full/L':>7} {'cache/L':>8}"
+        head += f" {'prefill/L':>10} {'pCPU/L':>7} {'decode/L':>9} {'full/L':>7} {'step/L':>7} {'cache/L':>8}"
     if qwen:
-        head += f" {'decode/Q':>9} {'full/Q':>7}"
+        head += f" {'prefill/Q':>10} {'pCPU/Q':>7} {'decode/Q':>9} {'full/Q':>7} {'step/Q':>7}"
     print(head)
     for name, data in models.items():
         for i, row in enumerate(data["runs"]):
-            line = (f"{name:<11} {row['context']:>7} {row['prefill_s']:>10.2f} {row['decode_tok_s']:>13.1f} "
-                    f"{row.get('full_batch_tok_s', math.nan):>11.1f} {row.get('full_batch_step_cpu_ms', math.nan):>12.1f} "
-                    f"{row['cache_bytes'] / 2**20:>10.1f}")
-            if base:
-                ref = base["runs"][i]
-                line += (f" {row['prefill_s'] / ref['prefill_s']:>9.2f}x {row['decode_tok_s'] / ref['decode_tok_s']:>8.2f}x"
-                         f" {_ratio(row, ref, 'full_batch_tok_s'):>6.2f}x {row['cache_bytes'] / ref['cache_bytes']:>7.2f}x")
-            if qwen:
-                ref = qwen["runs"][i]
-                line += (f" {row['decode_tok_s'] / ref['decode_tok_s']:>8.2f}x"
-                         f" {_ratio(row, ref, 'full_batch_tok_s'):>6.2f}x")
+            line = (f"{name:<11} {row['context']:>7} {row['prefill_s']:>10.2f} {row.get('prefill_cpu_s', math.nan):>14.2f} "
+                    f"{row['decode_tok_s']:>13.1f} {row.get('full_batch_tok_s', math.nan):>11.1f} "
+                    f"{row.get('full_batch_step_cpu_ms', math.nan):>12.1f} {row['cache_bytes'] / 2**20:>10.1f}")
+            for ref, extra in ((base, True), (qwen, False)):
+                if not ref:
+                    continue
+                ref = ref["runs"][i]
+                line += (f" {row['prefill_s'] / ref['prefill_s']:>9.2f}x {_ratio(row, ref, 'prefill_cpu_s'):>6.2f}x"
+                         f" {row['decode_tok_s'] / ref['decode_tok_s']:>8.2f}x {_ratio(row, ref, 'full_batch_tok_s'):>6.2f}x"
+                         f" {_ratio(ref, row, 'full_batch_step_cpu_ms'):>6.2f}x")
+                if extra:
+                    line += f" {row['cache_bytes'] / ref['cache_bytes']:>7.2f}x"
             print(line)
 
 

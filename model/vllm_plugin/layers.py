@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
@@ -24,7 +25,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
-from model.layers.mla import GatedMLA, attention_mask_for
+from model.layers.mla import GatedMLA
 from model.layers.moe import StableLatentMoE
 from model.vllm_plugin.fast_ops import situ_glu_fast
 from model.vllm_plugin.fused import fused
@@ -112,20 +113,38 @@ def expanded_values(mixed: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-def cached_latents(kv_cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt chunk over its sequence: q [H, Tq, D], k/v [H, Tk, D] with the chunk's
+    own tokens last (Tk >= Tq). Returns [Tq, H, Dv].
+
+    Two calls of torch's CPU flash-attention kernel merged by their log-sum-exps: the earlier tokens
+    without a mask, the chunk's own tokens with the kernel's causal mask. One call with an explicit mask
+    computes every block of the masked-out half too (1.8x the time for a 4K chunk at 16K in bf16)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    past = k.shape[1] - q.shape[1]
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dqk != dv:  # the kernel wants one head size: zero channels change neither scores nor outputs
+        q, k = F.pad(q, (0, max(dv - dqk, 0))), F.pad(k, (0, max(dv - dqk, 0)))
+        v = F.pad(v, (0, max(dqk - dv, 0)))
+    new, lse_new = flash(q[None], k[None, :, past:], v[None, :, past:], 0.0, True, scale=scale)[:2]
+    if past:
+        old, lse_old = flash(q[None], k[None, :, :past], v[None, :, :past], 0.0, False, scale=scale)[:2]
+        w_old = torch.sigmoid(lse_old - lse_new).unsqueeze(-1)  # e^lse_old / (e^lse_old + e^lse_new)
+        new = torch.lerp(new.float(), old.float(), w_old).to(q.dtype)
+    return new[0, ..., :dv].transpose(0, 1)
+
+
+def cached_latents(kv_cache: torch.Tensor, pages: torch.Tensor, length: int, isa: str) -> torch.Tensor:
     """The first `length` latents of a request from a latent-cache layer's pages: kv_cache
     [blocks, 1, block, 2r] as vLLM's CPU backend holds it (per page: keys, packed for its kernel, then
     values; keys and values are the same latents, so the values are read), pages [n] its page ids in
-    order. Returns [length, r].
-
-    Values are row by row, except for the AMX kernel (bf16 on CPUs with AMX tiles), which packs each page
-    as [r/16 channel blocks][block/2 token pairs][16 channels][2 tokens of the pair]."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    blocks, _, block, width = kv_cache.shape
-    r = width // 2
-    values = kv_cache.view(blocks, 2 * block, r)[:, block:].index_select(0, pages.long())
-    if _get_attn_isa(kv_cache.dtype, block, r) == "amx":
+    order, `isa` the backend's kernel kind for the layer. Values are stored row by row, except for the
+    AMX kernel (bf16 caches on CPUs with AMX), which packs them for its tile loads: 16-column strips, each
+    holding the rows in pairs with the two rows' elements interleaved. Returns [length, r]."""
+    blocks, _, block, _ = kv_cache.shape
+    values = kv_cache.view(blocks, 2 * block, -1)[:, block:].index_select(0, pages.long())  # [n, block, r]
+    r = values.shape[-1]
+    if isa == "amx":
         values = values.reshape(-1, r // 16, block // 2, 16, 2).permute(0, 2, 4, 1, 3)
     return values.reshape(-1, r)[:length]
 
@@ -244,13 +263,11 @@ class VllmGatedMLA(GatedMLA):
                 latents = c[a:b]
             else:
                 pages = meta.block_table[i, : (length + block - 1) // block]
-                latents = cached_latents(kv_cache, pages, length).to(q.dtype)
+                latents = cached_latents(kv_cache, pages, length, self.attn.isa).to(q.dtype)
             kv = self.kv_b_proj(latents).view(length, H, self.qk_head_dim + self.v_head_dim)
-            k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
-            qi = q[a:b].view(b - a, H, self.qk_head_dim)
-            mask = attention_mask_for(b - a, length - (b - a), None, q.device)
-            out[a:b] = self.attend(qi.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                   mask)[0]
+            k, v = kv.transpose(0, 1).split([self.qk_head_dim, self.v_head_dim], dim=-1)
+            qi = q[a:b].view(b - a, H, self.qk_head_dim).transpose(0, 1)
+            out[a:b] = chunk_attention(qi, k, v, self.scale)
         return out.reshape(T, -1)
 
 

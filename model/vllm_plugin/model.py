@@ -6,9 +6,10 @@ with its frozen balancing bias) or a subclass with the same parameters and math 
 projections, no fp32 casts of fp32 tensors: a decode step's cost is mostly its count of small ops), so a
 `save_pretrained` directory loads with no conversion and a learner's state dict pushes in by name.
 
-On CPU the layers hold and compute in fp32 whatever the served dtype (torch's bf16 matmuls are several
-times slower than fp32 on CPUs without native bf16; the KDA kernels compute in fp32 anyway); the caches
-and every tensor handed to vLLM stay in the model dtype.
+On CPU the layers hold and compute in the dtype `cpu_dtype` decides: bf16 where the CPU has bf16
+instructions (fp32 accumulation in the matmuls; norms, gates, routing, AttnRes weights and the KDA state
+in fp32), fp32 elsewhere (there torch's bf16 matmuls are several times slower than fp32); the caches and
+every tensor handed to vLLM stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.logger import init_logger
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.platforms import current_platform
@@ -28,6 +30,7 @@ from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP
+from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
 from model.vllm_plugin.fast_ops import situ_glu_fast
 from model.vllm_plugin.fused import drop_fused, fused
 from model.vllm_plugin.layers import (
@@ -37,6 +40,8 @@ from model.vllm_plugin.layers import (
     kda_state_dtypes,
     kda_state_shapes,
 )
+
+logger = init_logger("vllm.taper")  # under "vllm": printed by the engine's own log handler
 
 
 @contextlib.contextmanager
@@ -123,7 +128,12 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
             raise ValueError("enforce_eager: the Taper vLLM model must be served with enforce_eager=True")
         self.config = config
         self.model_dtype = vllm_config.model_config.dtype
-        self.compute_dtype = torch.float32 if current_platform.is_cpu() else self.model_dtype
+        if current_platform.is_cpu():
+            decided = cpu_compute_dtype(self.model_dtype)
+            logger.info("Taper on CPU computes in %s", decided.describe())
+            self.compute_dtype = decided.dtype
+        else:
+            self.compute_dtype = self.model_dtype
         with _default_dtype(self.compute_dtype):
             self.model = TaperModel(config, vllm_config, prefix=f"{prefix}.model" if prefix else "model")
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

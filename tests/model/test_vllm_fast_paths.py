@@ -124,7 +124,7 @@ def test_latent_cache_attention_matches_up_projected_attention(dtype: torch.dtyp
         slots = (pages.long()[pos // block] * block + pos % block)
         ops.cpu_attn_reshape_and_cache(c.to(dtype)[:, None], c.to(dtype)[:, None], key_cache, value_cache, slots,
                                        isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        assert torch.equal(cached_latents(kv_cache, pages, length), c.to(dtype))
+        assert torch.equal(cached_latents(kv_cache, pages, length, isa), c.to(dtype))
         c = c.to(dtype).float()  # what the cache holds
         k, v = torch.einsum("hdr,tr->htd", w_uk, c), torch.einsum("hdr,tr->htd", w_uv, c)
         p = torch.softmax(torch.einsum("hd,htd->ht", q[i], k) * scale, dim=-1)
