@@ -9,24 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from rl_service.job_states import JobState
 from rl_service.spec import JobSpec
 from rl_service.store import Store
-
-STANDIN_DIR = Path(__file__).resolve().parent.parent / "rl_service"
-
-
-def wait_for(pred, timeout: float = 120.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.api.test_restart import STANDIN_DIR, wait_for
 
 
 def scheduler_process(env: dict[str, str], log: Path) -> subprocess.Popen:
