@@ -1,7 +1,8 @@
 """`taper scheduler` runs jobs with no API at all, and two of them never both place: two real scheduler
-processes on one real Redis and the test session's real local Ray, jobs submitted straight to the store, the
-stand-in runner (0.2 s a step). The leader is killed mid-run; the other takes over and every job finishes
-with the one driver it was given."""
+processes on one real Redis and the data dir's embedded Ray head (the first starts it, the second finds it;
+a cluster of its own, so nothing other tests left on the session's Ray can hold its resources), jobs
+submitted straight to the store, the stand-in runner (0.2 s a step). The leader is killed mid-run; the other
+takes over and every job finishes with the one driver it was given."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rl_service.embedded import stop_embedded
 from rl_service.job_states import JobState
 from rl_service.spec import JobSpec
 from rl_service.store import Store
@@ -23,11 +25,12 @@ def scheduler_process(env: dict[str, str], log: Path) -> subprocess.Popen:
                                 cwd=STANDIN_DIR, stdout=out, stderr=subprocess.STDOUT)
 
 
-def test_two_scheduler_processes_place_each_job_once_without_an_api(redis_url, ray_local, tmp_path) -> None:
+def test_two_scheduler_processes_place_each_job_once_without_an_api(redis_url, tmp_path) -> None:
     store = Store(redis_url)
-    env = {**os.environ, "TAPER_REDIS_URL": redis_url, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address,
+    env = {**os.environ, "TAPER_REDIS_URL": redis_url, "TAPER_LOCAL_CPUS": "2",
            "TAPER_DATA_DIR": str(tmp_path), "TAPER_JOB_RUNNER": "standin_runner:StandInRunner",
            "PYTHONPATH": os.pathsep.join([str(STANDIN_DIR), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RAY_ADDRESS", None)
     first = scheduler_process(env, tmp_path / "first.log")
     second = None
     try:
@@ -53,3 +56,4 @@ def test_two_scheduler_processes_place_each_job_once_without_an_api(redis_url, r
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
                 proc.kill()
+        stop_embedded(tmp_path)
