@@ -9,6 +9,7 @@ so no group is lost.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import time
@@ -123,8 +124,10 @@ class RolloutPool:
                 pass
             self._workers[slot] = self._spawn(slot)
             self.restarts += 1
-            # ready before its first chunk, so a chunk's deadline never counts the engine's start-up
-            ray.get(self._workers[slot].ping.remote())
+            # ready before its first chunk, so a chunk's deadline never counts the engine's start-up; one that
+            # dies too (placed on a node being lost) fails its first chunk, which is retried like any lost chunk
+            with contextlib.suppress(*_WORKER_LOST):
+                ray.get(self._workers[slot].ping.remote())
 
     # ------------------------------------------------------------------ rollouts
     def generate(
