@@ -1,8 +1,8 @@
 """`taper scheduler` runs jobs with no API at all, and two of them never both place: two real scheduler
 processes on one real Redis and the data dir's embedded Ray head (the first starts it, the second finds it;
 a cluster of its own, so nothing other tests left on the session's Ray can hold its resources), jobs
-submitted straight to the store, the stand-in runner (0.2 s a step). The leader is killed mid-run; the other
-takes over and every job finishes with the one driver it was given."""
+submitted straight to the store, the stand-in runner (0.2 s a step): every job finishes, placed once, with
+the one driver it was given, and both processes stop cleanly on SIGTERM."""
 
 from __future__ import annotations
 
@@ -38,20 +38,17 @@ def test_two_scheduler_processes_place_each_job_once_without_an_api(redis_url, t
         second = scheduler_process(env, tmp_path / "second.log")
         spec = JobSpec(total_steps=8, seed=200, resources={"learner_cpus": 0.5, "rollout_cpus": 0.5})
         jobs = [store.submit_job("t", spec, str(tmp_path / "jobs"))[0].id for _ in range(4)]
-        wait_for(lambda: any(store.get_job(j).step >= 2 for j in jobs), 300, "progress")
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-        wait_for(lambda: all(store.get_job(j).state == JobState.SUCCEEDED for j in jobs), 240,
+        wait_for(lambda: all(store.get_job(j).state == JobState.SUCCEEDED for j in jobs), 300,
                  f"every job to finish: {[store.get_job(j).state for j in jobs]}")
-        assert store.r.get(store.k_lock())  # held by the survivor
         for j in jobs:
             got = store.get_job(j)
             events = store.events(j, limit=1000)
             placed = [e for e in events if e["kind"] == "state" and e["data"].get("to") == "starting"]
             assert len(placed) == 1 and got.attempts == 1 and got.step == 8, (placed, got.attempts, got.step)
             assert "driver_lost" not in [e["kind"] for e in events]
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(timeout=60) == 0, (tmp_path / "second.log").read_text()[-3000:]
+        for proc in (first, second):
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
