@@ -33,6 +33,8 @@ CODE = "print(sum(i * i for i in range(1000)))"
 EXPECTED = f"{sum(i * i for i in range(1000))}\n"
 
 
+# Not benchmarks.machine: it imports torch, and a parent holding torch makes every spawn dearer (measured on
+# the idle box: 29.8 ms added per call instead of 8-9), which would be measured here as the sandbox's cost.
 def cpu_model() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     for line in out.splitlines():
