@@ -306,10 +306,8 @@ class JobRunner:
                 finally:
                     self.pool = None
 
-    def _pause_itself(self, step: int, cause: str, cursor: dict[str, int] | None) -> None:
-        """Stop as a pause does, with `cause` as the job's error; the next run starts a fresh failure streak."""
-        self.infra_guard.end_streak()
-        self._checkpoint(step, cursor)
+    def _pause_itself(self, step: int, cause: str) -> None:
+        """Stop as a pause does (the loop checkpointed `step`), with `cause` as the job's error."""
         self.pause_cause = cause
         self.hooks.emit_event("paused", {"step": step, "cause": cause})
         raise _Stop("paused")
@@ -485,7 +483,9 @@ class JobRunner:
 
             done = t + 1
             tc = time.perf_counter()
-            if done % spec.checkpoint_every == 0 or done == spec.total_steps:
+            if health.pause_cause:
+                self.infra_guard.end_streak()  # the resumed job starts a fresh failure streak
+            if done % spec.checkpoint_every == 0 or done == spec.total_steps or health.pause_cause:
                 self._checkpoint(done, cursor=self.cursor.state() if pending is None else pending_cursor)
             times["time/checkpoint"] = time.perf_counter() - tc
             te = time.perf_counter()
@@ -498,7 +498,7 @@ class JobRunner:
             self.hooks.emit_metrics(done, metrics)
             self._progress()
             if health.pause_cause:
-                self._pause_itself(done, health.pause_cause, self.cursor.state() if pending is None else pending_cursor)
+                self._pause_itself(done, health.pause_cause)
         self.hooks.emit_event("completed", {"step": spec.total_steps,
                                             "untrained_steps": self.infra_guard.untrained_steps})
         return "succeeded"
