@@ -104,7 +104,7 @@ class AlgorithmSpec(_Strict):
 
 class InfraFailureConfig(_Strict):
     """When rollouts fail for infrastructure reasons (environment errors, tool timeouts) the job warns, then
-    pauses itself with the cause as its error, instead of training on nothing (rl_service.infra_guard)."""
+    pauses itself with the cause as its error, instead of training on nothing (rl_service.training.infra_guard)."""
 
     warn_fraction: float = Field(
         0.5, ge=0.0, lt=1.0,

@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-from rl_service.checkpoint import latest_checkpoint, list_checkpoints
-from rl_service.job import InMemoryHooks, JobRunner, seeded_vllm_engine
 from rl_service.spec import JobSpec
+from rl_service.training.checkpoint import latest_checkpoint, list_checkpoints
+from rl_service.training.runner import InMemoryHooks, JobRunner, seeded_vllm_engine
 from rollout_workers.storage import iter_trajectories, step_file
 from tests.rl_service.learner_helpers import (
     EnvironmentDownPool,
@@ -225,7 +225,7 @@ def test_a_job_whose_environment_dies_warns_pauses_itself_and_resumes(shared_poo
 def test_job_main_reads_yaml_specs_and_names_bad_fields(tmp_path) -> None:
     from pydantic import ValidationError
 
-    from rl_service.job_main import load_spec
+    from rl_service.training.job_main import load_spec
 
     good = tmp_path / "job.yaml"
     good.write_text("total_steps: 3\nrollout:\n  async_mode: true\nalgorithm:\n  loss_type: gspo\n")
@@ -238,7 +238,7 @@ def test_job_main_reads_yaml_specs_and_names_bad_fields(tmp_path) -> None:
 
 
 def test_data_cursor_is_a_seeded_permutation_per_epoch() -> None:
-    from rl_service.job import DataCursor
+    from rl_service.training.runner import DataCursor
 
     c = DataCursor(5, seed=1)
     first = c.take(5)
@@ -258,7 +258,7 @@ def test_preload_imports_the_checkpoints_model_class(tiny_llama_dir, tmp_path) -
 
     code = (
         "import sys\n"
-        "from rl_service.job import InMemoryHooks, JobRunner\n"
+        "from rl_service.training.runner import InMemoryHooks, JobRunner\n"
         "from rl_service.spec import JobSpec\n"
         "name = 'transformers.models.llama.modeling_llama'\n"
         f"spec = JobSpec.model_validate({{'model': {{'checkpoint_dir': {str(tiny_llama_dir)!r}}}}})\n"

@@ -6,7 +6,7 @@ the caller marks the job failed). It resumes from the newest checkpoint under `w
 
 Work directory:
   initial/              the starting weights + tokenizer (rollout engines and the KL reference load them)
-  checkpoints/step_N/   see rl_service.checkpoint (weights, optimizer, RNG, state.json)
+  checkpoints/step_N/   see rl_service.training.checkpoint (weights, optimizer, RNG, state.json)
   trajectories/         one JSONL file per training step (rollout_workers.storage)
 
 Weight versions: version v = the policy after v training steps. Step t (0-based) trains on rollouts of
@@ -34,7 +34,10 @@ import numpy as np
 import torch
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory
-from rl_service.checkpoint import (
+from rl_service.environment_settings import operator_environment_policy
+from rl_service.hooks import Control, JobHooks
+from rl_service.spec import JobSpec
+from rl_service.training.checkpoint import (
     latest_checkpoint,
     load_weights,
     remove_stale_temporaries,
@@ -42,11 +45,9 @@ from rl_service.checkpoint import (
     save_checkpoint,
     save_weights,
 )
-from rl_service.hooks import Control, JobHooks
-from rl_service.infra_guard import InfraFailureGuard
-from rl_service.learner import Learner, LearnerConfig, PolicySample
-from rl_service.learner.weight_push import shippable_state_dict
-from rl_service.spec import JobSpec
+from rl_service.training.infra_guard import InfraFailureGuard
+from rl_service.training.learner import Learner, LearnerConfig, PolicySample
+from rl_service.training.learner.weight_push import shippable_state_dict
 from rollout_workers.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class JobRunner:
             with contextlib.suppress(Exception):  # a bad checkpoint is reported by the real load in `run`
                 AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
         if self.spec.resources.num_learners > 1:
-            import rl_service.distributed  # noqa: F401
+            import rl_service.training.distributed  # noqa: F401
 
     # ------------------------------------------------------------------ progress
     def _progress(self) -> None:
@@ -419,8 +420,8 @@ class JobRunner:
         (under the scheduler), else wherever Ray has room."""
         import ray
 
-        from rl_service.distributed import DistributedLearner
-        from rl_service.scheduler import learner_bundle_indices
+        from rl_service.placement import learner_bundle_indices
+        from rl_service.training.distributed import DistributedLearner
 
         res = self.spec.resources
         pg = ray.util.get_current_placement_group()
@@ -640,18 +641,11 @@ def seeded_vllm_engine(config: Any) -> Any:
     return VLLMEngine(config)
 
 
-def operator_environment_policy() -> Any:
-    """The EnvironmentPolicy from this process's settings (the same TAPER_ variables the API reads)."""
-    from rl_service.settings import get_settings
-
-    return get_settings().environment_policy()
-
-
 def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     """The real rollout pool: Ray actors, each with a vLLM engine loading `weights_dir`."""
     import ray
 
-    from rl_service.scheduler import rollout_bundle_indices
+    from rl_service.placement import rollout_bundle_indices
     from rollout_workers.engine import EngineConfig
     from rollout_workers.pool import RolloutPool
 
