@@ -271,3 +271,26 @@ def test_preload_imports_the_checkpoints_model_class(tiny_llama_dir, tmp_path) -
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_warm_start_runs_once_before_step_0_and_is_reported(shared_pool, tiny_llama_dir, tmp_path) -> None:
+    """`warm_start` fine-tunes on the environment's demonstrations before RL; the initial weights the engines
+    and a resumed job start from are the warm-started ones, and a resumed job does not repeat it."""
+    spec = make_spec(tiny_llama_dir, warm_start={"num_examples": 8, "max_steps": 30, "until_loss": None,
+                                                 "batch_size": 4, "learning_rate": 0.01},
+                     total_steps=2, checkpoint_every=1)
+    crash = CrashAfter(2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        JobRunner("w", spec, crash, tmp_path / "w", pool_factory=shared_pool.factory).run()
+    (started,) = crash.events_of("warm_start_started")
+    (done,) = crash.events_of("warm_start_done")
+    assert started["examples"] == 8 and done["sft_steps"] == 30
+    assert [e["sft_step"] for e in crash.events_of("warm_start_progress")] == [25]
+    first = next(m for _, m in crash.metrics if "loss" in m)
+    assert first["warm_start/steps"] == 30 and first["warm_start/loss"] == done["loss"] < 5.0
+    w0, warm = _weights(tiny_llama_dir), _weights(tmp_path / "w" / "initial")
+    assert any(not torch.equal(w0[k], warm[k]) for k in w0)  # the engines start from the fine-tuned weights
+
+    resumed = InMemoryHooks()
+    assert JobRunner("w", spec, resumed, tmp_path / "w", pool_factory=shared_pool.factory).run() == "succeeded"
+    assert not resumed.events_of("warm_start_started") and resumed.events_of("resumed")
