@@ -461,6 +461,20 @@ class TaperService:
         self._job(p, job_id)
         return self.store.events(job_id, after=after, limit=limit)
 
+    def followed_events(self, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+        """The next events of a job whose stream the caller was already allowed to follow (see `events`); an empty
+        list once the job is gone."""
+        return self.store.events(job_id, after=after, limit=limit)
+
+    def job_finished(self, job_id: str) -> bool:
+        """The job has reached a final state, or no longer exists."""
+        state = self.store.job_field(job_id, "state")
+        return state is None or JobState(state).is_terminal
+
+    def jobs_by_state(self) -> dict[str, int]:
+        """How many jobs are in each state (every tenant's)."""
+        return self.store.count_by_state()
+
     def metrics(self, p: Principal, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         self._job(p, job_id)
         return self.store.metrics(job_id, after=after, limit=limit)
