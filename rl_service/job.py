@@ -343,14 +343,20 @@ class JobRunner:
         Returns (first step to run, directory the rollout engines load)."""
         from reward_models.credit import CreditConfig
         from reward_models.monitor import HackingMonitor
+        from rl_service.task_files import load_tasks
         from rollout_workers.environments.registry import generate_tasks
 
         spec = self.spec
         self.env = self._environment()
-        self.train_tasks = generate_tasks(self.env, spec.tasks.num_train, spec.tasks.seed, spec.tasks.options,
-                                          self.env_policy)
-        self.eval_tasks = (generate_tasks(self.env, spec.tasks.num_eval, spec.tasks.seed + EVAL_SEED_OFFSET,
-                                          spec.tasks.options, self.env_policy) if spec.tasks.num_eval else [])
+        if spec.tasks.train_path:  # uploaded task files, resolved by the control plane at submit time
+            self.train_tasks = load_tasks(spec.tasks.train_path)
+            self.eval_tasks = load_tasks(spec.tasks.eval_path) if spec.tasks.eval_path else []
+        else:
+            self.train_tasks = generate_tasks(self.env, spec.tasks.num_train, spec.tasks.seed, spec.tasks.options,
+                                              self.env_policy)
+            self.eval_tasks = (load_tasks(spec.tasks.eval_path) if spec.tasks.eval_path else
+                               generate_tasks(self.env, spec.tasks.num_eval, spec.tasks.seed + EVAL_SEED_OFFSET,
+                                              spec.tasks.options, self.env_policy) if spec.tasks.num_eval else [])
         self.credit = CreditConfig.from_algorithm(spec.algorithm)
 
         self._progress()

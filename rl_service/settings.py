@@ -15,6 +15,7 @@ from pydantic import AliasChoices, Field, ValidationError, field_validator, mode
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from rl_service.quota import JobLimits, TenantQuota
+from rl_service.task_files import TaskFileLimits
 
 if TYPE_CHECKING:
     from rollout_workers.environments.policy import EnvironmentPolicy
@@ -65,6 +66,10 @@ class TaperSettings(BaseSettings):
         default_factory=dict,
         description="Model directories tenants may start from as `model.checkpoint: base:NAME` "
                     '(JSON: {"NAME": "/models/dir"}).')
+    task_files: TaskFileLimits = Field(
+        default_factory=TaskFileLimits,
+        description="Limits on uploaded task files (TAPER_TASK_FILES__MAX_BYTES=..., __MAX_LINES, __MAX_LINE_BYTES, "
+                    "__MAX_FILES per tenant).")
     events_maxlen: int = Field(10_000, ge=100, description="Events kept per job (older ones are trimmed).")
     metrics_maxlen: int = Field(100_000, ge=100, description="Metric rows kept per job (older ones are trimmed).")
     schedule_max_versions: int = Field(
