@@ -42,7 +42,7 @@ class FileDeleted(BaseModel):
 
 
 @router.post("", status_code=200, response_model=FileObject, summary="Upload a task file",
-             responses=error_responses(409, 413, 422))
+             responses=error_responses(400, 409, 413, 422))
 def upload_file(
     svc: Svc,
     who: Who,
