@@ -17,10 +17,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_weather_server(port: int | None = None, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+# The example server, killed (os._exit, as by a crash) when a tool call looks up the Nth temperature: the
+# call that does it never gets an answer.
+_DYING = """
+import os, runpy, sys
+sys.argv = ["weather_server", "--port", sys.argv[2]]
+server = runpy.run_path({path!r}, run_name="weather")
+limit, seen = int({limit}), []
+
+class Dying(dict):
+    def __contains__(self, key):
+        seen.append(key)
+        if len(seen) >= limit:
+            os._exit(1)
+        return dict.__contains__(self, key)
+
+server["get_temperature"].__globals__["TEMPERATURES_C"] = Dying(server["TEMPERATURES_C"])
+server["main"]()
+"""
+
+
+def start_weather_server(port: int | None = None, timeout_s: float = 60.0,
+                         die_at_lookup: int | None = None) -> tuple[subprocess.Popen, str]:
     port = port or free_port()
-    proc = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    if die_at_lookup is None:
+        argv = [sys.executable, str(SERVER), "--port", str(port)]
+    else:
+        argv = [sys.executable, "-c", _DYING.format(path=str(SERVER), limit=die_at_lookup), "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
