@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rollout_workers.environments.base import Environment, validate_tool_schemas
 from rollout_workers.environments.calculator import CalculatorEnv
-from rollout_workers.environments.http_env import HttpEnvironment
+from rollout_workers.environments.http_env import HttpEnvironment, probe
 from rollout_workers.environments.long_horizon import LongHorizonEnv
 from rollout_workers.environments.mcp_env import MAX_TOOLS, McpEnvironment, list_mcp_tools
 from rollout_workers.environments.policy import EnvironmentPolicy, check_options
@@ -170,6 +170,16 @@ def _mcp_tools(reg: EnvironmentRegistration, policy: EnvironmentPolicy) -> list[
             raise ValueError(f"tools: the MCP server has no tool {missing[0]!r} (it lists {sorted(by_name)})")
         listed = [by_name[w] for w in wanted]
     return validate_tool_schemas(listed, field="base_url: the MCP server's tools")
+
+
+def check_reachable(reg: EnvironmentRegistration, policy: EnvironmentPolicy | None = None) -> None:
+    """Registration-time check that an http environment's server answers (ValueError naming base_url)."""
+    if reg.kind != "http":
+        return
+    try:
+        probe(reg, (policy or EnvironmentPolicy()).allow_list)
+    except RuntimeError as e:
+        raise ValueError(f"base_url: {e}") from None
 
 
 def check_target(base_url: str, allow: AllowList) -> None:

@@ -235,3 +235,26 @@ def test_declared_process_components() -> None:
         parse_process([{"kind": "tool_called", "name": "a", "tool": "x"}, {"kind": "tool_called", "name": "a", "tool": "y"}])
     with pytest.raises(ValueError, match=r"process_rewards\.0\.tool_called\.tool"):
         parse_process([{"kind": "tool_called", "name": "a", "tool": "bad name!"}])
+
+
+def test_scoring_uses_an_environments_declared_grader_and_components() -> None:
+    from reward_models.scoring import score_trajectories
+    from rollout_workers.environments.registry import EnvironmentRegistration, make_env_factory
+    from rollout_workers.trajectory import TrajectoryStatus
+
+    reg = EnvironmentRegistration.model_validate({
+        "kind": "python", "name": "calc", "import_path": "rollout_workers.environments.calculator:CalculatorEnv",
+        "grader": {"type": "string_check", "input": "{{sample.answer}}", "reference": "{{item.answer}}"},
+        "process_rewards": [{"kind": "tool_called", "name": "used_calculator", "tool": "calculator"}]})
+    env = make_env_factory(reg)()
+    call = ToolCall(raw="", name="calculator", arguments={"expression": "2+2"}, result="4")
+    right, wrong = traj("The answer is 4.", {"answer": 4}, [call]), traj("The answer is 5.", {"answer": 4}, [call])
+    score_trajectories([right, wrong], env, components=[])
+    assert (right.outcome_reward, wrong.outcome_reward) == (1.0, 0.0)
+    assert right.steps[0].process_rewards == {"used_calculator": 1.0} and right.steps[1].process_rewards == {}
+    # a grader that cannot score marks the trajectory an environment failure (excluded), not a zero
+    env.grader_spec = {"type": "numeric", "input": "{{sample.answer}}", "reference": "{{item.missing}}"}
+    broken = traj("The answer is 4.", {"answer": 4})
+    score_trajectories([broken], env, components=[])
+    assert broken.status == TrajectoryStatus.ENV_ERROR and broken.outcome_reward is None
+    assert "reference is not a number" in (broken.error or "")
