@@ -258,6 +258,19 @@ class JobRunner:
 
         return EnvironmentRegistration.model_validate(reg)
 
+    def _scoring_env(self) -> Any:
+        """An environment instance the rewards are computed with: the registration's declared grader and
+        process components, or the job's own where it declares them."""
+        from rollout_workers.environments.registry import make_env_factory
+
+        declared = self.spec.environment
+        env = make_env_factory(self.env, declared.options, self.env_policy)()
+        if declared.grader is not None:
+            env.grader_spec = declared.grader
+        if declared.process_rewards is not None:
+            env.process_specs = tuple(declared.process_rewards)
+        return env
+
     def _build_model(self) -> tuple[torch.nn.Module, Any]:
         import model as _taper  # noqa: F401  (registers the architecture)
         from model import TaperConfig, TaperForCausalLM
@@ -530,14 +543,13 @@ class JobRunner:
     def _train_step(self, t: int, trajs: list[Trajectory], times: dict[str, float]) -> dict[str, float]:
         from reward_models.credit import compute_advantages
         from reward_models.scoring import score_trajectories
-        from rollout_workers.environments.registry import make_env_factory
         from rollout_workers.storage import TrajectoryWriter, step_file
 
         spec = self.spec
         metrics: dict[str, float] = {"step": float(t + 1)}
         # ---- rewards with the schedule in force at this step
         tw = time.perf_counter()
-        score_trajectories(trajs, make_env_factory(self.env, spec.environment.options, self.env_policy)())
+        score_trajectories(trajs, self._scoring_env())
         self._progress()
         hist_version, schedule = self.history.at(t)
         w = schedule.weight(t)
@@ -621,11 +633,10 @@ class JobRunner:
     def _evaluate(self, step: int) -> None:
         """Greedy rollouts on the held-out tasks; outcome success rate."""
         from reward_models.scoring import score_outcome
-        from rollout_workers.environments.registry import make_env_factory
 
         t0 = time.perf_counter()
         groups = self._generate(self.eval_tasks, 1, self._sampling(greedy=True), None)
-        env = make_env_factory(self.env, self.spec.environment.options, self.env_policy)()
+        env = self._scoring_env()
         outcomes = []
         for g in groups:
             for tj in g:

@@ -303,6 +303,10 @@ class TaperService:
             raise InvalidInput(str(exc), field=exc.field) from None
         registration = self._resolve_environment(p, spec.environment.name)
         self._check_job_environment(spec, registration)
+        try:
+            check_declared_rewards(spec.environment.grader, spec.environment.process_rewards or [], "environment.")
+        except ValueError as exc:
+            raise named_invalid(exc) from None
         spec = self._resolve_task_files(p, spec, registration)
         if registration is not None:
             # the job carries its registration, so its driver never reads the (tenant's, mutable) registry
@@ -556,6 +560,20 @@ class TaperService:
         return meta
 
     def delete_file(self, p: Principal, file_id: str) -> None:
+        """Refused (409) while a job that has not finished names the file."""
+        for state in JobState:
+            if state.is_terminal:
+                continue
+            offset = 0
+            while True:
+                jobs, total = self.store.list_jobs(p.tenant, state, offset, 200)
+                for job in jobs:
+                    if file_id in (job.spec.tasks.train_file, job.spec.tasks.eval_file):
+                        raise Conflict(f"file {file_id!r} is used by job {job.id} ({state.value}); delete it once the "
+                                       "job has finished", field="file_id")
+                offset += len(jobs)
+                if not jobs or offset >= total:
+                    break
         if not self.task_files.delete(p.tenant, file_id):
             raise NotFound(f"file {file_id!r} not found", field="file_id")
 
@@ -644,13 +662,14 @@ class TaperService:
         return {"ok": ok, "redis": ok}
 
 
-def check_declared_rewards(grader: dict[str, Any] | None, process_rewards: list[dict[str, Any]]) -> None:
-    """A registration's grader and process components are well-formed (ValueError naming the field)."""
+def check_declared_rewards(grader: dict[str, Any] | None, process_rewards: list[dict[str, Any]],
+                           prefix: str = "") -> None:
+    """A declared grader and process components are well-formed (ValueError naming the field)."""
     from reward_models.graders import parse_grader, parse_process
 
     if grader is not None:
-        parse_grader(grader, "grader")
-    parse_process(process_rewards, "process_rewards")
+        parse_grader(grader, f"{prefix}grader")
+    parse_process(process_rewards, f"{prefix}process_rewards")
 
 
 def validate_tenant(tenant: str) -> None:

@@ -49,6 +49,12 @@ class ModelSpec(_Strict):
 class EnvironmentSpec(_Strict):
     name: str = Field("calculator", min_length=1, max_length=64, description="A built-in or registered environment.")
     options: dict[str, Any] = Field(default_factory=dict, description="Passed to the environment's constructor / task generator.")
+    grader: dict[str, Any] | None = Field(
+        None, description="A declared outcome grader for this job (string_check, text_similarity, numeric, regex, "
+                          "json_match, python, http, multi), instead of the registration's or the verifier.")
+    process_rewards: list[dict[str, Any]] | None = Field(
+        None, max_length=16, description="Declared per-step process components for this job (tool_called, "
+                                         "tool_args_match), instead of the registration's.")
     # Set by the control plane, never by a submission: the request schema says null.
     registration: Annotated[dict[str, Any] | None, WithJsonSchema({"type": "null"}, mode="validation")] = Field(
         None,

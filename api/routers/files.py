@@ -63,7 +63,7 @@ def get_file(file_id: FileId, svc: Svc, who: Who) -> FileObject:
     return FileObject(**svc.get_file(who, file_id))
 
 
-@router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 422))
+@router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409, 422))
 def delete_file(file_id: FileId, svc: Svc, who: Who) -> FileDeleted:
     svc.delete_file(who, file_id)
     return FileDeleted(id=file_id)

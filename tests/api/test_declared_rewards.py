@@ -30,3 +30,13 @@ def test_declared_rewards_are_checked_and_stored(api: Api) -> None:
         assert r.status_code == 422, (extra, r.text)
         assert r.json()["error"]["field"].startswith(field), (field, r.json())
     assert api.client.get("/v1/environments/other", headers=api.h()).status_code == 404
+
+
+def test_a_job_may_declare_its_own_grader(api: Api) -> None:
+    job = {"environment": {"name": "calculator", "grader": GRADER, "process_rewards": PROCESS}}
+    r = api.client.post("/v1/jobs", json=job, headers=api.h())
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["environment"]["grader"] == GRADER
+    bad = {"environment": {"name": "calculator", "grader": {**GRADER, "calculate_output": "nope"}}}
+    r = api.client.post("/v1/jobs", json=bad, headers=api.h())
+    assert r.status_code == 422 and r.json()["error"]["field"].startswith("environment.grader"), r.text

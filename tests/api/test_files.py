@@ -115,3 +115,12 @@ def test_jobs_name_files_by_id(api: Api) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "tasks.train_file"
     r = api.client.post("/v1/jobs", json={"tasks": {"train_path": "/etc/passwd"}}, headers=api.h())
     assert r.status_code == 422 and r.json()["error"]["field"] == "tasks.train_path"
+
+
+def test_a_file_a_waiting_job_names_cannot_be_deleted(api: Api) -> None:
+    f = upload(api, jsonl(TASKS)).json()
+    job = api.client.post("/v1/jobs", json={"tasks": {"train_file": f["id"]}}, headers=api.h()).json()
+    r = api.client.delete(f"/v1/files/{f['id']}", headers=api.h())
+    assert r.status_code == 409 and job["id"] in r.json()["error"]["message"]
+    api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.h())
+    assert api.client.delete(f"/v1/files/{f['id']}", headers=api.h()).status_code == 200
