@@ -177,7 +177,8 @@ class TaperService:
         self.jobs_dir = (self.data_dir / "jobs").resolve()
         from rl_service.task_file_store import TaskFileStore
 
-        self.task_files = TaskFileStore(self.data_dir / "files", task_file_limits)
+        # not under data_dir/files: that is the default data root environments' file options may read
+        self.task_files = TaskFileStore(self.data_dir / "task_files", task_file_limits)
         self.submit_rate_per_minute = submit_rate_per_minute
         self.limits = limits or JobLimits()
         self.default_quota = default_quota or TenantQuota()

@@ -1,4 +1,5 @@
-"""Uploaded task files, per tenant under the data dir (the format: rl_service.task_files).
+"""Uploaded task files, per tenant under the data dir's `task_files/` (outside the data roots that
+environments' file options may read; the format: rl_service.task_files).
 
 Every line is checked before anything is kept: the upload is written to a temporary file in the tenant's
 directory, validated, fsynced and renamed into place, and only then does its description (the `.json`

@@ -26,7 +26,7 @@ def upload(api: Api, content: bytes, name: str = "tasks.jsonl", purpose: str = "
 
 
 def stored_files(api: Api) -> list[Path]:
-    root = api.service.data_dir / "files"
+    root = api.service.data_dir / "task_files"
     return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
 
 
@@ -82,7 +82,7 @@ def test_operator_limits(api: Api) -> None:
     from rl_service.task_file_store import TaskFileStore
     from rl_service.task_files import TaskFileLimits
 
-    api.service.task_files = TaskFileStore(api.service.data_dir / "files",
+    api.service.task_files = TaskFileStore(api.service.data_dir / "task_files",
                                            TaskFileLimits(max_bytes=2048, max_lines=3, max_line_bytes=512, max_files=1))
     r = upload(api, jsonl([{"question": "q" * 100}] * 30))
     assert r.status_code == 413 and "larger than 2048 bytes" in r.json()["error"]["message"]
@@ -124,3 +124,12 @@ def test_a_file_a_waiting_job_names_cannot_be_deleted(api: Api) -> None:
     assert r.status_code == 409 and job["id"] in r.json()["error"]["message"]
     api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.h())
     assert api.client.delete(f"/v1/files/{f['id']}", headers=api.h()).status_code == 200
+
+
+def test_task_files_are_outside_the_data_roots_environments_read(api: Api) -> None:
+    from rl_service.settings import TaperSettings
+
+    f = upload(api, jsonl(TASKS)).json()
+    path = api.service.task_files.path("alpha", f["id"])
+    policy = TaperSettings(data_dir=api.service.data_dir).environment_policy()
+    assert not any(path.is_relative_to(root.resolve()) for root in policy.data_roots)
