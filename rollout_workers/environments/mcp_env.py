@@ -86,7 +86,11 @@ class McpSession:
 
     async def open(self) -> ClientSession:
         self._owner = asyncio.get_running_loop().create_task(self._own())
-        await asyncio.wait_for(self._ready.wait(), self.timeout_s)
+        try:
+            await asyncio.wait_for(self._ready.wait(), self.timeout_s)
+        except TimeoutError:
+            self._owner.cancel()  # a server that accepts the connection but never initializes
+            raise RuntimeError(f"MCP server {self.url}: no session within {self.timeout_s}s") from None
         if self.session is None:
             raise RuntimeError(f"MCP server {self.url}: {_describe(self.failure)}")
         return self.session
