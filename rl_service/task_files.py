@@ -28,9 +28,11 @@ class TaskFileLimits(BaseModel):
 
 
 class TaskMessage(BaseModel):
+    """`developer` (OpenAI's name for instructions in newer files) is kept as `system`."""
+
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str = Field(max_length=1_000_000)
 
 
@@ -79,6 +81,9 @@ def check_line(raw: bytes, number: int, limits: TaskFileLimits) -> dict[str, Any
         msg = str(err.get("msg", exc)).removeprefix("Value error, ")
         raise TaskFileError(f"line {number}: {where + ': ' if where else ''}{msg}") from None
     out = task.model_dump(exclude_none=True)
+    for message in out.get("messages", []):
+        if message["role"] == "developer":
+            message["role"] = "system"
     out.setdefault("id", f"line-{number}")
     return out
 

@@ -11,7 +11,7 @@ from rl_service.task_files import load_tasks
 
 TASKS = [
     {"question": "How warm is Oslo?", "answer": "4", "city": "Oslo"},
-    {"id": "p", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}],
+    {"id": "p", "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Paris?"}],
      "answer": "12", "metadata": {"source": "table"}},
 ]
 
@@ -47,6 +47,7 @@ def test_upload_list_get_delete_per_tenant(api: Api) -> None:
     tasks = load_tasks(api.service.task_files.path("alpha", f["id"]))
     assert [t["id"] for t in tasks] == ["line-1", "p"]
     assert tasks[0]["city"] == "Oslo" and tasks[1]["metadata"] == {"source": "table"}
+    assert tasks[1]["messages"][0] == {"role": "system", "content": "Be brief."}  # OpenAI's developer role
     r = api.client.delete(f"/v1/files/{f['id']}", headers=api.h())
     assert r.json() == {"id": f["id"], "object": "file", "deleted": True}
     assert api.client.get(f"/v1/files/{f['id']}", headers=api.h()).status_code == 404
