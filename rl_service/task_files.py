@@ -1,4 +1,5 @@
-"""Task files: JSONL, one task per line (the format; rl_service.task_file_store keeps them per tenant).
+"""Task files: JSONL, one task per line (the format, shared by the control plane and the job runner;
+rl_service.control.task_file_store keeps them per tenant).
 
 A line is a JSON object with a `question` (the user message) or `messages` (the opening chat), an optional
 `answer` and `id`, a `metadata` object, and any other fields the graders read as `{{item.FIELD}}` (as in

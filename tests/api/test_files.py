@@ -80,7 +80,7 @@ def test_bad_lines_are_422_naming_the_line_and_nothing_is_stored(api: Api) -> No
 
 
 def test_operator_limits(api: Api) -> None:
-    from rl_service.task_file_store import TaskFileStore
+    from rl_service.control.task_file_store import TaskFileStore
     from rl_service.task_files import TaskFileLimits
 
     api.service.task_files = TaskFileStore(api.service.data_dir / "task_files",
@@ -128,7 +128,7 @@ def test_a_file_a_waiting_job_names_cannot_be_deleted(api: Api) -> None:
 
 
 def test_task_files_are_outside_the_data_roots_environments_read(api: Api) -> None:
-    from rl_service.settings import TaperSettings
+    from rl_service.control.settings import TaperSettings
 
     f = upload(api, jsonl(TASKS)).json()
     path = api.service.task_files.path("alpha", f["id"])

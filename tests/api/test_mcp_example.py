@@ -14,11 +14,11 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from reward_models.graders import grade_trajectory, parse_grader
-from rl_service.job import InMemoryHooks, JobRunner
-from rl_service.service import TaperService
-from rl_service.settings import TaperSettings, get_settings
+from rl_service.control.service import TaperService
+from rl_service.control.settings import TaperSettings, get_settings
+from rl_service.control.store import Store
 from rl_service.spec import JobSpec
-from rl_service.store import Store
+from rl_service.training.runner import InMemoryHooks, JobRunner
 from rollout_workers.environments.base import tool_call_message
 from rollout_workers.environments.policy import EnvironmentPolicy
 from rollout_workers.storage import iter_trajectories, step_file
@@ -37,7 +37,7 @@ def warm_start(model_dir: Path, tools: list[dict], out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl_service.sft import warm_start as sft
+    from rl_service.training.sft import warm_start as sft
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
