@@ -26,13 +26,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from rollout_workers.environments.base import Environment, ToolError, extract_answer, final_answer_text
 from rollout_workers.environments.http_env import MAX_TOOL_ERROR_CHARS, HttpOptions
-from rollout_workers.net_guard import (
-    AllowList,
-    _normal_host,
-    literal_address,
-    resolve_target,
-    system_resolver,
-)
+from rollout_workers.net_guard import AllowList, request_targets
 
 if TYPE_CHECKING:
     from rollout_workers.environments.registry import EnvironmentRegistration
@@ -53,10 +47,7 @@ class AsyncPinnedTransport(httpx2.AsyncHTTPTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         url = request.url
-        host = url.raw_host.decode("ascii")
-        port = url.port or (443 if url.scheme == "https" else 80)
-        addresses = await asyncio.to_thread(resolve_target, host, port, self.allow, system_resolver)
-        named = literal_address(_normal_host(host))[0] is None
+        host, addresses, named = await asyncio.to_thread(request_targets, url, self.allow)  # DNS blocks
         last_error: httpx2.ConnectError | None = None
         for ip in addresses:
             request.url = url.copy_with(host=str(ip))

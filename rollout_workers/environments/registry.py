@@ -163,7 +163,7 @@ def _mcp_tools(reg: EnvironmentRegistration, policy: EnvironmentPolicy) -> list[
     if len(listed) > MAX_TOOLS:
         raise ValueError(f"base_url: the MCP server lists more than {MAX_TOOLS} tools; name the ones to use in tools")
     if reg.tools is not None:
-        wanted = [t.get("name") if isinstance(t, dict) else t for t in reg.tools]
+        wanted = [t.get("name") for t in reg.tools]
         by_name = {t["name"]: t for t in listed}
         missing = [w for w in wanted if w not in by_name]
         if missing:

@@ -91,3 +91,18 @@ def test_a_dead_server_mid_episode_is_an_infrastructure_failure() -> None:
 
     error = asyncio.run(episode())
     assert error is not None and not isinstance(error, ToolError), error
+
+
+def test_every_connection_is_checked_not_only_the_registration(server: tuple[object, str]) -> None:
+    _, url = server
+    reg = validate_registration({"kind": "mcp", "name": "weather", "base_url": url, "timeout_s": 5}, LOCAL)
+
+    async def episode() -> None:
+        env = make_env_factory(reg, policy=EnvironmentPolicy())()  # the operator no longer admits loopback
+        try:
+            await env.reset({"id": "t1", "question": "Oslo?"})
+        finally:
+            await env.close()
+
+    with pytest.raises(RuntimeError, match="loopback"):
+        asyncio.run(episode())
