@@ -15,7 +15,6 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,6 +22,7 @@ from rich.table import Column, Table
 
 from api.cli import demo
 from rl_service.control.settings import TaperSettings, get_settings
+from rl_service.spec import read_spec_file
 
 app = typer.Typer(help="Taper: agentic RL post-training service.", no_args_is_help=True)
 schedule_app = typer.Typer(help="Show or change a job's process-reward schedule.", no_args_is_help=True)
@@ -81,10 +81,9 @@ def _check(r: httpx.Response) -> Any:
 
 def _load(path: Path) -> Any:
     try:
-        text = path.read_text()
+        return read_spec_file(path)
     except OSError as exc:
         raise typer.BadParameter(f"cannot read {path}: {exc}") from None
-    return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
 
 
 # ---- server ----
