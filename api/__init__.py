@@ -1,1 +1,1 @@
-"""The FastAPI control plane, auth, request/response schemas and the `taper` CLI."""
+"""HTTP: the FastAPI app, auth, routers, schemas and the dashboard (`ui/`); the `taper` command line in `cli/`."""

@@ -64,8 +64,9 @@ def job_spec(env: str, variant: str, seed: int, steps: int, checkpoint: Path) ->
 
 
 def run_one(env: str, variant: str, seed: int, steps: int, work: Path, checkpoint: Path) -> dict[str, Any]:
+    from rl_service.hooks import InMemoryHooks
     from rl_service.spec import JobSpec
-    from rl_service.training.runner import InMemoryHooks, JobRunner
+    from rl_service.training.runner import JobRunner
 
     spec = JobSpec.model_validate(job_spec(env, variant, seed, steps, checkpoint))
     hooks = InMemoryHooks(spec.reward_schedule)

@@ -45,8 +45,9 @@ def _ray(num_cpus: int | None) -> None:
 def bench_job(args) -> dict:
     _vllm_env()
     _ray(args.num_cpus)
+    from rl_service.hooks import InMemoryHooks
     from rl_service.spec import JobSpec
-    from rl_service.training.runner import InMemoryHooks, JobRunner
+    from rl_service.training.runner import JobRunner
 
     out = {}
     for mode in ("sync", "async"):

@@ -129,10 +129,9 @@ def _is_hf_known(path: str) -> bool:
 
 def _register_taper(path: str) -> Any:
     """Our own model type: importing the ``model`` package registers it with the Auto classes."""
-    import importlib
-
-    importlib.import_module("model")
     from transformers import AutoConfig
+
+    import model  # noqa: F401  (heavy: only scorers of our own checkpoints need it)
 
     try:
         return AutoConfig.from_pretrained(path)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory
 
 
 def effective_curve(
-    schedule: RewardSchedule | ScheduleHistory, steps: range
+    schedule: RewardSchedule | ScheduleHistory, steps: Sequence[int]
 ) -> tuple[list[float], list[float], list[int]]:
     """(w(t), density(t), version in force) for each step, following the history's versions."""
     history = schedule if isinstance(schedule, ScheduleHistory) else ScheduleHistory.start(schedule)

@@ -5,8 +5,11 @@ Field names follow TRL's GRPOConfig where the meaning is the same.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 
 from reward_models.monitor import HackingMonitorConfig
@@ -260,3 +263,10 @@ class JobSpec(_Strict):
         tokens_per_rank = (r.prompts_per_step * r.num_generations * r.max_total_tokens * self.algorithm.num_iterations
                            / self.resources.num_learners)
         return self.watchdog.learner_rank_s or 600.0 + 0.05 * tokens_per_rank
+
+
+def read_spec_file(path: Path) -> Any:
+    """The data of a YAML or JSON file (``.json``: JSON; anything else: YAML, a superset of JSON). OSError when
+    it cannot be read, yaml.YAMLError or json.JSONDecodeError when it does not parse."""
+    text = path.read_text()
+    return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)

@@ -16,7 +16,6 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -24,6 +23,7 @@ from rich.table import Column, Table
 
 from api.cli import demo
 from rl_service.control.settings import TaperSettings, get_settings
+from rl_service.spec import read_spec_file
 
 app = typer.Typer(help="Taper: agentic RL post-training service.", no_args_is_help=True)
 API_RECORD = "api.json"  # where `taper serve` records its address (and pid) in the data dir
@@ -117,10 +117,9 @@ def _check(r: httpx.Response) -> Any:
 
 def _load(path: Path) -> Any:
     try:
-        text = path.read_text()
+        return read_spec_file(path)
     except OSError as exc:
         raise typer.BadParameter(f"cannot read {path}: {exc}") from None
-    return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
 
 
 # ---- server ----

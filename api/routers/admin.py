@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 
 from api.openapi import SchemaCheckedRoute
-from api.routers.params import Svc, Who
+from api.routers.dependencies import Svc, Who
 from api.schemas import KeyCreate, KeyCreated, KeyOut, QuotaOut, error_responses
 from rl_service.control.quota import TenantQuota
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from api.openapi import SchemaCheckedRoute
-from api.routers.params import EnvName, Svc, Who
+from api.routers.dependencies import EnvName, Svc, Who
 from api.schemas import EnvironmentOut, error_responses
 from rollout_workers.environments.registry import EnvironmentRegistration
 

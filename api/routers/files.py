@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Path, UploadFile
 from pydantic import BaseModel, Field
 
-from api.routers.params import Svc, Who
+from api.routers.dependencies import Svc, Who
 from api.schemas import error_responses
 from rl_service.task_files import FILE_ID_PATTERN
 

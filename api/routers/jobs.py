@@ -12,7 +12,7 @@ from fastapi import APIRouter, Body, Header, Query, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
 from api.openapi import SchemaCheckedRoute
-from api.routers.params import JobId, Svc, Who
+from api.routers.dependencies import JobId, Svc, Who
 from api.schemas import (
     CheckpointOut,
     EventOut,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from reward_models.plot import effective_curve
 from reward_models.schedule import ScheduleHistory
 
 MAX_POINTS = 1000
@@ -21,7 +22,8 @@ def sample_steps(last_step: int, max_points: int = MAX_POINTS) -> list[int]:
 
 
 def _curve(history: ScheduleHistory, steps: list[int]) -> dict[str, list[float]]:
-    return {"weight": [history.weight(s) for s in steps], "density": [history.density(s) for s in steps]}
+    weights, densities, _ = effective_curve(history, steps)
+    return {"weight": weights, "density": densities}
 
 
 def schedule_preview(history: ScheduleHistory, at_step: int, last_step: int,

@@ -14,7 +14,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from api.routers.params import JobId, Svc, Who
+from api.routers.dependencies import JobId, Svc, Who
 from api.ui.layout import render_page
 from api.ui.preview import schedule_preview
 from api.ui.tokens import token_pieces

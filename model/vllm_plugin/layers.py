@@ -27,7 +27,6 @@ from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
 from model.layers.moe import StableLatentMoE
-from model.vllm_plugin.fast_ops import situ_glu_fast
 from model.vllm_plugin.fused import fused
 from model.vllm_plugin.kda_ops import (
     KDABatch,
@@ -35,6 +34,7 @@ from model.vllm_plugin.kda_ops import (
     kda_forward_with_state,
     recurrent_state_shape,
 )
+from model.vllm_plugin.situ_glu_fast import situ_glu_fast
 
 
 def oriented_conv_state_shape(channels_first: tuple[int, int]) -> tuple[int, int]:

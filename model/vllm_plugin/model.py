@@ -31,7 +31,6 @@ from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP
 from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
-from model.vllm_plugin.fast_ops import situ_glu_fast
 from model.vllm_plugin.fused import drop_fused, fused
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
@@ -40,6 +39,7 @@ from model.vllm_plugin.layers import (
     kda_state_dtypes,
     kda_state_shapes,
 )
+from model.vllm_plugin.situ_glu_fast import situ_glu_fast
 
 logger = init_logger("vllm.taper")  # under "vllm": printed by the engine's own log handler
 

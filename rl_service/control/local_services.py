@@ -29,16 +29,10 @@ from urllib.parse import quote
 
 import redis
 
+from rl_service.ports import free_port
 from rl_service.ray_cluster import ensure_ray
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # ---- secrets: files only their owner can read, never written first and restricted after ----
 REDIS_PASSWORD_FILE = "redis-password"

@@ -1,9 +1,11 @@
 """JobHooks over Redis: how a job driver (rl_service.training.runner.JobRunner inside a Ray actor) reports to the
-control plane and hears from it. Satisfies the rl_service.hooks.JobHooks protocol."""
+control plane and hears from it, and beats its heartbeat. Satisfies the rl_service.hooks.JobHooks protocol."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from typing import Any
 
 from reward_models.schedule import RewardSchedule
@@ -11,15 +13,31 @@ from rl_service.control.store import InvalidTransition, JobNotFound, Store
 from rl_service.hooks import Control
 from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, CONTROL_RUN, JobState
 
+log = logging.getLogger(__name__)
+
 
 class RedisHooks:
-    def __init__(self, store: Store, job_id: str) -> None:
+    """A job driver's hooks; `heartbeat` writes at most every `heartbeat_every_s` seconds."""
+
+    def __init__(self, store: Store, job_id: str, heartbeat_every_s: float = 10.0) -> None:
         self.store = store
         self.job_id = job_id
+        self.every_s = heartbeat_every_s
+        self._last = -float("inf")
 
     @classmethod
     def connect(cls, redis_url: str, job_id: str, prefix: str = "taper") -> RedisHooks:
         return cls(Store(redis_url, prefix=prefix), job_id)
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        try:
+            self.store.write_heartbeat(self.job_id)
+            self._last = now
+        except Exception:  # Redis briefly away: the job goes on; the next call retries
+            log.warning("job %s: heartbeat not written", self.job_id, exc_info=True)
 
     # A write for a job deleted under the driver is dropped: `control()` then tells the runner to stop.
     def emit_event(self, kind: str, data: dict[str, Any]) -> None:

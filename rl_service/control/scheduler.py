@@ -20,7 +20,7 @@ and fixes the difference, so a crash at any point of placing a job is repaired o
 
 Only one process runs the loop at a time (a Redis lock with a TTL), so several API replicas are safe.
 
-Heartbeat: the runner reports progress through its hooks (`DriverHooks.heartbeat`: between phases, per
+Heartbeat: the runner reports progress through its hooks (`RedisHooks.heartbeat`: between phases, per
 learner micro-batch, while it waits on rollouts or learner ranks), which write Redis's own clock to
 ``P:job:{id}:heartbeat`` (STRING, expires after a day) at most every ``heartbeat_every_s``; the scheduler
 compares it with Redis's clock, so the hosts' clocks never matter.
@@ -91,25 +91,6 @@ def load_runner(runner: str | type) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-class DriverHooks(RedisHooks):
-    """The driver's hooks: RedisHooks plus the heartbeat, written at most every `every_s` seconds."""
-
-    def __init__(self, store: Store, job_id: str, every_s: float) -> None:
-        super().__init__(store, job_id)
-        self.every_s = every_s
-        self._last = -float("inf")
-
-    def heartbeat(self) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            return
-        try:
-            self.store.write_heartbeat(self.job_id)
-            self._last = now
-        except Exception:  # Redis briefly away: the job goes on; the next call retries
-            log.warning("job %s: heartbeat not written", self.job_id, exc_info=True)
-
-
 class JobDriver:
     """Runs one job (a detached Ray actor; see Scheduler._start_driver). Threaded so ping() answers mid-run."""
 
@@ -135,7 +116,7 @@ class JobDriver:
             self.running = False
             self.finished = True
 
-    def _build_runner(self, job: Any, hooks: DriverHooks) -> Any:
+    def _build_runner(self, job: Any, hooks: RedisHooks) -> Any:
         work_dir = Path(job.work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
         runner = load_runner(self.runner)(self.job_id, job.spec, hooks, work_dir)
@@ -156,7 +137,7 @@ class JobDriver:
         # The runner is built, and its code imported (`preload`), before the first heartbeat: cold imports
         # (transformers' model code, the environment's module) can outlast a heartbeat timeout on a loaded
         # machine. An error here fails the job below, like any runner error.
-        hooks = DriverHooks(store, job_id, self.heartbeat_every_s)
+        hooks = RedisHooks(store, job_id, self.heartbeat_every_s)
         try:
             runner, build_error = self._build_runner(job, hooks), None
         except Exception as exc:
@@ -185,7 +166,7 @@ class JobDriver:
         return target.value
 
 
-    def _run_with_restarts(self, runner: Any, job: JobRecord, hooks: DriverHooks) -> tuple[str, Any]:
+    def _run_with_restarts(self, runner: Any, job: JobRecord, hooks: RedisHooks) -> tuple[str, Any]:
         """The runner's result, and the runner that produced it."""
         restarts = 0
         while True:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rl_service.ports import free_port
 from rl_service.training.learner import Learner, LearnerConfig, LossNorm, PolicySample, pack_micro_batches
 from rl_service.training.learner.weight_push import (
     BALANCING_BUFFER_SUFFIXES,  # averaged over ranks after each update
@@ -216,14 +217,6 @@ class _SyncedBalancing:
 
 class LearnerRankStalled(TimeoutError):
     """A learner rank is alive but makes no progress (a hung collective, a stopped process)."""
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DistributedLearner:

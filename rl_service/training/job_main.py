@@ -12,18 +12,14 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
-from rl_service.spec import JobSpec
+from rl_service.spec import JobSpec, read_spec_file
 
 SHOWN = ("loss", "success_rate", "reward/outcome_mean", "schedule/weight", "kl", "entropy",
          "logprob_mismatch/mean_abs", "staleness/max", "time/step", "eval/success_rate")
 
 
 def load_spec(path: Path) -> JobSpec:
-    text = path.read_text()
-    data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-    return JobSpec.model_validate(data or {})
+    return JobSpec.model_validate(read_spec_file(path) or {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     spec = load_spec(args.spec)
+    from rl_service.hooks import InMemoryHooks
     from rl_service.ray_cluster import ensure_ray
-    from rl_service.training.runner import InMemoryHooks, JobRunner
+    from rl_service.training.runner import JobRunner
 
     ensure_ray(args.ray_address, num_cpus=args.num_cpus)
     args.work_dir.mkdir(parents=True, exist_ok=True)

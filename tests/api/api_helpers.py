@@ -46,7 +46,7 @@ class ThreadedServer:
 
         import uvicorn
 
-        from rl_service.control.local_services import free_port
+        from rl_service.ports import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -17,8 +17,9 @@ from reward_models.graders import grade_trajectory, parse_grader
 from rl_service.control.service import TaperService
 from rl_service.control.settings import TaperSettings, get_settings
 from rl_service.control.store import Store
+from rl_service.hooks import InMemoryHooks
 from rl_service.spec import JobSpec
-from rl_service.training.runner import InMemoryHooks, JobRunner
+from rl_service.training.runner import JobRunner
 from rollout_workers.environments.base import tool_call_message
 from rollout_workers.environments.policy import EnvironmentPolicy
 from rollout_workers.storage import iter_trajectories, step_file

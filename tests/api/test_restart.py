@@ -33,6 +33,7 @@ from rl_service.control.local_services import (
 )
 from rl_service.control.settings import get_settings
 from rl_service.control.store import Store
+from tests.waiting import wait_for
 
 STANDIN_DIR = Path(__file__).resolve().parent.parent / "rl_service"
 # a separate process joins the head named by RAY_ADDRESS and runs a task there, as a job's entrypoint does
@@ -46,16 +47,6 @@ print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.get_runtime_context().gcs
 
 # uvicorn shuts down on SIGTERM, then raises the signal again with its default handler (the exit status says so)
 CLEAN_EXIT = (0, -signal.SIGTERM)
-
-
-def wait_for(pred, timeout: float = 90.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def api_process(env: dict[str, str], data_dir: Path) -> ApiServerProcess:

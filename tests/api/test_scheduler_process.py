@@ -16,7 +16,8 @@ from rl_service.control.local_services import stop_embedded
 from rl_service.control.store import Store
 from rl_service.job_states import JobState
 from rl_service.spec import JobSpec
-from tests.api.test_restart import STANDIN_DIR, wait_for
+from tests.api.test_restart import STANDIN_DIR
+from tests.waiting import wait_for
 
 
 def scheduler_process(env: dict[str, str], log: Path) -> subprocess.Popen:

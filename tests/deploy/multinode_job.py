@@ -18,8 +18,9 @@ from typing import Any
 
 import ray
 
+from rl_service.hooks import InMemoryHooks
 from rl_service.spec import JobSpec
-from rl_service.training.runner import InMemoryHooks, JobRunner, default_pool_factory
+from rl_service.training.runner import JobRunner, default_pool_factory
 
 ENV_PASSTHROUGH = ("VLLM_", "TOKENIZERS_", "HF_", "TRANSFORMERS_", "RAY_USAGE", "OMP_NUM_THREADS", "TMPDIR")
 

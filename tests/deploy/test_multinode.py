@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,10 +21,13 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rl_service.ports import free_port
 from rollout_workers.storage import read_trajectories, step_file
+from tests.waiting import wait_for
 
 HERE = Path(__file__).parent
 # a private throwaway cluster: no token auth (Ray turns it on by default for `ray start`)
@@ -37,12 +39,6 @@ RAY = str(Path(sys.executable).with_name("ray"))
 TOTAL_STEPS = 3
 NUM_WORKERS = 1
 PROMPTS, GENERATIONS = 2, 2  # as in multinode_job.tiny_spec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def session_pids(sid: int) -> list[int]:
@@ -129,16 +125,10 @@ def tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, log: Path):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise AssertionError(f"job process exited ({proc.returncode}) while waiting for {what}:\n{tail(log)}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}:\n{tail(log)}")
+def job_watch(proc: subprocess.Popen, log: Path) -> dict[str, Any]:
+    """wait_for's options while the job process runs: stop when it exits, show its log's tail."""
+    return {"every_s": 0.5, "detail": lambda: tail(log),
+            "gone": lambda: f"job process exited ({proc.returncode})" if proc.poll() is not None else None}
 
 
 def progress_lines(path: Path) -> list[dict]:
@@ -166,12 +156,13 @@ def test_rollout_node_lost_mid_job_is_replaced_and_no_group_is_lost(cluster_dir:
         )
         # the rollout node joins after the driver connected: the driver then has one node on this IP to
         # attach to, and its rollout workers wait for the `rollout` resource to appear
-        wait_for(lambda: progress.with_suffix(".connected").exists(), 120, "the driver to connect", job,
-                 cluster_dir / "job.log")
+        wait_for(lambda: progress.with_suffix(".connected").exists(), 120, "the driver to connect",
+                 **job_watch(job, cluster_dir / "job.log"))
         rollout_args = [f"--address={address}", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0",
                         f'--resources={{"rollout": {NUM_WORKERS}}}']
         nodes.append(RayNode(rollout_args, cluster_dir, "rollout-a"))
-        first = wait_for(lambda: progress_lines(progress), 480, "the first training step", job, cluster_dir / "job.log")[0]
+        first = wait_for(lambda: progress_lines(progress), 480, "the first training step",
+                         **job_watch(job, cluster_dir / "job.log"))[0]
         node_a = first["worker_nodes"][0]
         assert node_a and first["worker_nodes"] == [node_a] * NUM_WORKERS, first
 

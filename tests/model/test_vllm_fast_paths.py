@@ -78,8 +78,8 @@ def test_dense_decode_moe_follows_a_weight_push() -> None:
 
 def test_fewer_op_forms_match_hf() -> None:
     from model.layers.situ_glu import SiTUGLUMLP, situ_glu
-    from model.vllm_plugin.fast_ops import situ_glu_fast
     from model.vllm_plugin.model import VllmSiTUGLUMLP
+    from model.vllm_plugin.situ_glu_fast import situ_glu_fast
 
     torch.manual_seed(4)
     x = torch.randn(5, 3, 24) * 3

@@ -34,8 +34,9 @@ def dp_runs(ray_local, tiny_llama_dir, tmp_path_factory) -> dict[str, Any]:
     trajectories stand in for rollouts, so the learner is all that runs."""
     import ray
 
+    from rl_service.hooks import InMemoryHooks
     from rl_service.training.checkpoint import latest_checkpoint
-    from rl_service.training.runner import InMemoryHooks, JobRunner
+    from rl_service.training.runner import JobRunner
     from tests.rl_service.learner_helpers import fake_trajectory
     from tests.rl_service.test_job import make_spec
 

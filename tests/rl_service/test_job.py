@@ -8,9 +8,10 @@ import functools
 import pytest
 import torch
 
+from rl_service.hooks import InMemoryHooks
 from rl_service.spec import JobSpec
 from rl_service.training.checkpoint import latest_checkpoint, list_checkpoints
-from rl_service.training.runner import InMemoryHooks, JobRunner, seeded_vllm_engine
+from rl_service.training.runner import JobRunner, seeded_vllm_engine
 from rollout_workers.storage import iter_trajectories, step_file
 from tests.rl_service.learner_helpers import (
     EnvironmentDownPool,
@@ -258,7 +259,8 @@ def test_preload_imports_the_checkpoints_model_class(tiny_llama_dir, tmp_path) -
 
     code = (
         "import sys\n"
-        "from rl_service.training.runner import InMemoryHooks, JobRunner\n"
+        "from rl_service.hooks import InMemoryHooks\n"
+        "from rl_service.training.runner import JobRunner\n"
         "from rl_service.spec import JobSpec\n"
         "name = 'transformers.models.llama.modeling_llama'\n"
         f"spec = JobSpec.model_validate({{'model': {{'checkpoint_dir': {str(tiny_llama_dir)!r}}}}})\n"

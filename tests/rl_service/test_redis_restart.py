@@ -24,7 +24,8 @@ from rl_service.control.settings import TaperSettings
 from rl_service.control.store import Store
 from rl_service.job_states import JobState
 from rl_service.spec import JobSpec
-from tests.rl_service.test_scheduler import running_scheduler, wait_for
+from tests.rl_service.test_scheduler import running_scheduler
+from tests.waiting import wait_for
 
 
 class RestartableRedis:
@@ -54,7 +55,7 @@ class RestartableRedis:
 
 @pytest.fixture
 def restartable_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
-    from rl_service.control.local_services import free_port
+    from rl_service.ports import free_port
 
     server = RestartableRedis(tmp_path / "redis", free_port())
     server.data_dir.mkdir()

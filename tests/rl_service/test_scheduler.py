@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -16,6 +16,7 @@ from rl_service.control.store import Store
 from rl_service.job_states import JobState
 from rl_service.placement import job_bundles, learner_bundle_indices, rollout_bundle_indices
 from rl_service.spec import JobSpec
+from tests.waiting import wait_for
 
 
 @pytest.fixture
@@ -41,15 +42,6 @@ def running_scheduler(store: Store, runner: str | type) -> Iterator[Scheduler]:
 def scheduler(store: Store, standin_runner_cls, tmp_path) -> Iterator[Scheduler]:
     with running_scheduler(store, standin_runner_cls) as sched:
         yield sched
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _state(store: Store, job_id: str) -> JobState:

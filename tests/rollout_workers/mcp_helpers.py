@@ -8,13 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from rl_service.ports import free_port
+
 SERVER = Path(__file__).resolve().parents[2] / "examples" / "mcp" / "weather_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The example server, killed (os._exit, as by a crash) when a tool call looks up the Nth temperature: the

@@ -5,7 +5,6 @@ as a tool server) judge the same episodes the same way, through the real agent l
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 import yaml
 from scripted_engine import ScriptedEngine
 
+from rl_service.ports import free_port
 from rollout_workers.agent import AgentLoop, EpisodeSpec, run_groups
 from rollout_workers.chat import tool_call_text
 from rollout_workers.environments import EnvironmentRegistration, make_env_factory, validate_registration
@@ -32,15 +32,9 @@ _QUESTION = re.compile(r"How many (\w+) are in (\d+) (\w+)\?")
 _RESULT = re.compile(r"<tool_response>\s*(-?\d+)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(EXAMPLES / "unit_convert_http" / "server.py"), "--port", str(port)])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -128,7 +122,7 @@ def test_python_and_http_examples_agree_on_tasks_rewards_and_demonstrations(
 
 
 def test_an_http_server_that_does_not_answer_is_named_at_registration(server_url: str) -> None:
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match=r"^base_url: http://127\.0\.0\.1:\d+ does not answer"):
         check_reachable(_registration(closed), LOCAL)
     with pytest.raises(ValueError, match="^base_url: target refused"):

@@ -1,4 +1,5 @@
-"""Request parameters shared by the /v1 routers and the dashboard's helper routes."""
+"""FastAPI dependencies and path parameters shared by the /v1 routers and the dashboard's routes: the service
+(`Svc`), the caller (`Who`), and bounded path names (`JobId`, `EnvName`)."""
 
 from __future__ import annotations
 
