@@ -234,8 +234,10 @@ def run_protocol_one(k: int, variant: str, seed: int, steps: int, work: Path, ch
     train = [m for m in metrics if "success_rate" in m]
     phases = ("rollout", "reward", "learn", "sync", "checkpoint", "eval")
     time_s = {p: sum(m.get(f"time/{p}", 0.0) for m in train) for p in phases}
+    time_s["other_in_steps"] = sum(m.get("time/step", 0.0) for m in train) - sum(time_s.values())
+    time_s["eval_before"] = next((m["eval/time_s"] for s, m in evals if s == 0), 0.0)
     time_s["engine_start"] = shared.start_s
-    time_s["setup_and_other"] = wall - sum(time_s.values())
+    time_s["setup"] = wall - sum(time_s.values())  # tasks, model and learner, the initial weights on disk
     curve = [m["success_rate"] for m in train]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
