@@ -107,6 +107,14 @@ class _JobsByState:
         yield gauge
 
 
+def _plain(error: Any) -> str:
+    """A validation error's message without the prefix pydantic puts on errors raised in validators."""
+    msg = str(error.get("msg", ""))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg
+
+
 def _field_of(loc: tuple[Any, ...], message: str = "") -> str:
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header"):
@@ -129,10 +137,10 @@ def _install_errors(app: FastAPI) -> None:
         field = _field_of(tuple(first.get("loc", ())), str(first.get("msg", "")))
         if first.get("type") == "json_invalid":
             field = "body"  # its location is a character offset, not a field
-        details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": e.get("msg", "")}
+        details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": _plain(e)}
                    for e in errors[:20]]
         return JSONResponse(
-            {"error": {"code": "invalid", "message": f"{field}: {first.get('msg')}", "field": field,
+            {"error": {"code": "invalid", "message": f"{field}: {_plain(first)}", "field": field,
                        "details": details}},
             status_code=422,
         )
