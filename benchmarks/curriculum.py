@@ -239,6 +239,7 @@ def run_protocol_one(k: int, variant: str, seed: int, steps: int, work: Path, ch
     time_s["engine_start"] = shared.start_s
     time_s["setup"] = wall - sum(time_s.values())  # tasks, model and learner, the initial weights on disk
     curve = [m["success_rate"] for m in train]
+    chains = [chain_attempt_rate(f, k) for f in sorted((run_dir / "trajectories").glob("*.jsonl"))]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {
         "env": PROTOCOL["env"], "k": k, "variant": variant, "seed": seed, "steps": steps, "state": state,
@@ -250,11 +251,19 @@ def run_protocol_one(k: int, variant: str, seed: int, steps: int, work: Path, ch
         "process_raw_mean": [m.get("reward/process_raw_mean", 0.0) for m in train],
         "process_weighted_mean": [m.get("reward/process_weighted_mean", 0.0) for m in train],
         "schedule_weight": [m.get("schedule/weight", 0.0) for m in train],
+        "chain_attempt_rate": chains,
         "hacking_warnings": [{k_: v for k_, v in e.items() if k_ in ("step", "message")}
                              for e in hooks.events_of(WARNING_KIND)],
         "time_s": time_s, "wall_s": wall,
         "protocol": PROTOCOL, "spec": protocol_spec(k, variant, seed, Path("<warm start>"), steps),
     }
+
+
+def chain_attempt_rate(step_file: Path, k: int) -> float:
+    """Fraction of a step's sampled trajectories that made at least k tool calls (tried the whole chain)."""
+    rows = [json.loads(line) for line in step_file.read_text().splitlines() if line.strip()]
+    calls = [sum(len(s["tool_calls"]) for s in r["steps"]) for r in rows]
+    return sum(c >= k for c in calls) / len(calls) if calls else 0.0
 
 
 def run_path(out: Path, k: int, variant: str, seed: int) -> Path:
