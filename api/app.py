@@ -24,8 +24,8 @@ from api.openapi import install_openapi
 from api.routers import admin, environments, jobs, system
 from api.schemas import error_responses
 from api.ui import router as ui_router
-from rl_service.service import RateLimited, ServiceError, TaperService, error_field
-from rl_service.settings import TaperSettings, get_settings
+from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field
+from rl_service.control.settings import TaperSettings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = None
         if app.state.service is None:
-            from rl_service.service import start_runtime
+            from rl_service.control.service import start_runtime
 
             runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner)
             app.state.service = runtime.service

@@ -38,9 +38,9 @@ from typing import Any
 import httpx
 import psutil
 
-from api.launcher import ApiServerProcess
+from api.cli.launcher import ApiServerProcess
 from benchmarks.machine import describe, machine_info
-from rl_service.embedded import EMBEDDED_RECORD, ensure_embedded_redis
+from rl_service.control.local_services import EMBEDDED_RECORD, ensure_embedded_redis
 
 FAULT_KINDS = ("api", "scheduler", "driver", "rollout_worker", "learner_rank", "redis")
 # Ray names an actor's process after its class

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from rl_service.embedded import free_port
+from rl_service.control.local_services import free_port
 
 
 class ApiServerProcess:

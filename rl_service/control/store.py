@@ -52,13 +52,13 @@ from redis.client import Pipeline
 from redis.retry import Retry
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory, ScheduleVersion
+from rl_service.control.quota import TenantQuota
 from rl_service.job_states import (
     CONTROL_RUN,
     InvalidTransition,
     JobState,
     sources_of,
 )
-from rl_service.quota import TenantQuota
 from rl_service.spec import JobSpec
 
 EVENTS_MAXLEN = 10_000

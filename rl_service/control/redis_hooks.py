@@ -1,4 +1,4 @@
-"""JobHooks over Redis: how a job driver (rl_service.job.JobRunner inside a Ray actor) reports to the
+"""JobHooks over Redis: how a job driver (rl_service.training.runner.JobRunner inside a Ray actor) reports to the
 control plane and hears from it. Satisfies the rl_service.hooks.JobHooks protocol."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import contextlib
 from typing import Any
 
 from reward_models.schedule import RewardSchedule
+from rl_service.control.store import InvalidTransition, JobNotFound, Store
 from rl_service.hooks import Control
 from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, CONTROL_RUN, JobState
-from rl_service.store import InvalidTransition, JobNotFound, Store
 
 
 class RedisHooks:

@@ -21,8 +21,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from api import demo
-from rl_service.settings import TaperSettings, get_settings
+from api.cli import demo
+from rl_service.control.settings import TaperSettings, get_settings
 
 app = typer.Typer(help="Taper: agentic RL post-training service.", no_args_is_help=True)
 schedule_app = typer.Typer(help="Show or change a job's process-reward schedule.", no_args_is_help=True)
@@ -97,7 +97,11 @@ def serve(
     import uvicorn
 
     from api.app import create_app
-    from rl_service.embedded import EmbeddedServiceError, running_embedded_ray_head, running_embedded_redis
+    from rl_service.control.local_services import (
+        EmbeddedServiceError,
+        running_embedded_ray_head,
+        running_embedded_redis,
+    )
 
     s = _settings()
     try:  # embedded services left running by an older Taper (no password, no token) are refused before start
@@ -127,7 +131,7 @@ def scheduler() -> None:
     import signal
     import threading
 
-    from rl_service.service import start_runtime
+    from rl_service.control.service import start_runtime
 
     runtime = start_runtime(_settings(), run_scheduler=True)
     stop = threading.Event()
@@ -143,7 +147,7 @@ def scheduler() -> None:
 def down() -> None:
     """Stop the local Ray head and private Redis that `serve` started for DATA_DIR (running jobs stop too;
     they resume from their last checkpoints at the next `serve`)."""
-    from rl_service.embedded import stop_embedded
+    from rl_service.control.local_services import stop_embedded
 
     stopped = stop_embedded(Path(_settings().data_dir))
     console.print("\n".join(f"stopped the {what}" for what in stopped) or "nothing was running")
@@ -347,8 +351,12 @@ def env_list() -> None:
 def _admin_store():
     """The Store `serve` uses: TAPER_REDIS_URL, or the data dir's embedded Redis (started for this command,
     and stopped after it, if it is not running)."""
-    from rl_service.embedded import EmbeddedServiceError, running_embedded_redis, start_embedded_redis
-    from rl_service.store import Store
+    from rl_service.control.local_services import (
+        EmbeddedServiceError,
+        running_embedded_redis,
+        start_embedded_redis,
+    )
+    from rl_service.control.store import Store
 
     s = _settings()
     if s.redis_url:
@@ -401,7 +409,7 @@ def keys_create(
     admin: Annotated[bool, typer.Option(help="An admin key (may manage API keys and tenant quotas).")] = False,
 ) -> None:
     """Create an API key; it is printed once and only its hash is stored."""
-    from rl_service.service import ServiceError, validate_tenant
+    from rl_service.control.service import ServiceError, validate_tenant
 
     try:
         validate_tenant(tenant)

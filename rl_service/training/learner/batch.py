@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_service.learner.config import LearnerConfig
+from rl_service.training.learner.config import LearnerConfig
 
 
 @dataclass

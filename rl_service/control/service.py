@@ -19,16 +19,8 @@ from urllib.parse import unquote, urlparse
 from pydantic import BaseModel, ValidationError
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory, SchedulePatch, ScheduleVersion
-from rl_service.job_states import (
-    CONTROL_CANCEL,
-    CONTROL_PAUSE,
-    CONTROL_RUN,
-    InvalidTransition,
-    JobState,
-)
-from rl_service.quota import JobLimits, LimitExceeded, TenantQuota, check_job
-from rl_service.spec import JobSpec
-from rl_service.store import (
+from rl_service.control.quota import JobLimits, LimitExceeded, TenantQuota, check_job
+from rl_service.control.store import (
     IdempotencyConflict,
     JobActive,
     JobNotFound,
@@ -39,6 +31,14 @@ from rl_service.store import (
     Store,
     spec_digest,
 )
+from rl_service.job_states import (
+    CONTROL_CANCEL,
+    CONTROL_PAUSE,
+    CONTROL_RUN,
+    InvalidTransition,
+    JobState,
+)
+from rl_service.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -617,8 +617,8 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     stops them), then run the scheduler loop (DESIGN.md section 8). Writes a first API key for tenant
     ``default`` to ``data_dir/api-key`` when the store has none, so a fresh single-machine install can be used
     at once."""
-    from rl_service.embedded import ensure_embedded_redis, ensure_service_ray, write_secret
-    from rl_service.scheduler import Scheduler
+    from rl_service.control.local_services import ensure_embedded_redis, ensure_service_ray, write_secret
+    from rl_service.control.scheduler import Scheduler
 
     data_dir = Path(settings.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)

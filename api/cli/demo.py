@@ -21,9 +21,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from api.launcher import ApiServerProcess
-from rl_service.embedded import RedisServer, ensure_embedded_redis, stop_embedded
-from rl_service.settings import TaperSettings
+from api.cli.launcher import ApiServerProcess
+from rl_service.control.local_services import RedisServer, ensure_embedded_redis, stop_embedded
+from rl_service.control.settings import TaperSettings
 
 
 @dataclass
@@ -110,7 +110,7 @@ class EmbeddedService:
         stop_embedded(self.data_dir)
 
     def create_key(self) -> str:
-        from rl_service.store import Store
+        from rl_service.control.store import Store
 
         assert self.redis is not None
         return Store(self.redis.client_url).create_api_key("demo", name="demo")
@@ -134,7 +134,7 @@ def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int
     from model.config import TaperConfig
     from model.modeling import TaperForCausalLM
     from model.tokenizer import load_tokenizer
-    from rl_service.sft import warm_start as sft
+    from rl_service.training.sft import warm_start as sft
     from rollout_workers.environments.registry import generate_tasks, make_env_factory
 
     torch.manual_seed(seed)
@@ -205,7 +205,7 @@ def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig,
 
 
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
-    from api.report import render_html, render_plots
+    from api.cli.report import render_html, render_plots
 
     console = console or Console()
     started = time.monotonic()

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from rl_service.learner.batch import LossNorm, MicroBatch, PolicySample, collate, pack_micro_batches
-from rl_service.learner.config import LearnerConfig
-from rl_service.learner.loss import policy_loss, truncated_is_ratio
+from rl_service.training.learner.batch import LossNorm, MicroBatch, PolicySample, collate, pack_micro_batches
+from rl_service.training.learner.config import LearnerConfig
+from rl_service.training.learner.loss import policy_loss, truncated_is_ratio
 
 
 def disable_dropout(model: nn.Module) -> None:

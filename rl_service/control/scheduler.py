@@ -46,17 +46,17 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_service.control.quota import TenantQuota
+from rl_service.control.redis_hooks import RedisHooks
+from rl_service.control.settings import get_settings
+from rl_service.control.store import JobNotFound, JobRecord, Store
 from rl_service.job_states import CONTROL_CANCEL, CONTROL_PAUSE, JobState
-from rl_service.quota import TenantQuota
-from rl_service.redis_hooks import RedisHooks
-from rl_service.settings import get_settings
-from rl_service.spec import JobSpec
-from rl_service.store import JobNotFound, JobRecord, Store
+from rl_service.placement import driver_cpus, job_bundles
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RUNNER = "rl_service.job:JobRunner"
-# A learner rank or a worker actor that died, or a part that stopped answering (rl_service.distributed's
+DEFAULT_RUNNER = "rl_service.training.runner:JobRunner"
+# A learner rank or a worker actor that died, or a part that stopped answering (rl_service.training.distributed's
 # LearnerRankStalled is a TimeoutError): the job driver restarts training from the last checkpoint.
 RESTARTABLE_ERRORS = (ray.exceptions.RayActorError, TimeoutError)
 
@@ -70,45 +70,6 @@ def driver_name(job_id: str) -> str:
 
 def pg_name(job_id: str) -> str:
     return f"taper-pg-{job_id}"
-
-
-MAX_DRIVER_CPUS = 1.0  # a data-parallel job's driver only holds a copy of the weights for pushes and checkpoints
-
-
-def driver_cpus(spec: JobSpec) -> float:
-    return min(MAX_DRIVER_CPUS, spec.resources.learner_cpus)
-
-
-def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
-    """One learner rank: bundle 0 is the learner, and the driver (which is that learner) runs in it.
-    Several ranks: bundle 0 is the driver's own (CPU only), bundles 1..num_learners the ranks.
-    Then one bundle per rollout worker. Each role's custom resources (`learner_custom`, `rollout_custom`)
-    go into its bundles, so a cluster can dedicate nodes to learners and rollouts."""
-    res = spec.resources
-
-    def bundle(cpus: float, gpus: float) -> dict[str, float]:
-        b = {"CPU": float(cpus)}
-        if gpus:
-            b["GPU"] = float(gpus)
-        return b
-
-    learners = [{**bundle(res.learner_cpus, res.learner_gpus), **res.learner_resources} for _ in range(res.num_learners)]
-    rollouts = [{**bundle(res.rollout_cpus, res.rollout_gpus), **res.rollout_resources}
-                for _ in range(spec.rollout.num_workers)]
-    driver = [bundle(driver_cpus(spec), 0)] if res.num_learners > 1 else []
-    return driver + learners + rollouts
-
-
-def learner_bundle_indices(spec: JobSpec) -> list[int]:
-    """The bundle of each learner rank in `job_bundles(spec)`."""
-    first = 1 if spec.resources.num_learners > 1 else 0
-    return list(range(first, first + spec.resources.num_learners))
-
-
-def rollout_bundle_indices(spec: JobSpec) -> list[int]:
-    """The bundle of each rollout worker in `job_bundles(spec)`."""
-    first = learner_bundle_indices(spec)[-1] + 1
-    return list(range(first, first + spec.rollout.num_workers))
 
 
 def _total(bundles: list[dict[str, float]]) -> dict[str, float]:

@@ -24,6 +24,8 @@ from urllib.parse import quote
 
 import redis
 
+from rl_service.ray_cluster import ensure_ray
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -256,20 +258,6 @@ def stop_process_group(pid: int, timeout: float) -> None:
         os.killpg(pid, signal.SIGKILL)  # what the leader left behind, or the leader itself
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def ensure_ray(address: str | None = None, num_cpus: int | None = None, namespace: str = "taper") -> None:
-    """Connect to the Ray cluster at ``address`` (default: ``RAY_ADDRESS``) or start a local one (idempotent)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
-    else:
-        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=512 * 1024 * 1024)
 
 
 def join_embedded_head(head: RayHead) -> None:

@@ -5,10 +5,10 @@ ref_model=None, pad_token_id=0)` with `step(samples) -> metrics` and `logprobs(s
 (one trajectory + token advantages; `from_trajectory(traj, advantages)`), `LossNorm`, `policy_loss`.
 """
 
-from rl_service.learner.batch import LossNorm, MicroBatch, PolicySample, collate, pack_micro_batches
-from rl_service.learner.config import LOSS_TYPES, LearnerConfig
-from rl_service.learner.learner import Learner, completion_logits, token_logprobs_and_entropy
-from rl_service.learner.loss import policy_loss, truncated_is_ratio
+from rl_service.training.learner.batch import LossNorm, MicroBatch, PolicySample, collate, pack_micro_batches
+from rl_service.training.learner.config import LOSS_TYPES, LearnerConfig
+from rl_service.training.learner.learner import Learner, completion_logits, token_logprobs_and_entropy
+from rl_service.training.learner.loss import policy_loss, truncated_is_ratio
 
 __all__ = [
     "LOSS_TYPES", "Learner", "LearnerConfig", "LossNorm", "MicroBatch", "PolicySample", "collate",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_service.learner.config import LearnerConfig
+from rl_service.training.learner.config import LearnerConfig
 
 
 def truncated_is_ratio(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor,

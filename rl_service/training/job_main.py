@@ -1,4 +1,4 @@
-"""Run one RL job without the API: `python -m rl_service.job_main --spec FILE.yaml --work-dir DIR`.
+"""Run one RL job without the API: `python -m rl_service.training.job_main --spec FILE.yaml --work-dir DIR`.
 
 Starts (or joins, with --ray-address / RAY_ADDRESS) Ray, runs the job with in-memory hooks, prints each
 step's main metrics and the events, writes all metrics to DIR/metrics.jsonl, and resumes from the newest
@@ -27,7 +27,7 @@ def load_spec(path: Path) -> JobSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rl_service.job_main", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m rl_service.training.job_main", description=__doc__.splitlines()[0])
     ap.add_argument("--spec", type=Path, required=True, help="job spec, YAML or JSON")
     ap.add_argument("--work-dir", type=Path, required=True)
     ap.add_argument("--job-id", default=None)
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     spec = load_spec(args.spec)
-    from rl_service.embedded import ensure_ray
-    from rl_service.job import InMemoryHooks, JobRunner
+    from rl_service.ray_cluster import ensure_ray
+    from rl_service.training.runner import InMemoryHooks, JobRunner
 
     ensure_ray(args.ray_address, num_cpus=args.num_cpus)
     args.work_dir.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rl_service.learner import Learner, LearnerConfig, LossNorm, PolicySample, pack_micro_batches
-from rl_service.learner.weight_push import BALANCING_BUFFER_SUFFIXES  # averaged over ranks after each update
+from rl_service.training.learner import Learner, LearnerConfig, LossNorm, PolicySample, pack_micro_batches
+from rl_service.training.learner.weight_push import (
+    BALANCING_BUFFER_SUFFIXES,  # averaged over ranks after each update
+)
 
 Strategy = Literal["auto", "fsdp", "ddp"]
 

@@ -6,7 +6,7 @@ the caller marks the job failed). It resumes from the newest checkpoint under `w
 
 Work directory:
   initial/              the starting weights + tokenizer (rollout engines and the KL reference load them)
-  checkpoints/step_N/   see rl_service.checkpoint (weights, optimizer, RNG, state.json)
+  checkpoints/step_N/   see rl_service.training.checkpoint (weights, optimizer, RNG, state.json)
   trajectories/         one JSONL file per training step (rollout_workers.storage)
 
 Weight versions: version v = the policy after v training steps. Step t (0-based) trains on rollouts of
@@ -34,7 +34,10 @@ import numpy as np
 import torch
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory
-from rl_service.checkpoint import (
+from rl_service.environment_settings import operator_environment_policy
+from rl_service.hooks import Control, JobHooks
+from rl_service.spec import JobSpec
+from rl_service.training.checkpoint import (
     latest_checkpoint,
     load_weights,
     remove_stale_temporaries,
@@ -42,11 +45,10 @@ from rl_service.checkpoint import (
     save_checkpoint,
     save_weights,
 )
-from rl_service.hooks import Control, JobHooks
-from rl_service.infra_guard import InfraFailureGuard
-from rl_service.learner import Learner, LearnerConfig, PolicySample
-from rl_service.learner.weight_push import shippable_state_dict
-from rl_service.spec import JobSpec
+from rl_service.training.infra_guard import InfraFailureGuard
+from rl_service.training.learner import Learner, LearnerConfig, PolicySample
+from rl_service.training.learner.weight_push import shippable_state_dict
+from rl_service.training.warm_start import WARM_START_SEED_OFFSET, run_warm_start
 from rollout_workers.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -196,6 +198,7 @@ class JobRunner:
         self.checkpoint_dir = self.work_dir / "checkpoints"
         self.trajectory_dir = self.work_dir / "trajectories"
         self.initial_dir = self.work_dir / "initial"
+        self.warm_start_metrics: dict[str, float] = {}
         self.pool: RolloutPoolLike | None = None
         self.pause_cause: str | None = None  # why the job paused itself, when it did
         self._heartbeat: Callable[[], None] | None = getattr(hooks, "heartbeat", None)
@@ -219,7 +222,7 @@ class JobRunner:
             with contextlib.suppress(Exception):  # a bad checkpoint is reported by the real load in `run`
                 AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
         if self.spec.resources.num_learners > 1:
-            import rl_service.distributed  # noqa: F401
+            import rl_service.training.distributed  # noqa: F401
 
     # ------------------------------------------------------------------ progress
     def _progress(self) -> None:
@@ -257,6 +260,31 @@ class JobRunner:
         from rollout_workers.environments.registry import EnvironmentRegistration
 
         return EnvironmentRegistration.model_validate(reg)
+
+    def _warm_start(self) -> None:
+        """Fine-tune the fresh model on the environment's demonstrations (spec.warm_start), reported as the
+        job's `warm_start` phase: events while it runs, its summary in the first step's metrics."""
+        from rollout_workers.environments.registry import generate_tasks, make_env_factory
+
+        spec = self.spec
+        assert spec.warm_start is not None
+        ws = spec.warm_start
+        tasks = generate_tasks(self.env, ws.num_examples, spec.tasks.seed + WARM_START_SEED_OFFSET,
+                               spec.tasks.options, self.env_policy)
+        env = make_env_factory(self.env, spec.environment.options, self.env_policy)()
+        self.hooks.emit_event("warm_start_started", {"examples": len(tasks), "max_steps": ws.max_steps,
+                                                     "mixed_phase": ws.mixed_phase is not None})
+
+        def on_step(phase: str, step: int, loss: float) -> None:
+            self._progress()
+            if step % 25 == 0:
+                self.hooks.emit_event("warm_start_progress", {"phase": phase, "sft_step": step, "loss": loss})
+
+        self.model.train()
+        result = run_warm_start(self.model, self.tokenizer, env, tasks, ws, spec.seed, on_step)
+        self.warm_start_metrics = result.metrics()
+        self.hooks.emit_event("warm_start_done", {"sft_steps": result.steps, "loss": result.final_loss,
+                                                  "seconds": round(result.seconds, 1)})
 
     def _build_model(self) -> tuple[torch.nn.Module, Any]:
         import model as _taper  # noqa: F401  (registers the architecture)
@@ -357,7 +385,9 @@ class JobRunner:
         self.model, self.tokenizer = self._build_model()
         self.model.to(self.device)
         self._progress()
-        if not (self.initial_dir / "config.json").exists():
+        if not (self.initial_dir / "config.json").exists():  # a resumed job has its (warm-started) initial weights
+            if spec.warm_start is not None:
+                self._warm_start()
             save_weights(self.model, self.initial_dir, self.tokenizer)
         ref = None
         if spec.algorithm.beta > 0:
@@ -419,8 +449,8 @@ class JobRunner:
         (under the scheduler), else wherever Ray has room."""
         import ray
 
-        from rl_service.distributed import DistributedLearner
-        from rl_service.scheduler import learner_bundle_indices
+        from rl_service.placement import learner_bundle_indices
+        from rl_service.training.distributed import DistributedLearner
 
         res = self.spec.resources
         pg = ray.util.get_current_placement_group()
@@ -528,7 +558,8 @@ class JobRunner:
         from rollout_workers.storage import TrajectoryWriter, step_file
 
         spec = self.spec
-        metrics: dict[str, float] = {"step": float(t + 1)}
+        metrics: dict[str, float] = {"step": float(t + 1), **self.warm_start_metrics}
+        self.warm_start_metrics = {}  # reported once, with the first step trained after it
         # ---- rewards with the schedule in force at this step
         tw = time.perf_counter()
         score_trajectories(trajs, make_env_factory(self.env, spec.environment.options, self.env_policy)())
@@ -640,18 +671,11 @@ def seeded_vllm_engine(config: Any) -> Any:
     return VLLMEngine(config)
 
 
-def operator_environment_policy() -> Any:
-    """The EnvironmentPolicy from this process's settings (the same TAPER_ variables the API reads)."""
-    from rl_service.settings import get_settings
-
-    return get_settings().environment_policy()
-
-
 def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     """The real rollout pool: Ray actors, each with a vLLM engine loading `weights_dir`."""
     import ray
 
-    from rl_service.scheduler import rollout_bundle_indices
+    from rl_service.placement import rollout_bundle_indices
     from rollout_workers.engine import EngineConfig
     from rollout_workers.pool import RolloutPool
 
