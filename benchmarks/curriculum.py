@@ -161,14 +161,14 @@ class SharedPool:
     def factory(self, spec: Any, weights_dir: Path) -> Any:
         t0 = time.perf_counter()
         if self.pool is None:
-            from rl_service.job import default_pool_factory
+            from rl_service.training.runner import default_pool_factory
 
             self.pool = default_pool_factory(spec, weights_dir)
         else:
             import torch
             from transformers import AutoModelForCausalLM
 
-            from rl_service.learner.weight_push import shippable_state_dict
+            from rl_service.training.learner.weight_push import shippable_state_dict
 
             warm = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32)
             self.pool.push_weights(shippable_state_dict(warm), 0)
@@ -194,7 +194,7 @@ class _Borrowed:
 
 def protocol_warm_start(work: Path) -> Path:
     """The shared warm start (k = 1 gold traces only), trained once and reused from disk."""
-    from api.demo import warm_start
+    from api.cli.demo import warm_start
 
     w = PROTOCOL["warm_start"]
     ckpt = work / f"warm-tool_chain-k{w['k']}"
@@ -213,8 +213,8 @@ def run_protocol_one(k: int, variant: str, seed: int, steps: int, work: Path, ch
     import shutil
 
     from reward_models.monitor import WARNING_KIND
-    from rl_service.job import InMemoryHooks, JobRunner
     from rl_service.spec import JobSpec
+    from rl_service.training.runner import InMemoryHooks, JobRunner
 
     class Runner(JobRunner):
         def _evaluate(self, step: int) -> None:
@@ -315,7 +315,7 @@ def protocol_summary(results: list[dict[str, Any]]) -> str:
 def run_protocol(name: str, out: Path, work: Path, ks: list[int], seeds: list[int], steps: int) -> None:
     if name != "tool_chain":
         raise SystemExit(f"--protocol: unknown protocol {name!r}; known: tool_chain")
-    from rl_service.embedded import ensure_ray
+    from rl_service.ray_cluster import ensure_ray
 
     ensure_ray()
     out.mkdir(parents=True, exist_ok=True)
