@@ -283,7 +283,7 @@ def bootstrap_interval(diffs: list[float], resamples: int, seed: int = 0) -> tup
 def protocol_summary(results: list[dict[str, Any]]) -> str:
     """The markdown table of the finished runs and the paired comparison, as it goes into NOTES."""
     lines = ["| k | variant | runs | held-out after (mean ± sd) | per seed | training-success AUC | steps to 50% "
-             "| hacking warnings |", "|---|---|---|---|---|---|---|---|"]
+             "| hacking warnings | tried the whole chain, last 10 steps |", "|---|---|---|---|---|---|---|---|---|"]
     for k in PROTOCOL["ks"]:
         for variant in PROTOCOL_VARIANTS:
             rs = sorted((r for r in results if r["k"] == k and r["variant"] == variant), key=lambda r: r["seed"])
@@ -293,10 +293,12 @@ def protocol_summary(results: list[dict[str, Any]]) -> str:
             aucs = [r["train_success_auc"] for r in rs]
             reached = [r["steps_to_threshold"] for r in rs if r["steps_to_threshold"] is not None]
             sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
+            tried = [statistics.mean(r["chain_attempt_rate"][-10:]) for r in rs if r.get("chain_attempt_rate")]
+            tried_s = f"{statistics.mean(tried):.1%} ({len(tried)} runs)" if tried else "-"
             to = f"{statistics.mean(reached):.0f} ({len(reached)}/{len(rs)})" if reached else f"never (0/{len(rs)})"
             lines.append(f"| {k} | {variant} | {len(rs)} | {statistics.mean(finals):.1%} ± {sd:.1%} | "
                          f"{' / '.join(f'{f:.0%}' for f in finals)} | {statistics.mean(aucs):.1%} | {to} | "
-                         f"{sum(len(r['hacking_warnings']) for r in rs)} |")
+                         f"{sum(len(r['hacking_warnings']) for r in rs)} | {tried_s} |")
     for k in PROTOCOL["ks"]:
         by = {(r["variant"], r["seed"]): r for r in results if r["k"] == k}
         seeds = [s for s in PROTOCOL["seeds"] if ("dense_to_sparse", s) in by and ("outcome_only", s) in by]
@@ -371,7 +373,7 @@ def _plot_protocol(results: list[dict[str, Any]], path: Path) -> None:
                             color=line.get_color())
         ax.set_title(f"tool_chain k = {k}: training success (mean, min-max over seeds)")
         ax.set_xlabel("step")
-        ax.set_ylim(0, 1)
+        ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     ax = axes[0][-1]
     width = 0.8 / len(ks)
