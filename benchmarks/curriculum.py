@@ -260,7 +260,8 @@ def run_protocol_one(k: int, variant: str, seed: int, steps: int, work: Path, ch
 
 
 def chain_attempt_rate(step_file: Path, k: int) -> float:
-    """Fraction of a step's sampled trajectories that made at least k tool calls (tried the whole chain)."""
+    """Fraction of a step's sampled trajectories with at least k tool-call attempts, malformed ones included (a
+    stray `</tool_call>` in an answer counts): an upper bound on how often the policy tried the whole chain."""
     rows = [json.loads(line) for line in step_file.read_text().splitlines() if line.strip()]
     calls = [sum(len(s["tool_calls"]) for s in r["steps"]) for r in rows]
     return sum(c >= k for c in calls) / len(calls) if calls else 0.0
@@ -283,7 +284,7 @@ def bootstrap_interval(diffs: list[float], resamples: int, seed: int = 0) -> tup
 def protocol_summary(results: list[dict[str, Any]]) -> str:
     """The markdown table of the finished runs and the paired comparison, as it goes into NOTES."""
     lines = ["| k | variant | runs | held-out after (mean ± sd) | per seed | training-success AUC | steps to 50% "
-             "| hacking warnings | tried the whole chain, last 10 steps |", "|---|---|---|---|---|---|---|---|---|"]
+             "| hacking warnings | samples with >= k call attempts, last 10 steps |", "|---|---|---|---|---|---|---|---|---|"]
     for k in PROTOCOL["ks"]:
         for variant in PROTOCOL_VARIANTS:
             rs = sorted((r for r in results if r["k"] == k and r["variant"] == variant), key=lambda r: r["seed"])
