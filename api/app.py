@@ -21,7 +21,7 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.openapi import install_openapi
-from api.routers import admin, environments, jobs, system
+from api.routers import admin, environments, files, jobs, system
 from api.schemas import error_responses
 from api.ui import router as ui_router
 from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field
@@ -39,25 +39,29 @@ def error_response(status: int, code: str, message: str, field: str | None = Non
 
 
 class BodySizeLimit:
-    """Rejects request bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
+    """Rejects request bodies over ``max_bytes`` (or the larger limit of a path in ``path_limits``, e.g. file
+    uploads) with 413, by Content-Length or while streaming."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_max_bytes = max_bytes
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        max_bytes = self.path_limits.get(scope.get("path", ""), self.default_max_bytes)
+
         def too_big() -> JSONResponse:
-            return error_response(413, "too_large", f"request body over {self.max_bytes} bytes", "body")
+            return error_response(413, "too_large", f"request body over {max_bytes} bytes", "body")
 
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
-                    declared = self.max_bytes + 1
-                if declared > self.max_bytes:
+                    declared = max_bytes + 1
+                if declared > max_bytes:
                     return await too_big()(scope, receive, send)
         received = 0
         exceeded = False
@@ -68,7 +72,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     exceeded = True
                     raise _BodyTooLarge
             return message
@@ -100,7 +104,7 @@ class _JobsByState:
     def collect(self):
         gauge = GaugeMetricFamily("taper_jobs", "Jobs by state", labels=["state"])
         try:
-            for state, n in self.service.store.count_by_state().items():
+            for state, n in self.service.jobs_by_state().items():
                 gauge.add_metric([state], n)
         except Exception:  # a scrape must not fail because Redis blinked
             pass
@@ -232,7 +236,8 @@ def create_app(
         if app.state.service is None:
             from rl_service.control.service import start_runtime
 
-            runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner)
+            runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner,
+                                    detached_scheduler=settings.embedded_scheduler)
             app.state.service = runtime.service
             registry.register(_JobsByState(runtime.service))
         try:
@@ -252,10 +257,12 @@ def create_app(
     app.state.prometheus = registry
     if service is not None:
         registry.register(_JobsByState(service))
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    upload_bytes = settings.task_files.max_bytes + 1024 * 1024  # the file and its multipart framing
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
+                       path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes)})
     app.add_middleware(RequestMetrics, registry=registry)
     _install_errors(app)
-    for r in (jobs.router, environments.router, admin.router, system.router):
+    for r in (jobs.router, environments.router, files.router, admin.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
     app.include_router(ui_router)
     install_openapi(app)

@@ -61,6 +61,10 @@ class Conflict(ServiceError):
     status, code = 409, "conflict"
 
 
+class TooLarge(ServiceError):
+    status, code = 413, "too_large"
+
+
 class InvalidInput(ServiceError):
     status, code = 422, "invalid"
 
@@ -162,7 +166,7 @@ class TaperService:
     def __init__(self, store: Store, data_dir: Path, submit_rate_per_minute: int = 60,
                  auth_cache_s: float = 5.0, status_cache_s: float = 0.25, env_policy: Any = None, *,
                  limits: JobLimits | None = None, default_quota: TenantQuota | None = None,
-                 base_models: dict[str, Path] | None = None) -> None:
+                 base_models: dict[str, Path] | None = None, task_file_limits: Any = None) -> None:
         """`env_policy`: the operator's EnvironmentPolicy (TaperSettings.environment_policy()); default: the
         safe defaults (no internal HTTP targets, no extra python modules, only the built-in data).
         ``limits`` (the operator's maxima per job), ``default_quota`` (of tenants an admin gave none) and
@@ -171,6 +175,10 @@ class TaperService:
         self._env_policy = env_policy
         self.data_dir = Path(data_dir)
         self.jobs_dir = (self.data_dir / "jobs").resolve()
+        from rl_service.control.task_file_store import TaskFileStore
+
+        # not under data_dir/files: that is the default data root environments' file options may read
+        self.task_files = TaskFileStore(self.data_dir / "task_files", task_file_limits)
         self.submit_rate_per_minute = submit_rate_per_minute
         self.limits = limits or JobLimits()
         self.default_quota = default_quota or TenantQuota()
@@ -296,6 +304,11 @@ class TaperService:
             raise InvalidInput(str(exc), field=exc.field) from None
         registration = self._resolve_environment(p, spec.environment.name)
         self._check_job_environment(spec, registration)
+        try:
+            check_declared_rewards(spec.environment.grader, spec.environment.process_rewards or [], "environment.")
+        except ValueError as exc:
+            raise named_invalid(exc) from None
+        spec = self._resolve_task_files(p, spec, registration)
         if registration is not None:
             # the job carries its registration, so its driver never reads the (tenant's, mutable) registry
             spec = spec.model_copy(update={
@@ -313,6 +326,27 @@ class TaperService:
             raise RateLimited(str(exc), retry_after_s=60 - int(time.time()) % 60) from None
         except QueueFull as exc:
             raise QuotaExceeded(f"{exc}; wait for some to start or finish", field="max_queued_jobs") from None
+
+    def _resolve_task_files(self, p: Principal, spec: JobSpec, registration: dict[str, Any] | None) -> JobSpec:
+        """The stored paths of the job's task files (422 naming the field for a file the tenant does not have);
+        an environment without a task generator needs a train_file."""
+        tasks = spec.tasks
+        for name in ("train_path", "eval_path"):
+            if getattr(tasks, name) is not None:
+                raise InvalidInput("set by the service from the file id; name the file instead", field=f"tasks.{name}")
+        update: dict[str, str] = {}
+        for name in ("train_file", "eval_file"):
+            file_id = getattr(tasks, name)
+            if file_id is None:
+                continue
+            path = self.task_files.path(p.tenant, file_id)
+            if path is None:
+                raise InvalidInput(f"no task file {file_id!r} (upload one with POST /v1/files)", field=f"tasks.{name}")
+            update[name.replace("_file", "_path")] = str(path)
+        if tasks.train_file is None and registration is not None and registration.get("kind") == "mcp":
+            raise InvalidInput("an mcp environment has no task generator: upload a task file and name it here",
+                               field="tasks.train_file")
+        return spec.model_copy(update={"tasks": tasks.model_copy(update=update)}) if update else spec
 
     def _resolve_checkpoint(self, p: Principal, ref: str) -> str:
         """The directory of a checkpoint reference (rl_service.spec.CHECKPOINT_REF): a base model the operator
@@ -461,13 +495,28 @@ class TaperService:
         self._job(p, job_id)
         return self.store.events(job_id, after=after, limit=limit)
 
+    def followed_events(self, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+        """The next events of a job whose stream the caller was already allowed to follow (see `events`); an empty
+        list once the job is gone."""
+        return self.store.events(job_id, after=after, limit=limit)
+
+    def job_finished(self, job_id: str) -> bool:
+        """The job has reached a final state, or no longer exists."""
+        state = self.store.job_field(job_id, "state")
+        return state is None or JobState(state).is_terminal
+
+    def jobs_by_state(self) -> dict[str, int]:
+        """How many jobs are in each state (every tenant's)."""
+        return self.store.count_by_state()
+
     def metrics(self, p: Principal, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         self._job(p, job_id)
         return self.store.metrics(job_id, after=after, limit=limit)
 
     def checkpoints(self, p: Principal, job_id: str) -> list[dict[str, Any]]:
+        """The job's checkpoints that exist (the runner deletes all but the newest `keep_last_checkpoints`)."""
         self._job(p, job_id)
-        return self.store.checkpoints(job_id)
+        return [c for c in self.store.checkpoints(job_id) if _checkpoint_exists(c["uri"])]
 
     def trajectories(self, p: Principal, job_id: str, *, status: str | None = None, min_reward: float | None = None,
                      max_reward: float | None = None, step: int | None = None, offset: int = 0,
@@ -480,7 +529,9 @@ class TaperService:
 
         trajs = read_trajectories(traj_dir, status=status, min_reward=min_reward, max_reward=max_reward,
                                   step=step, offset=offset, limit=limit)
-        return [t.model_dump(mode="json") for t in trajs]
+        # the tokens after the prompt, and which of them the loss trains on (1: the model wrote it)
+        return [{**t.model_dump(mode="json"), "completion_ids": t.completion_ids(), "loss_mask": t.loss_mask()}
+                for t in trajs]
 
     # ---- reward schedule ----
     def schedule(self, p: Principal, job_id: str) -> ScheduleHistory:
@@ -505,6 +556,44 @@ class TaperService:
             raise schedule_conflict(exc) from None
         except ValueError as exc:  # the job's step is behind its current version (a patch cannot change the past)
             raise Conflict(str(exc), field="state") from None
+
+    # ---- task files ----
+    def create_file(self, p: Principal, filename: str, purpose: str, stream: Any) -> dict[str, Any]:
+        from rl_service.task_files import TaskFileError
+
+        try:
+            return self.task_files.create(p.tenant, filename, purpose, stream)
+        except TaskFileError as exc:
+            field = str(exc).split(":", 1)[0]
+            error = {413: TooLarge, 409: Conflict}.get(exc.status, InvalidInput)
+            raise error(str(exc), field=field if field in ("file", "purpose") else "file") from None
+
+    def list_files(self, p: Principal) -> list[dict[str, Any]]:
+        return self.task_files.list(p.tenant)
+
+    def get_file(self, p: Principal, file_id: str) -> dict[str, Any]:
+        meta = self.task_files.get(p.tenant, file_id)
+        if meta is None:
+            raise NotFound(f"file {file_id!r} not found", field="file_id")
+        return meta
+
+    def delete_file(self, p: Principal, file_id: str) -> None:
+        """Refused (409) while a job that has not finished names the file."""
+        for state in JobState:
+            if state.is_terminal:
+                continue
+            offset = 0
+            while True:
+                jobs, total = self.store.list_jobs(p.tenant, state, offset, 200)
+                for job in jobs:
+                    if file_id in (job.spec.tasks.train_file, job.spec.tasks.eval_file):
+                        raise Conflict(f"file {file_id!r} is used by job {job.id} ({state.value}); delete it once the "
+                                       "job has finished", field="file_id")
+                offset += len(jobs)
+                if not jobs or offset >= total:
+                    break
+        if not self.task_files.delete(p.tenant, file_id):
+            raise NotFound(f"file {file_id!r} not found", field="file_id")
 
     # ---- environments ----
     def _registry(self):  # imported lazily: the registry pulls in environment code the API rarely needs
@@ -554,12 +643,34 @@ class TaperService:
             raise Conflict(f"{body.name!r} is a built-in environment", field="name")
         try:
             reg = registry.validate_registration(body, self.env_policy)
+            registry.check_reachable(reg, self.env_policy)
+            check_declared_rewards(reg.grader, reg.process_rewards)
         except ValueError as exc:
             raise named_invalid(exc) from None
+        if reg.kind == "python":
+            self._check_workers_import(reg.import_path or "")
         data = reg.model_dump(mode="json")
         if not self.store.put_environment(p.tenant, reg.name, data):
             raise Conflict(f"environment {reg.name!r} is already registered; delete it first", field="name")
         return data
+
+    def _check_workers_import(self, import_path: str, timeout_s: float = 60.0) -> None:
+        """The cluster's workers, not only this process, can import a python environment (a task on the Ray
+        cluster this process has joined; nothing to ask when it has joined none)."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        importable = ray.remote(num_cpus=0, max_retries=0)(self._registry().importable_here)
+        try:
+            error = ray.get(importable.remote(import_path), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            error = f"the cluster did not answer within {timeout_s:.0f} s"
+        if error:
+            raise InvalidInput(
+                f"the cluster's workers cannot import {import_path}: {error}. Install the package where the "
+                "workers run (every Ray node); a local Ray head started before the package or PYTHONPATH was "
+                "set needs `taper down` and `taper serve`", field="import_path")
 
     def list_environments(self, p: Principal) -> list[dict[str, Any]]:
         out = [{"name": n, "builtin": True, "registration": None} for n in self.builtin_environments()]
@@ -590,6 +701,16 @@ class TaperService:
         return {"ok": ok, "redis": ok}
 
 
+def check_declared_rewards(grader: dict[str, Any] | None, process_rewards: list[dict[str, Any]],
+                           prefix: str = "") -> None:
+    """A declared grader and process components are well-formed (ValueError naming the field)."""
+    from reward_models.graders import parse_grader, parse_process
+
+    if grader is not None:
+        parse_grader(grader, f"{prefix}grader")
+    parse_process(process_rewards, f"{prefix}process_rewards")
+
+
 def validate_tenant(tenant: str) -> None:
     import re
 
@@ -604,20 +725,36 @@ class ServiceRuntime:
 
     service: TaperService
     scheduler: Any = None
+    supervisor: Any = None  # local_services.EmbeddedSupervisor on the embedded setup
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.scheduler is not None:
             self.scheduler.stop()
         self.service.store.close()
 
 
-def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | type | None = None) -> ServiceRuntime:
+def _checkpoint_exists(uri: str) -> bool:
+    parts = urlparse(uri)
+    return parts.scheme != "file" or Path(unquote(parts.path)).is_dir()
+
+
+def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | type | None = None,
+                  detached_scheduler: bool = False) -> ServiceRuntime:
     """Connect to Redis and join Ray, or use the data dir's embedded ones (a private Redis and a local Ray
     head, each started once in its own session so that jobs keep running through an API restart; `taper down`
-    stops them), then run the scheduler loop (DESIGN.md section 8). Writes a first API key for tenant
-    ``default`` to ``data_dir/api-key`` when the store has none, so a fresh single-machine install can be used
-    at once."""
-    from rl_service.control.local_services import ensure_embedded_redis, ensure_service_ray, write_secret
+    stops them), then run the scheduler loop (DESIGN.md section 8). On the embedded setup a supervisor thread
+    restarts a Redis that died, and with ``detached_scheduler`` (`taper serve`) keeps a scheduler process
+    running beside this one, so that jobs are placed and recovered while no API runs. Writes a first API key
+    for tenant ``default`` to ``data_dir/api-key`` when the store has none, so a fresh single-machine install
+    can be used at once."""
+    from rl_service.control.local_services import (
+        EmbeddedSupervisor,
+        ensure_embedded_redis,
+        ensure_service_ray,
+        write_secret,
+    )
     from rl_service.control.scheduler import Scheduler
 
     data_dir = Path(settings.data_dir)
@@ -627,15 +764,20 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
                   schedule_max_versions=settings.schedule_max_versions)
     service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute,
                            env_policy=settings.environment_policy(), limits=settings.limits,
-                           default_quota=settings.default_quota, base_models=settings.base_models)
+                           default_quota=settings.default_quota, base_models=settings.base_models,
+                           task_file_limits=settings.task_files)
     service.builtin_environments()  # import the environment registry now, not in the first submission
     if not store.has_api_keys():
         key_file = data_dir / "api-key"
         key = store.create_api_key("default", name="bootstrap", admin=True)
         write_secret(key_file, key + "\n")
-    scheduler = None
+    scheduler = supervisor = None
     if run_scheduler:
         ensure_service_ray(settings.ray_address, data_dir, num_cpus=settings.local_cpus)
         scheduler = Scheduler(store, runner=runner or settings.job_runner, default_quota=settings.default_quota)
         scheduler.start()
-    return ServiceRuntime(service=service, scheduler=scheduler)
+    if not settings.redis_url:
+        embedded_ray = run_scheduler and not settings.ray_address
+        supervisor = EmbeddedSupervisor(data_dir, settings.redis_server_bin,
+                                        scheduler=detached_scheduler and embedded_ray).start()
+    return ServiceRuntime(service=service, scheduler=scheduler, supervisor=supervisor)

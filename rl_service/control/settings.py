@@ -14,6 +14,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from rl_service.control.quota import JobLimits, TenantQuota
 from rl_service.environment_settings import EnvironmentSettings, SettingsError, load
+from rl_service.task_files import TaskFileLimits
 
 __all__ = ["SettingsError", "TaperSettings", "get_settings", "load_settings"]
 
@@ -32,6 +33,10 @@ class TaperSettings(EnvironmentSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
     api_url: str = Field("http://127.0.0.1:8000", description="Where the CLI finds the API.")
+    embedded_scheduler: bool = Field(
+        True, description="On the embedded setup (no TAPER_REDIS_URL, no RAY_ADDRESS) `taper serve` keeps a "
+                          "scheduler process running beside the API, so jobs are placed and recovered while no "
+                          "API runs; `taper down` stops it.")
     api_key: str | None = Field(None, description="Bearer key the CLI sends.")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body.")
     submit_rate_per_minute: int = Field(60, ge=1, description="Job submissions per tenant per minute.")
@@ -59,6 +64,10 @@ class TaperSettings(EnvironmentSettings):
         default_factory=dict,
         description="Model directories tenants may start from as `model.checkpoint: base:NAME` "
                     '(JSON: {"NAME": "/models/dir"}).')
+    task_files: TaskFileLimits = Field(
+        default_factory=TaskFileLimits,
+        description="Limits on uploaded task files (TAPER_TASK_FILES__MAX_BYTES=..., __MAX_LINES, __MAX_LINE_BYTES, "
+                    "__MAX_FILES per tenant).")
     events_maxlen: int = Field(10_000, ge=100, description="Events kept per job (older ones are trimmed).")
     metrics_maxlen: int = Field(100_000, ge=100, description="Metric rows kept per job (older ones are trimmed).")
     schedule_max_versions: int = Field(
