@@ -19,7 +19,9 @@ class JobHooks(Protocol):
         the job's current warning."""
 
     def emit_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """One training step's metrics."""
+        """A metrics row. Training rows: `step` is the index of the step they describe (the first is 0).
+        Held-out evaluations (only `eval/` keys): `step` is the number of steps trained before them (0 before
+        training, total_steps after the last one)."""
 
     def current_schedule(self) -> tuple[int, RewardSchedule]:
         """The newest schedule version and its schedule; the runner applies it from its next step."""

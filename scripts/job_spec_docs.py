@@ -19,8 +19,10 @@ What `POST /v1/jobs` (and `taper submit FILE.yaml`) accepts. Every field is opti
 refused with a 422 that names them, and so is a value outside its bounds. This page is generated from the
 code (`python scripts/job_spec_docs.py`); a test fails when it is stale.
 
-Steps are counted from 0 everywhere: the first training step is step 0 in metrics rows, events,
-trajectories and a schedule patch's `effective_from`; `total_steps: 20` trains steps 0 to 19.
+One step numbering everywhere: training steps count from 0 in metrics rows, events, trajectories
+(`train_step`) and a schedule version's `effective_from`, so `total_steps: 20` trains steps 0 to 19. Counts
+of steps trained are the job's `step`, a checkpoint's `step` (resuming from it trains that step next) and an
+evaluation row's `step` (0: before training; 20: after the last step).
 
 | field | type | default | bounds | meaning |
 |---|---|---|---|---|

@@ -25,7 +25,7 @@ def test_short_demo_end_to_end(tmp_path) -> None:
 
     # every step counted once, in order
     train = [m for m in result["metrics"] if "success_rate" in m]
-    assert [m["step"] for m in train] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in train] == [0, 1, 2, 3, 4]
     assert all(m["trajectories/num"] == 4 for m in train)
     evals = [m for m in result["metrics"] if "eval/success_rate" in m]
     assert len(evals) >= 2 and all(0.0 <= m["eval/success_rate"] <= 1.0 for m in evals)
@@ -38,8 +38,8 @@ def test_short_demo_end_to_end(tmp_path) -> None:
     versions = [int(m["schedule/version"]) for m in train]
     assert versions[0] == 1 and versions[-1] == 2 and versions == sorted(versions)
     for m in train:
-        expected = (original if m["schedule/version"] == 1 else patched).weight(m["step"] - 1)
+        expected = (original if m["schedule/version"] == 1 else patched).weight(m["step"])
         assert m["schedule/weight"] == pytest.approx(expected)
     applied = [e["data"] for e in result["events"] if e["kind"] == "schedule_applied" and e["data"]["version"] == 2]
     first_v2 = next(m["step"] for m in train if m["schedule/version"] == 2)
-    assert [e["step"] + 1 for e in applied] == [first_v2]
+    assert [e["step"] for e in applied] == [first_v2]  # one step numbering in events and metrics

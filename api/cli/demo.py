@@ -187,16 +187,17 @@ def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig,
             train = [m for m in metrics if "success_rate" in m]
             if train:
                 last = train[-1]
-                progress.update(bar, completed=int(last["step"]), info=(
+                done = int(last["step"]) + 1  # rows count steps from 0
+                progress.update(bar, completed=done, info=(
                     f"success {last.get('success_rate', 0):.0%}  w={last.get('schedule/weight', 0):.2f} "
                     f"(v{int(last.get('schedule/version', 1))})  {last.get('rollout/tokens_per_s', 0):.0f} tok/s"))
-                if patched is None and int(last["step"]) >= patch_at:
+                if patched is None and done >= patch_at:
                     body = {"kind": "linear", "w_start": float(last.get("schedule/weight", 0.25)), "w_end": 0.0,
                             "horizon": max(cfg.rl_steps // 4, 1)}
                     client.patch(f"/v1/jobs/{job_id}/reward-schedule", json=body).raise_for_status()
-                    progress.console.print(f"patched the reward schedule at step {last['step']}: "
+                    progress.console.print(f"patched the reward schedule after {done} steps: "
                                            f"faster decay to 0 over {body['horizon']} steps")
-                    patched = {"after_step": int(last["step"]), "schedule": body}
+                    patched = {"after_step": done, "schedule": body}
             if job["state"] in ("succeeded", "failed", "cancelled"):
                 if job["state"] != "succeeded":
                     raise RuntimeError(f"job {job_id} ended {job['state']}: {job.get('error')}")

@@ -38,7 +38,8 @@ class RedisHooks:
 
     def emit_metrics(self, step: int, metrics: dict[str, float]) -> None:
         with contextlib.suppress(JobNotFound):
-            self.store.add_metrics(self.job_id, step, metrics)
+            training = not all(k.startswith("eval/") for k in metrics)
+            self.store.add_metrics(self.job_id, step, metrics, steps_done=step + 1 if training else None)
 
     def current_schedule(self) -> tuple[int, RewardSchedule]:
         return self.store.current_schedule(self.job_id)

@@ -382,7 +382,7 @@ class JobRunner:
             times["time/step"] = time.perf_counter() - step_start
             metrics.update(times)
             metrics["learner_idle_fraction"] = times["time/idle"] / max(times["time/step"], 1e-9)
-            self.hooks.emit_metrics(done, metrics)
+            self.hooks.emit_metrics(t, metrics)
             self._progress()
             if health.pause_cause:
                 self._pause_itself(done, health.pause_cause)
@@ -403,7 +403,7 @@ class JobRunner:
     def _train_step(self, t: int, trajs: list[Trajectory], times: dict[str, float]) -> dict[str, float]:
         """Score, assign credit, record and learn from step `t`'s rollouts (the pipeline in `step`)."""
         spec = self.spec
-        metrics: dict[str, float] = {"step": float(t + 1), **self.warm_start_metrics}
+        metrics: dict[str, float] = {"step": float(t), **self.warm_start_metrics}
         self.warm_start_metrics = {}  # reported once, with the first step trained after it
         tw = time.perf_counter()
         pipeline.score(trajs, self._new_env())

@@ -50,7 +50,7 @@ def test_cli_round_trip(live: Store, tmp_path: Path) -> None:
     out = run("schedule", "set", job_id, "w_end=0.25", "horizon=40")
     assert "version 2" in out and live.current_schedule(job_id)[1].w_end == 0.25
     assert "version 2" in run("schedule", "show", job_id)
-    live.add_metrics(job_id, 2, {"loss": 0.5})
+    live.add_metrics(job_id, 1, {"loss": 0.5}, steps_done=2)
     assert "2/4" in run("status", job_id)
     assert "cancelled" in run("cancel", job_id)
     logs = run("logs", job_id)

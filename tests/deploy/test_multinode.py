@@ -161,7 +161,7 @@ def test_rollout_node_lost_mid_job_is_replaced_and_no_group_is_lost(cluster_dir:
         job = subprocess.Popen(
             [sys.executable, str(HERE / "multinode_job.py"), "--address", address, "--work-dir", str(work_dir),
              "--progress", str(progress), "--result", str(result), "--total-steps", str(TOTAL_STEPS),
-             "--num-workers", str(NUM_WORKERS), "--hold-after-step", "1"],
+             "--num-workers", str(NUM_WORKERS), "--hold-after-step", "0"],
             stdout=job_log, stderr=subprocess.STDOUT, env=CLUSTER_ENV,
         )
         # the rollout node joins after the driver connected: the driver then has one node on this IP to
@@ -175,7 +175,7 @@ def test_rollout_node_lost_mid_job_is_replaced_and_no_group_is_lost(cluster_dir:
         node_a = first["worker_nodes"][0]
         assert node_a and first["worker_nodes"] == [node_a] * NUM_WORKERS, first
 
-        nodes[1].kill()  # mid-job: the job holds after step 1, so step 2's rollouts meet the dead workers
+        nodes[1].kill()  # mid-job: the job holds after step 0, so step 1's rollouts meet the dead workers
         progress.with_suffix(".resume").write_text("")
         time.sleep(3)
         nodes.append(RayNode(rollout_args, cluster_dir, "rollout-b"))
@@ -183,11 +183,11 @@ def test_rollout_node_lost_mid_job_is_replaced_and_no_group_is_lost(cluster_dir:
         assert result.exists(), tail(cluster_dir / "job.log")
         out = json.loads(result.read_text())
         assert out["error"] is None and out["outcome"] == "succeeded", out
-        assert out["steps"] == list(range(1, TOTAL_STEPS + 1))
+        assert out["steps"] == list(range(TOTAL_STEPS))
         assert node_a != out["head_node"], "rollout workers ran on the head, which has no `rollout` resource"
 
         lines = progress_lines(progress)
-        # step 2 ran its rollouts after the kill: its groups went to replacement workers on the new node
+        # step 1 ran its rollouts after the kill: its groups went to replacement workers on the new node
         for line in lines[1:]:
             node_b = line["worker_nodes"][0]
             assert node_b not in (None, node_a, out["head_node"]), lines

@@ -45,7 +45,7 @@ class StandInRunner:
             time.sleep(self.spec.seed / 1000 if self.spec.seed else self.step_seconds)
             if self.spec.name == "explode":
                 raise RuntimeError("boom")
-            self.hooks.emit_metrics(step + 1, {"step": step + 1, "schedule_version": version,
+            self.hooks.emit_metrics(step, {"step": step, "schedule_version": version,
                                                "process_weight": schedule.weight(step), "resumed_from": start})
             ckpt = self.work_dir / "checkpoints" / f"step-{step + 1}"
             ckpt.mkdir(parents=True, exist_ok=True)

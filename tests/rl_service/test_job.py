@@ -61,7 +61,7 @@ class CrashAfter(InMemoryHooks):
 
     def emit_metrics(self, step, metrics):
         super().emit_metrics(step, metrics)
-        if step == self.crash_step and "loss" in metrics:
+        if step + 1 == self.crash_step and "loss" in metrics:  # after `crash_step` steps trained
             raise RuntimeError("simulated crash")
 
 
@@ -101,13 +101,13 @@ def test_crash_after_step_3_and_resume_equals_uninterrupted(shared_pool, tiny_ll
         assert ta == tb and len(ta) == 4
     metrics_a = {s: m for s, m in hooks_a.metrics if "loss" in m}
     metrics_b = {s: m for s, m in hooks_b.metrics if "loss" in m}
-    assert metrics_b[6]["loss"] == metrics_a[6]["loss"]
+    assert metrics_b[5]["loss"] == metrics_a[5]["loss"]
     # engine logprobs of the rollout tokens == the learner's (fp32; also after weight pushes)
     for m in metrics_a.values():
         assert m["logprob_mismatch/mean_abs"] < 1e-4, m["logprob_mismatch/mean_abs"]
     assert [c.step for c in list_checkpoints(tmp_path / "a" / "checkpoints")] == [3, 6]
     assert {"step", "time/rollout", "time/learn", "time/sync", "time/reward", "schedule/weight", "success_rate",
-            "entropy", "clip_ratio/region_mean", "advantages/mean", "staleness/max"} <= set(metrics_a[1])
+            "entropy", "clip_ratio/region_mean", "advantages/mean", "staleness/max"} <= set(metrics_a[0])
 
 
 def test_async_mode_pause_resume_and_schedule_patch(shared_pool, tiny_llama_dir, tmp_path) -> None:
@@ -118,9 +118,9 @@ def test_async_mode_pause_resume_and_schedule_patch(shared_pool, tiny_llama_dir,
     new_schedule = RewardSchedule(kind="constant", w_start=0.5)
 
     def steer(step, metrics):
-        if step == 1 and "loss" in metrics:
+        if step == 0 and "loss" in metrics:
             hooks.set_schedule(new_schedule)
-        if step == 2 and "loss" in metrics:
+        if step == 1 and "loss" in metrics:
             hooks.set_control("pause")
 
     hooks = InMemoryHooks(schedule=RewardSchedule(kind="constant", w_start=0.0), on_metrics=steer)
@@ -133,7 +133,7 @@ def test_async_mode_pause_resume_and_schedule_patch(shared_pool, tiny_llama_dir,
     assert JobRunner("c", spec, hooks, tmp_path, pool_factory=pool.factory).run() == "succeeded"
 
     train = [m for _, m in hooks.metrics if "loss" in m]
-    assert [int(m["step"]) for m in train] == [1, 2, 3, 4]
+    assert [int(m["step"]) for m in train] == [0, 1, 2, 3]
     assert [m["schedule/weight"] for m in train] == [0.0, 0.5, 0.5, 0.5]
     assert [m["schedule/version"] for m in train] == [1.0, 2.0, 2.0, 2.0]
     assert all(m["staleness/max"] <= 1 and m["staleness/dropped"] == 0 for m in train)

@@ -97,9 +97,12 @@ def test_expect_restricts_the_sources(store: Store) -> None:
 
 def test_schedule_patch_versions_and_events(store: Store) -> None:
     job = store.submit_job("t", _spec(), "/d")[0]
-    store.add_metrics(job.id, 4, {"loss": 1.0, "nan": float("nan")})
+    store.add_metrics(job.id, 4, {"loss": 1.0, "nan": float("nan")}, steps_done=5)  # step 4 trained
+    assert store.get_job(job.id).step == 5
+    store.add_metrics(job.id, 5, {"eval/success_rate": 0.5})  # an evaluation row moves no progress
+    assert store.get_job(job.id).step == 5
     new = store.patch_schedule(job.id, {"w_end": 0.25})
-    assert new.version == 2 and new.effective_from == 5
+    assert new.version == 2 and new.effective_from == 6  # step 5 runs now: from the step after it
     version, sched = store.current_schedule(job.id)
     assert version == 2 and sched.w_end == 0.25
     assert store.get_job(job.id).schedule_version == 2

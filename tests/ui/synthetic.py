@@ -55,7 +55,7 @@ def step_metrics(step: int, history: ScheduleHistory) -> dict[str, float]:
 
 def report_steps(service: TaperService, job_id: str, steps: range) -> None:
     for s in steps:
-        service.store.add_metrics(job_id, s, step_metrics(s, service.store.schedule_history(job_id)))
+        service.store.add_metrics(job_id, s, step_metrics(s, service.store.schedule_history(job_id)), steps_done=s + 1)
 
 
 def _step(text: str, ids: list[int], logprobs: list[float], obs_ids: list[int], obs_text: str,

@@ -153,7 +153,7 @@ def test_real_job_lifecycle_over_http_and_its_page_updates_takes_a_schedule_patc
         assert final["state"] == "succeeded" and final["attempts"] == 1 and final["step"] == total
         metrics = api.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
         train = [m for m in metrics if "schedule/version" in m["metrics"]]
-        assert [m["step"] for m in train] == list(range(1, total + 1))
+        assert [m["step"] for m in train] == list(range(total))
         assert train[-1]["metrics"]["schedule/version"] == 2.0  # the PATCH reached the job
         assert train[-1]["metrics"]["schedule/weight"] == 0.5
         events = api.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["items"]

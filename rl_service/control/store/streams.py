@@ -49,13 +49,15 @@ class StreamsPart(StoreBase):
     def _event(eid: str, f: dict[str, str]) -> dict[str, Any]:
         return {"id": eid, "kind": f["kind"], "ts": float(f["ts"]), "data": json.loads(f["data"])}
 
-    def add_metrics(self, job_id: str, step: int, metrics: dict[str, Any]) -> None:
+    def add_metrics(self, job_id: str, step: int, metrics: dict[str, Any], steps_done: int | None = None) -> None:
+        """A metrics row for `step`; with `steps_done` (a training row) also the job's progress and last row."""
         payload = dumps(metrics)
 
         def write(pipe: Pipeline) -> None:
             pipe.xadd(self.k_metrics(job_id), {"step": str(step), "data": payload, "ts": repr(time.time())},
                       maxlen=self.metrics_maxlen, approximate=True)
-            pipe.hset(self.k_job(job_id), mapping={"step": str(step), "last_metrics": payload})
+            if steps_done is not None:
+                pipe.hset(self.k_job(job_id), mapping={"step": str(steps_done), "last_metrics": payload})
 
         self._write_for_job(job_id, write)
 
