@@ -32,10 +32,11 @@ from rollout_workers.environments.policy import EnvironmentPolicy, check_options
 from rollout_workers.environments.python_env import PythonEnv
 from rollout_workers.environments.registration_schema import kind_union_schema
 from rollout_workers.environments.retrieval import RetrievalEnv
+from rollout_workers.environments.tool_chain import ToolChainEnv
 from rollout_workers.net_guard import AllowList, TargetRefused, check_base_url, resolve_target
 
 BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {
-    cls.name: cls for cls in (CalculatorEnv, PythonEnv, RetrievalEnv, LongHorizonEnv)
+    cls.name: cls for cls in (CalculatorEnv, PythonEnv, RetrievalEnv, LongHorizonEnv, ToolChainEnv)
 }
 
 MAX_DECLARED_BYTES = 128 * 1024

@@ -101,3 +101,34 @@ def test_long_horizon_chain_following() -> None:
     assert follows.outcome_reward == 1.0 and wanders.outcome_reward == 0.0
     assert [s.process_rewards.get("followed_chain") for s in follows.steps[:3]] == [1.0, 1.0, 1.0]
     assert [s.process_rewards.get("followed_chain") for s in wanders.steps[:2]] == [1.0, 0.0]
+
+
+def test_tool_chain_scores_each_node_against_the_task() -> None:
+    from rollout_workers.environments.tool_chain import ToolChainEnv
+
+    env = ToolChainEnv()
+    task = {"id": "t", "question": "Start with 37, then + 5, then * 3. What is the result?", "start": 37,
+            "steps": [["+", 5], ["*", 3]], "answer": 126}
+    chained = run_episode(env, task, [("calculator", {"expression": "37 + 5"}),
+                                      ("calculator", {"expression": "42 * 3"})], "The answer is 126.")
+    # the warm start's habit: one call, then restate it (consistent, but the chain is unfinished)
+    stops_early = run_episode(env, task, [("calculator", {"expression": "37 + 5"})], "The answer is 42.")
+    # second call ignores the first result (uses the start value again)
+    restarts = run_episode(env, task, [("calculator", {"expression": "37 + 5"}),
+                                       ("calculator", {"expression": "37 * 3"})], "The answer is 111.")
+    malformed = run_episode(env, task, [("calculator", {"expression": "(37 + 5) * 3"})], "The answer is 126.")
+    trajs = [chained, stops_early, restarts, malformed]
+    score_trajectories(trajs, env)
+    assert [t.outcome_reward for t in trajs] == [1.0, 0.0, 0.0, 1.0]
+    nodes = [[s.process_rewards for s in t.steps] for t in trajs]
+    assert nodes[0] == [
+        {"format": 1.0, "tool_valid": 1.0, "tool_ok": 1.0, "call_is_one_step": 1.0, "call_uses_intermediate": 1.0},
+        {"format": 1.0, "tool_valid": 1.0, "tool_ok": 1.0, "call_is_one_step": 1.0, "call_uses_intermediate": 1.0},
+        {"answer_restates_result": 1.0},
+    ]
+    assert nodes[1][0]["call_uses_intermediate"] == 1.0 and nodes[1][1] == {"answer_restates_result": 1.0}
+    assert nodes[2][1]["call_is_one_step"] == 1.0 and nodes[2][1]["call_uses_intermediate"] == 0.0
+    assert nodes[2][2] == {"answer_restates_result": 1.0}
+    # a refused call earns no call component, and an answer with no tool result behind it restates nothing
+    assert nodes[3][0]["tool_ok"] == 0.0 and nodes[3][0]["call_is_one_step"] == 0.0
+    assert nodes[3][0]["call_uses_intermediate"] == 0.0 and nodes[3][1] == {"answer_restates_result": 0.0}

@@ -108,3 +108,23 @@ def test_sandbox_cpu_limit() -> None:
     r = run_python("while True:\n    pass", SandboxLimits(cpu_seconds=1, wall_seconds=20.0))
     assert not r.timed_out and r.exit_code is not None and r.exit_code < 0  # killed by SIGXCPU/SIGKILL
     assert r.duration_s < 15
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_tool_chain_needs_k_dependent_calls(k: int) -> None:
+    from rollout_workers.environments.tool_chain import ToolChainEnv, chain_values
+
+    tasks = ToolChainEnv.generate_tasks(30, seed=k, k=k)
+    for t in tasks:
+        assert len(t["steps"]) == k and t["question"].count("then") == k
+        values = chain_values(t)
+        assert values[-1] == t["answer"] and min(values) >= 0
+        demo = ToolChainEnv().demonstration(t)
+        calls = [m["tool_calls"][0]["function"]["arguments"]["expression"] for m in demo if m.get("tool_calls")]
+        # each call starts from the previous call's result
+        assert [int(c.split()[0]) for c in calls] == values[:-1]
+    assert len({t["answer"] for t in tasks}) > 10
+    env = ToolChainEnv()
+    asyncio.run(env.reset(tasks[0]))
+    with pytest.raises(ToolError, match="one operation"):  # the whole chain in one call is refused
+        asyncio.run(env.call("calculator", {"expression": "(37 + 5) * 3"}))

@@ -98,7 +98,7 @@ def test_bad_registrations_are_rejected_naming_the_field(
 
 
 def test_builtins_have_valid_schemas_and_seeded_generators() -> None:
-    assert set(BUILTIN_ENVIRONMENTS) == {"calculator", "python", "retrieval", "long_horizon"}
+    assert set(BUILTIN_ENVIRONMENTS) == {"calculator", "python", "retrieval", "long_horizon", "tool_chain"}
     for name, cls in BUILTIN_ENVIRONMENTS.items():
         validate_tool_schemas(cls().tools())
         a, b = cls.generate_tasks(5, seed=3), cls.generate_tasks(5, seed=3)
