@@ -10,7 +10,6 @@ names as `base:demo-warmstart`, as a tenant would.
 from __future__ import annotations
 
 import json
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,13 +50,19 @@ class DemoConfig:
     seed: int = 0
 
 
-WARM_START_MODEL = "demo-warmstart"  # the base model name the demo's server offers its warm start under
+def warm_start_spec(cfg: DemoConfig) -> dict[str, Any]:
+    """The job's warm start: gold traces until the loss target, then the mix that rarely uses the tool."""
+    mixed = ({"steps": cfg.mixed_sft_steps, "tool_use_fraction": cfg.tool_use_fraction, "learning_rate": 1e-3}
+             if cfg.mixed_sft_steps else None)
+    return {"num_examples": cfg.sft_examples, "max_steps": cfg.sft_steps, "until_loss": cfg.sft_target_loss,
+            "learning_rate": 3e-3, "batch_size": 16, "mixed_phase": mixed}
 
 
 def demo_job_spec(cfg: DemoConfig) -> dict[str, Any]:
     return {
         "name": "demo-calculator",
-        "model": {"preset": "tiny", "checkpoint": f"base:{WARM_START_MODEL}"},
+        "model": {"preset": "tiny"},
+        "warm_start": warm_start_spec(cfg),
         "environment": {"name": "calculator"},
         "tasks": {"seed": cfg.seed, "num_train": 5000, "num_eval": cfg.eval_tasks},
         "algorithm": {"loss_type": "dapo", "learning_rate": 5e-4, "beta": 0.0, "scale_rewards": "group"},
@@ -116,50 +121,36 @@ class EmbeddedService:
         return Store(self.redis.client_url).create_api_key("demo", name="demo")
 
 
-def answer_from_memory(task: dict[str, Any]) -> list[dict[str, Any]]:
-    """A conversation where the assistant states the answer without calling any tool."""
-    return [{"role": "user", "content": task["question"]},
-            {"role": "assistant", "content": f"The answer is {task['answer']}."}]
-
-
 def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int, target_loss: float | None = None,
                mixed_steps: int = 0, tool_use_fraction: float = 1.0, task_options: dict[str, Any] | None = None,
                console: Console | None = None) -> tuple[Path, list[float]]:
-    """SFT the tiny model on an environment's gold conversations (tasks generated with `task_options`) for
-    `steps` (fewer if the loss reaches `target_loss`), then (if `mixed_steps`) on a mix where only
-    `tool_use_fraction` of them use the tools and the rest answer from memory; save it as a checkpoint
-    directory. Returns the directory and the loss of every step."""
+    """A warm-started tiny model saved as a checkpoint directory, outside any job (the benchmarks share one
+    across runs): the same phases a job's `warm_start` runs. Returns the directory and every step's loss."""
     import torch
 
     from model.config import TaperConfig
     from model.modeling import TaperForCausalLM
     from model.tokenizer import load_tokenizer
-    from rl_service.training.sft import warm_start as sft
+    from rl_service.spec import WarmStartSpec
+    from rl_service.training.warm_start import WARM_START_SEED_OFFSET, run_warm_start
     from rollout_workers.environments.registry import generate_tasks, make_env_factory
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer()
     model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tokenizer)))
-    # SFT tasks come from another seed than the job's tasks, so held-out evaluation stays held out.
-    env = make_env_factory(env_name)()
-    tasks = generate_tasks(env_name, examples, seed=seed + 10_000, options=task_options)
-    gold = [env.demonstration(t) for t in tasks]
-    pick = random.Random(seed)
-    mixed = [g if pick.random() < tool_use_fraction else answer_from_memory(t) for g, t in zip(gold, tasks, strict=True)]
-    phases = [(f"gold {env_name} traces", gold, steps, 3e-3, target_loss),
-              (f"traces of which {tool_use_fraction:.0%} use the tool", mixed, mixed_steps, 1e-3, None)]
+    spec = WarmStartSpec(num_examples=examples, max_steps=steps, until_loss=target_loss, mixed_phase=(
+        {"steps": mixed_steps, "tool_use_fraction": tool_use_fraction} if mixed_steps else None))
+    tasks = generate_tasks(env_name, examples, seed=seed + WARM_START_SEED_OFFSET, options=task_options)
     losses: list[float] = []
-    with Progress(TextColumn("[bold]warm start"), BarColumn(), TextColumn("{task.description}  {task.fields[loss]}"),
+    with Progress(TextColumn("[bold]warm start"), BarColumn(), TextColumn("{task.fields[loss]}"),
                   TimeElapsedColumn(), console=console or Console(quiet=True)) as progress:
-        for what, conversations, n, lr, stop_at_loss in phases:
-            if n < 1:
-                continue
-            bar = progress.add_task(f"SFT on {len(conversations)} {what}", total=n, loss="")
-            done = sft(model, tokenizer, conversations, steps=n, lr=lr, batch_size=16, seed=seed + len(losses),
-                       tools=env.tools(), stop_at_loss=stop_at_loss,
-                       on_step=lambda loss, bar=bar: progress.update(bar, advance=1, loss=f"loss {loss:.3f}"))
-            progress.update(bar, total=len(done), completed=len(done))  # an early stop fills the bar
-            losses += done
+        bar = progress.add_task("sft", total=steps + mixed_steps, loss="")
+
+        def on_step(phase: str, step: int, loss: float) -> None:
+            losses.append(loss)
+            progress.update(bar, completed=step, loss=f"{phase}: loss {loss:.3f}")
+
+        run_warm_start(model, tokenizer, make_env_factory(env_name)(), tasks, spec, seed, on_step)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out, losses
@@ -181,10 +172,13 @@ def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig,
                TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
         bar = progress.add_task("rl", total=cfg.rl_steps, info="starting")
+        warm_started = False
         while True:
             job = client.get(f"/v1/jobs/{job_id}").raise_for_status().json()
             metrics = fetch_metrics(client, job_id)
             train = [m for m in metrics if "success_rate" in m]
+            if not warm_started:
+                warm_started = _show_warm_start(client, job_id, progress, bar)
             if train:
                 last = train[-1]
                 done = int(last["step"]) + 1  # rows count steps from 0
@@ -205,6 +199,20 @@ def follow_job(client: httpx.Client, job_id: str, cfg: DemoConfig,
             time.sleep(0.5)
 
 
+def _show_warm_start(client: httpx.Client, job_id: str, progress: Progress, bar: Any) -> bool:
+    """The job's warm-start phase on the progress bar; prints its result once it is done (then True)."""
+    events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).raise_for_status().json()["items"]
+    done = [e["data"] for e in events if e["kind"] == "warm_start_done"]
+    if done:
+        progress.console.print(f"warm-start done: SFT loss {done[0]['loss']:.3f} after {done[0]['sft_steps']} steps "
+                               f"({done[0]['seconds']:.0f} s)")
+        return True
+    steps = [e["data"] for e in events if e["kind"] == "warm_start_progress"]
+    if steps:
+        progress.update(bar, info=f"warm start: SFT step {steps[-1]['sft_step']}, loss {steps[-1]['loss']:.3f}")
+    return False
+
+
 def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
     from api.cli.report import render_html, render_plots
 
@@ -213,15 +221,9 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict[str, Any]:
     out = cfg.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     settings = TaperSettings(data_dir=out / "service")
-    warm_dir = out / "warmstart"
-    base_models = json.dumps({WARM_START_MODEL: str(warm_dir)})
-    with EmbeddedService(settings.data_dir, console, env={"TAPER_BASE_MODELS": base_models}) as service:
+    with EmbeddedService(settings.data_dir, console) as service:
         console.print(f"API on {service.url} (OpenAPI at {service.url}/docs), private Redis, local Ray")
         key = service.create_key()
-        _, losses = warm_start("calculator", warm_dir, steps=cfg.sft_steps, examples=cfg.sft_examples,
-                               seed=cfg.seed, target_loss=cfg.sft_target_loss, mixed_steps=cfg.mixed_sft_steps,
-                               tool_use_fraction=cfg.tool_use_fraction, console=console)
-        console.print(f"warm-start done: SFT loss {losses[0]:.2f} -> {losses[-1]:.2f} in {len(losses)} steps")
         client = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         job = client.post("/v1/jobs", json=demo_job_spec(cfg)).raise_for_status().json()
         job_id = job["id"]
