@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from api import demo
+from api import cli_checkpoints, demo
 from rl_service.settings import TaperSettings, get_settings
 
 app = typer.Typer(help="Taper: agentic RL post-training service.", no_args_is_help=True)
@@ -496,6 +496,7 @@ def quota_reset(tenant: str) -> None:
 
 
 demo.register(app)
+cli_checkpoints.register(app, _api, _check, console)
 
 
 if __name__ == "__main__":

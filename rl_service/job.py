@@ -47,6 +47,7 @@ from rl_service.infra_guard import InfraFailureGuard
 from rl_service.learner import Learner, LearnerConfig, PolicySample
 from rl_service.learner.weight_push import shippable_state_dict
 from rl_service.spec import JobSpec
+from rl_service.tracking import TrackedHooks, tool_metrics
 from rollout_workers.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -187,8 +188,8 @@ class JobRunner:
                  pool_factory: PoolFactory | None = None, device: str | None = None) -> None:
         self.job_id = job_id
         self.spec = spec
-        self.hooks = hooks
         self.work_dir = Path(work_dir)
+        self.hooks = TrackedHooks(hooks, job_id, spec, self.work_dir)
         self.pool_factory = pool_factory or default_pool_factory
         if device is None:
             device = "cuda" if spec.resources.learner_gpus > 0 and torch.cuda.is_available() else "cpu"
@@ -300,6 +301,7 @@ class JobRunner:
             if getattr(self, "dp", None) is not None:
                 self.dp.shutdown()
                 self.dp = None
+            self.hooks.close()
             if self.pool is not None:
                 try:
                     self.pool.shutdown()
@@ -560,6 +562,7 @@ class JobRunner:
         metrics["rollout/sampled_tokens"] = float(sampled)
         if times.get("time/rollout", 0.0) > 0 and not self.spec.rollout.async_mode:
             metrics["rollout/tokens_per_s"] = sampled / times["time/rollout"]
+        metrics.update(tool_metrics(trajs))
         for key, value in batch.stats.items():
             metrics[f"reward/{key}"] = value
         metrics["success_rate"] = batch.stats.get("success_rate", 0.0)

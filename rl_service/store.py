@@ -513,6 +513,18 @@ class Store:
             raws = pipe.execute()
         return [self._record(r) for r in raws if r], int(total)
 
+    def list_jobs_after(self, tenant: str, after: str | None, limit: int) -> tuple[list[JobRecord], bool] | None:
+        """Up to ``limit`` of the tenant's jobs, newest first, older than the job ``after`` (None: from the
+        newest); and whether more follow. None when ``after`` is not one of the tenant's jobs."""
+        start = 0
+        if after is not None:
+            rank = self.r.zrevrank(self.k_jobs(tenant), after)
+            if rank is None:
+                return None
+            start = rank + 1
+        jobs, total = self.list_jobs(tenant, None, start, limit)
+        return jobs, start + limit < total
+
     def job_ids_in(self, state: JobState | str) -> list[str]:
         return list(self.r.zrange(self.k_state(state), 0, -1))
 
@@ -625,6 +637,12 @@ class Store:
     def events(self, job_id: str, after: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Events after the stream id ``after`` (exclusive), oldest first."""
         rows = self.r.xrange(self.k_events(job_id), min=self._exclusive(after), max="+", count=limit)
+        return [self._event(eid, f) for eid, f in rows]
+
+    def events_newest_first(self, job_id: str, before: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Events before the stream id ``before`` (exclusive), newest first."""
+        rows = self.r.xrevrange(self.k_events(job_id), max=self._exclusive(before) if before else "+", min="-",
+                                count=limit)
         return [self._event(eid, f) for eid, f in rows]
 
     @staticmethod

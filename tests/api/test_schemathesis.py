@@ -57,8 +57,9 @@ def test_no_server_errors(fuzz_target: dict) -> None:
                   suppress_health_check=list(HealthCheck))
         def run(case) -> None:
             # Half the cases address the real job, so the fuzzer reaches past the 404 of a random id.
-            if case.path_parameters and len(str(case.path_parameters.get("job_id", ""))) % 2:
-                case.path_parameters["job_id"] = fuzz_target["job_id"]
+            for name in ("job_id", "fine_tuning_job_id"):
+                if case.path_parameters and len(str(case.path_parameters.get(name, ""))) % 2:
+                    case.path_parameters[name] = fuzz_target["job_id"]
             headers = dict(case.headers or {})
             headers["Authorization"] = f"Bearer {fuzz_target['key']}"  # the generated one is random
             if case.path.endswith("/events"):
