@@ -58,7 +58,7 @@ class MLflowTracker:
         self.run = mlflow.start_run(run_name=run_name or job_id, tags={"taper.job_id": job_id})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items()}, step=step, run_id=self.run.info.run_id)
+        self.mlflow.log_metrics(metrics, step=step, run_id=self.run.info.run_id)
 
     def close(self) -> None:
         self.mlflow.end_run()
@@ -93,7 +93,9 @@ class TrackedHooks:
         self.work_dir = Path(work_dir)
         self.trackers: list[Tracker] | None = None
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # only for what this class lacks (heartbeat, test helpers, ...)
+        if name == "inner":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def _open(self, first_step: int) -> list[Tracker]:
@@ -144,7 +146,7 @@ class TrackedHooks:
 
 def tool_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Tool calls of a step's trajectories: how many, their mean latency and error rate."""
-    calls = [c for tj in trajs for c in tj.tool_calls]
+    calls = [c for tj in trajs for step in tj.steps for c in step.tool_calls]
     if not calls:
         return {"tools/calls": 0.0}
     return {"tools/calls": float(len(calls)),
