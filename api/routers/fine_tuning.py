@@ -80,7 +80,7 @@ JobAfter = Annotated[str | None, Query(pattern=r"^job-[0-9a-f]{16}$", descriptio
 EventAfter = Annotated[str | None, Query(pattern=EVENT_ID, description="The last id of the previous page.")]
 CheckpointAfter = Annotated[str | None, Query(pattern=CHECKPOINT_ID, description="The last id of the previous page.")]
 Limit = Annotated[int, Query(ge=1, le=100)]
-_CONTROL = openai_error_responses(400, 401, 404, 409)
+_CONTROL = openai_error_responses(400, 401, 404, 409, 422)
 
 
 def _jobs(svc: Svc) -> FineTuningJobs:
@@ -96,13 +96,13 @@ def create_job(request: FineTuningJobCreate, svc: Svc, who: Who) -> dict[str, An
 
 
 @router.get("", response_model=FineTuningJobPage, summary="List fine-tuning jobs, newest first",
-            responses=openai_error_responses(400, 401, 404))
+            responses=openai_error_responses(400, 401, 404, 422))
 def list_jobs(svc: Svc, who: Who, after: JobAfter = None, limit: Limit = 20) -> dict[str, Any]:
     return _jobs(svc).list(who, after, limit)
 
 
 @router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, summary="Retrieve a fine-tuning job",
-            responses=openai_error_responses(400, 401, 404))
+            responses=openai_error_responses(400, 401, 404, 422))
 def retrieve_job(fine_tuning_job_id: JobId, svc: Svc, who: Who) -> dict[str, Any]:
     return _jobs(svc).retrieve(who, fine_tuning_job_id)
 
@@ -126,13 +126,13 @@ def resume_job(fine_tuning_job_id: JobId, svc: Svc, who: Who) -> dict[str, Any]:
 
 
 @router.get("/{fine_tuning_job_id}/events", response_model=FineTuningJobEventPage,
-            summary="A fine-tuning job's events, newest first", responses=openai_error_responses(400, 401, 404))
+            summary="A fine-tuning job's events, newest first", responses=openai_error_responses(400, 401, 404, 422))
 def list_events(fine_tuning_job_id: JobId, svc: Svc, who: Who, after: EventAfter = None, limit: Limit = 20) -> dict[str, Any]:
     return _jobs(svc).events(who, fine_tuning_job_id, after, limit)
 
 
 @router.get("/{fine_tuning_job_id}/checkpoints", response_model=FineTuningJobCheckpointPage,
-            summary="A fine-tuning job's checkpoints, newest first", responses=openai_error_responses(400, 401, 404))
+            summary="A fine-tuning job's checkpoints, newest first", responses=openai_error_responses(400, 401, 404, 422))
 def list_checkpoints(fine_tuning_job_id: JobId, svc: Svc, who: Who, after: CheckpointAfter = None,
                      limit: Limit = 10) -> dict[str, Any]:
     return _jobs(svc).checkpoints(who, fine_tuning_job_id, after, limit)
