@@ -25,8 +25,8 @@ from api.routers import admin, checkpoints, environments, fine_tuning, jobs, sys
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
-from rl_service.service import RateLimited, ServiceError, TaperService, error_field
-from rl_service.settings import TaperSettings, get_settings
+from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field
+from rl_service.control.settings import TaperSettings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,14 @@ class _JobsByState:
         yield gauge
 
 
+def _plain(error: Any) -> str:
+    """A validation error's message without the prefix pydantic puts on errors raised in validators."""
+    msg = str(error.get("msg", ""))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg
+
+
 def _field_of(loc: tuple[Any, ...], message: str = "") -> str:
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header"):
@@ -130,10 +138,10 @@ def _install_errors(app: FastAPI) -> None:
         field = _field_of(tuple(first.get("loc", ())), str(first.get("msg", "")))
         if first.get("type") == "json_invalid":
             field = "body"  # its location is a character offset, not a field
-        details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": e.get("msg", "")}
+        details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": _plain(e)}
                    for e in errors[:20]]
         return JSONResponse(
-            {"error": {"code": "invalid", "message": f"{field}: {first.get('msg')}", "field": field,
+            {"error": {"code": "invalid", "message": f"{field}: {_plain(first)}", "field": field,
                        "details": details}},
             status_code=422,
         )
@@ -223,7 +231,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = None
         if app.state.service is None:
-            from rl_service.service import start_runtime
+            from rl_service.control.service import start_runtime
 
             runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner)
             app.state.service = runtime.service

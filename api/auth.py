@@ -1,5 +1,5 @@
 """Bearer API keys: each request acts for the tenant its key belongs to. Keys are stored hashed
-(rl_service.store); `taper keys create --tenant NAME [--admin] [--expires-in 30d]` makes one, `taper keys
+(rl_service.control.store); `taper keys create --tenant NAME [--admin] [--expires-in 30d]` makes one, `taper keys
 revoke ID` ends one. Admin keys may also use the admin routes (API keys, tenant quotas); the service checks that."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from rl_service.service import Principal, TaperService, Unauthorized
+from rl_service.control.service import Principal, TaperService, Unauthorized
 
 bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer tpr_...`")
 

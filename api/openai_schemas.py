@@ -1,5 +1,5 @@
 """Response and error models of the OpenAI-compatible routes (/v1/fine_tuning), shaped as OpenAI's objects.
-The request model and the translation live in rl_service.openai_compat."""
+The request model and the translation live in rl_service.control.openai_compat."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from reward_models.schedule import RewardSchedule, ScheduleVersion
+from rl_service.control.quota import TenantQuota
+from rl_service.control.store import JobRecord
 from rl_service.job_states import JobState
-from rl_service.quota import TenantQuota
 from rl_service.spec import JobSpec
-from rl_service.store import JobRecord
 
 
 class ErrorDetail(BaseModel):

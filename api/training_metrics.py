@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from rl_service.control.service import TaperService
 from rl_service.job_states import JobState
-from rl_service.service import TaperService
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import httpx
 import yaml
 
 if TYPE_CHECKING:
-    from api.launcher import ApiServerProcess
+    from api.cli.launcher import ApiServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 # The job that trains in the background during the measurement (tiny model, vLLM on CPU, many steps).
@@ -189,8 +189,8 @@ class EmbeddedServer:
         self.url = ""
 
     def __enter__(self) -> EmbeddedServer:
-        from api.launcher import ApiServerProcess
-        from rl_service.embedded import start_private_redis
+        from api.cli.launcher import ApiServerProcess
+        from rl_service.control.local_services import start_private_redis
 
         self.redis = start_private_redis(self.data_dir / "redis", persist=False)
         ray_address = self._start_ray()
@@ -219,7 +219,7 @@ class EmbeddedServer:
         raise AssertionError("unreachable")
 
     def key(self) -> str:
-        from rl_service.store import Store
+        from rl_service.control.store import Store
 
         return Store(self.redis.url).create_api_key("bench", name="bench")
 

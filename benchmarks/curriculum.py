@@ -64,8 +64,8 @@ def job_spec(env: str, variant: str, seed: int, steps: int, checkpoint: Path) ->
 
 
 def run_one(env: str, variant: str, seed: int, steps: int, work: Path, checkpoint: Path) -> dict[str, Any]:
-    from rl_service.job import InMemoryHooks, JobRunner
     from rl_service.spec import JobSpec
+    from rl_service.training.runner import InMemoryHooks, JobRunner
 
     spec = JobSpec.model_validate(job_spec(env, variant, seed, steps, checkpoint))
     hooks = InMemoryHooks(spec.reward_schedule)
@@ -103,8 +103,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("taper_data/curriculum"))
     args = ap.parse_args()
 
-    from api.demo import warm_start
-    from rl_service.embedded import ensure_ray
+    from api.cli.demo import warm_start
+    from rl_service.ray_cluster import ensure_ray
 
     ensure_ray()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,22 @@ LB = -5.0
 DEV = os.environ.get("KDA_BENCH_DEVICE", "cuda")  # "cpu": smoke-test the checks' plumbing
 
 
+def cap_autotune(warmup_ms: int, rep_ms: int) -> None:
+    """Triton's autotuner (fla's kernels use it) times each candidate config with `triton.testing.do_bench`
+    at 25 + 100 ms; shorten that. Our timings keep the full default (`bench` holds the original)."""
+    import functools
+
+    import triton.testing
+
+    triton.testing.do_bench = functools.partial(_DO_BENCH, warmup=warmup_ms, rep=rep_ms)
+
+
+try:
+    from triton.testing import do_bench as _DO_BENCH
+except Exception:  # noqa: BLE001 - no Triton: CPU smoke test
+    _DO_BENCH = None
+
+
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     if not torch.isfinite(x).all():
@@ -153,27 +169,37 @@ def check_decode() -> dict:
 
 
 def bench(fn, grad_to_none=None) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+    return float(_DO_BENCH(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
 
 
-def time_chunk(T: int) -> dict:
+def time_chunk(T: int, impls: tuple[str, ...] = ("ours", "fla"), parts: tuple[str, ...] = ("fwd", "fwdbwd"),
+               res: dict | None = None, save=lambda: None) -> dict:
+    """Forward and forward+backward ms at B=1, H=32, K=V=128; fills `res` and calls `save` after each
+    number (fla's first call of each kernel autotunes for minutes, so partial results must survive a limit)."""
     x = make(1, T, 32, 32, 128, 128, seed=2)
     leaves = {n: x[n].detach().clone().requires_grad_(True) for n in GRAD_KEYS}
     xx = dict(x, **leaves)
     do = torch.randn(1, T, 32, 128, device=DEV, dtype=torch.bfloat16)
-    res = {}
-    impls = [("ours", ours)] + ([("fla", fla)] if fla_chunk_kda is not None else [])
-    for name, fn in impls:
-        with torch.no_grad():
-            res[f"{name}_fwd_ms"] = bench(lambda fn=fn: fn(x))
+    res = {} if res is None else res
+    fns = {"ours": ours, "fla": fla}
+    for name in impls:
+        if name == "fla" and fla_chunk_kda is None:
+            continue
+        fn = fns[name]
+        for part in parts:
+            start = time.time()
+            if part == "fwd":
+                with torch.no_grad():
+                    res[f"{name}_fwd_ms"] = bench(lambda fn=fn: fn(x))
+            else:
+                def fwd_bwd(fn=fn):
+                    o, _ = fn(xx)
+                    o.backward(do)
 
-        def fwd_bwd(fn=fn):
-            o, _ = fn(xx)
-            o.backward(do)
-
-        res[f"{name}_fwdbwd_ms"] = bench(fwd_bwd, grad_to_none=list(leaves.values()))
+                res[f"{name}_fwdbwd_ms"] = bench(fwd_bwd, grad_to_none=list(leaves.values()))
+            print(f"  T={T} {name} {part}: {res[f'{name}_{part}_ms']:.3f} ms (incl. compile/autotune "
+                  f"{time.time() - start:.0f} s)", flush=True)
+            save()
         torch.cuda.empty_cache()
     return res
 
@@ -205,6 +231,56 @@ def time_decode(N: int) -> dict:
     state_bytes = 2 * N * H * K * V * 4
     res["ours_state_TBps"] = state_bytes / (res["ours_us"] * 1e-6) / 1e12
     return res
+
+
+DECODE_SWEEP = [(16, 1), (32, 1), (64, 1), (32, 2), (64, 2), (128, 2), (128, 4), (16, 2)]  # (block_v, warps)
+
+
+def decode_sweep(N: int = 256) -> dict:
+    """Decode kernel block sizes at N sequences: us, TB/s of state traffic, and the relative difference of
+    output and slots from the default config's (each variant on the same inputs and pool)."""
+    from kernels.kda.triton_config import KDAKernelConfig
+    from kernels.kda.triton_recurrent import fused_recurrent_kda_triton
+
+    H, K, V = 32, 128, 128
+    x = make(1, N, H, H, K, V, seed=4)
+    pool0 = torch.randn(N + 8, H, K, V, device=DEV)
+    idx = torch.randperm(N + 8, device=DEV)[:N].to(torch.int32)
+    cu = torch.arange(N + 1, device=DEV, dtype=torch.int32)
+
+    def call(pool, cfg):
+        return fused_recurrent_kda_triton(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K ** -0.5, initial_state=pool,
+            output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, lower_bound=LB, A_log=None, dt_bias=x["dt_bias"], cu_seqlens=cu,
+            ssm_state_indices=idx, inplace_final_state=True, config=cfg)[0]
+
+    ref_pool = pool0.clone()
+    ref_o = call(ref_pool, KDAKernelConfig())
+    out = {}
+    for bv, warps in DECODE_SWEEP:
+        cfg = KDAKernelConfig(decode_block_v=bv, decode_num_warps=warps)
+        try:
+            pool = pool0.clone()
+            o = call(pool, cfg)
+            r = {"o_rel": rel(o, ref_o), "slots_rel": rel(pool, ref_pool)}
+            pool = pool0.clone()
+            r["us"] = bench(lambda cfg=cfg, pool=pool: call(pool, cfg)) * 1e3
+            r["state_TBps"] = 2 * N * H * K * V * 4 / (r["us"] * 1e-6) / 1e12
+        except Exception as exc:  # noqa: BLE001 - the other variants still run
+            r = {"error": repr(exc)[:300]}
+        out[f"bv{bv}_w{warps}"] = r
+        print(f"  decode N={N} block_v={bv} warps={warps}: " + " ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+    return out
+
+
+def copy_bandwidth(gib: int = 4) -> float:
+    """The decode target's ceiling: a large device-to-device copy, bytes read plus written per second (TB/s)."""
+    src = torch.randn(gib * 2**28, device=DEV)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
@@ -292,12 +368,10 @@ def print_tables(out: dict) -> None:
     print("\n| T | ours fwd ms | fla fwd ms | fla/ours | ours fwd+bwd ms | fla fwd+bwd ms | fla/ours |")
     print("|---|---|---|---|---|---|---|")
     for T, r in out["chunk"].items():
-        if "error" in r:
-            print(f"| {T} | error |")
-            continue
-        f_f, f_b = r.get("fla_fwd_ms", float("nan")), r.get("fla_fwdbwd_ms", float("nan"))
-        print(f"| {T} | {r['ours_fwd_ms']:.3f} | {f_f:.3f} | {f_f / r['ours_fwd_ms']:.2f} | "
-              f"{r['ours_fwdbwd_ms']:.3f} | {f_b:.3f} | {f_b / r['ours_fwdbwd_ms']:.2f} |")
+        nan = float("nan")
+        o_f, o_b = r.get("ours_fwd_ms", nan), r.get("ours_fwdbwd_ms", nan)
+        f_f, f_b = r.get("fla_fwd_ms", nan), r.get("fla_fwdbwd_ms", nan)
+        print(f"| {T} | {o_f:.3f} | {f_f:.3f} | {f_f / o_f:.2f} | {o_b:.3f} | {f_b:.3f} | {f_b / o_b:.2f} |")
     print("\n| decode seqs | ours us | fla us | fla/ours |")
     print("|---|---|---|---|")
     for N, r in out["decode"].items():
@@ -305,15 +379,19 @@ def print_tables(out: dict) -> None:
             print(f"| {N} | error |")
             continue
         fu = r.get("fla_us", float("nan"))
-        print(f"| {N} | {r['ours_us']:.1f} | {fu:.1f} | {fu / r['ours_us']:.2f} |")
+        print(f"| {N} | {r['ours_us']:.1f} | {fu:.1f} | {fu / r['ours_us']:.2f} | "
+              f"{r['ours_state_TBps']:.2f} TB/s of state |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kda.json")
-    ap.add_argument("--quick", action="store_true", help="T=8K and 32K only")
+    ap.add_argument("--quick", action="store_true", help="T=32K only")
+    ap.add_argument("--fla-autotune-ms", type=int, nargs=2, metavar=("WARMUP", "REP"), default=None,
+                    help="time each of fla's autotune candidates for this long (Triton's default: 25 100)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--variants", action="store_true", help="only: kernel-config variants at 32K (errors, ms)")
+    ap.add_argument("--decode-sweep", action="store_true", help="only: decode block sizes at 256 sequences")
     ap.add_argument("--all-checks", action="store_true",
                     help="also check other shapes/options vs naive (each new shape compiles every kernel again)")
     args = ap.parse_args()
@@ -341,20 +419,40 @@ def main() -> None:
     def save() -> None:
         dest.write_text(json.dumps(out, indent=1, default=str))
 
+    if args.decode_sweep:
+        out["copy_TBps"] = attempt(copy_bandwidth)
+        out["decode_sweep_256"] = decode_sweep()
+        save()
+        print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
+        return
     if args.variants:
         out["variants_32k"] = time_variants()
         save()
         print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
         return
-    # timing first (the speed bar), all at the benchmark head shape so the kernels compile once
-    for T in [8192, 32768] if args.quick else [8192, 32768, 131072]:
-        out["chunk"][T] = r = attempt(time_chunk, T)
-        print(f"  T={T}: " + " ".join(f"{k}={v}" for k, v in r.items()) + f"  [{time.time() - t0:.0f}s]", flush=True)
-        save()
+    def timed_part(T: int, impls: tuple[str, ...], parts: tuple[str, ...]) -> None:
+        r = attempt(time_chunk, T, impls, parts, out["chunk"][T], save)
+        if "error" in r and r is not out["chunk"][T]:
+            out["chunk"][T].setdefault("errors", []).append(r["error"])
+            save()
+
+    out["copy_TBps"] = attempt(copy_bandwidth)
+    print(f"  device-to-device copy: {out['copy_TBps']} TB/s (bytes read + written)", flush=True)
+    if args.fla_autotune_ms:
+        cap_autotune(*args.fla_autotune_ms)
+    # timing first (the speed bar). Ours (fixed configs) and the decode before fla's chunk timings, whose
+    # first calls autotune; fla's forward before its backward. Every number is saved as it comes.
+    sizes = [32768] if args.quick else [8192, 32768, 131072]
+    for T in sizes:
+        out["chunk"][T] = {}
+        timed_part(T, ("ours",), ("fwd", "fwdbwd"))
     for N in (64, 256):
         out["decode"][N] = r = attempt(time_decode, N)
         print(f"  decode N={N}: " + " ".join(f"{k}={v}" for k, v in r.items()), flush=True)
         save()
+    for part in ("fwd", "fwdbwd"):
+        for T in sizes:
+            timed_part(T, ("fla",), (part,))
     print_tables(out)
     print("correctness (relative error, bf16 inputs):", flush=True)
     out["vs_naive"] = {"H32": attempt(check_vs_naive, "H=32 K=V=128 B=1 T=300", 1, 300, 32, 32, 128, 128)}

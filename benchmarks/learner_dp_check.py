@@ -41,7 +41,7 @@ def build_model(arch: str, preset: str):
 
 
 def make_batch(n: int, vocab: int, seq: int, seed: int = 0):
-    from rl_service.learner import PolicySample
+    from rl_service.training.learner import PolicySample
 
     rng = random.Random(seed)
     out = []
@@ -61,8 +61,8 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def rank_main(rank: int, world: int, init: str, model_dir: str, cfg, strategy: str, device: str, batch, out_dir: str):
-    from rl_service.distributed import RankLearner, combine_metrics, shard_samples
-    from rl_service.learner import LossNorm, pack_micro_batches
+    from rl_service.training.distributed import RankLearner, combine_metrics, shard_samples
+    from rl_service.training.learner import LossNorm, pack_micro_batches
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     r = RankLearner(rank, world, init, model_dir, cfg, strategy=strategy, device=dev)
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
 
-    from rl_service.learner import Learner, LearnerConfig, LossNorm
+    from rl_service.training.learner import Learner, LearnerConfig, LossNorm
 
     cfg = LearnerConfig(loss_type=args.loss_type, learning_rate=1e-4, micro_batch_tokens=args.micro_batch_tokens,
                         bf16=False, adam_epsilon=1e-6)
@@ -164,7 +164,7 @@ def main() -> None:
         a, r = diff(dp["grads"].get(name, torch.zeros_like(g)), g)  # no grad on the ranks counts as zero
         if r > grad_rel:
             grad_abs, grad_rel, worst = a, r, name
-    from rl_service.distributed import BALANCING_BUFFER_SUFFIXES
+    from rl_service.training.distributed import BALANCING_BUFFER_SUFFIXES
 
     w_abs, w_rel, b_abs = 0.0, 0.0, 0.0
     for name, p in ref_state.items():

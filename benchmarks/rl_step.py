@@ -45,8 +45,8 @@ def _ray(num_cpus: int | None) -> None:
 def bench_job(args) -> dict:
     _vllm_env()
     _ray(args.num_cpus)
-    from rl_service.job import InMemoryHooks, JobRunner
     from rl_service.spec import JobSpec
+    from rl_service.training.runner import InMemoryHooks, JobRunner
 
     out = {}
     for mode in ("sync", "async"):
@@ -75,7 +75,7 @@ def bench_job(args) -> dict:
 
 
 def _synthetic_samples(n: int, vocab: int, prompt: int, completion: int, seed: int = 0):
-    from rl_service.learner import PolicySample
+    from rl_service.training.learner import PolicySample
 
     rng = random.Random(seed)
     out = []
@@ -93,7 +93,7 @@ def bench_learner(args) -> dict:
     import torch
 
     from model import TaperConfig, TaperForCausalLM
-    from rl_service.learner import Learner, LearnerConfig
+    from rl_service.training.learner import Learner, LearnerConfig
 
     torch.manual_seed(0)
     model = TaperForCausalLM(TaperConfig.preset(args.preset)).float().to(args.device)
@@ -132,8 +132,8 @@ def bench_push(args) -> list[dict]:
 
     from model import TaperConfig, TaperForCausalLM
     from model.tokenizer import load_tokenizer
-    from rl_service.job import seeded_vllm_engine
-    from rl_service.learner.weight_push import shippable_state_dict
+    from rl_service.training.learner.weight_push import shippable_state_dict
+    from rl_service.training.runner import seeded_vllm_engine
     from rollout_workers.engine import EngineConfig
     from rollout_workers.pool import RolloutPool
 

@@ -306,7 +306,7 @@ def main() -> None:
         t0 = time.monotonic()
         print(f"fine-tuning a tiny {args.model} model on calculator demonstrations ({args.sft_steps} steps)")
         if args.model == "taper":
-            from api.demo import warm_start
+            from api.cli.demo import warm_start
 
             warm_start("calculator", Path(model_dir), steps=args.sft_steps, examples=2048, seed=0)
         else:

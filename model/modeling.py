@@ -38,6 +38,7 @@ from model.layers.attn_res import AttnResState, BlockAttnRes, _ScoreNorm
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
 from model.layers.moe import LatentExperts, Router, StableLatentMoE
+from model.layers.moe import update_balancing as update_moe_balancing
 from model.layers.norm import GatedRMSNorm, RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP
 
@@ -284,8 +285,7 @@ class TaperForCausalLM(TaperPreTrainedModel, GenerationMixin):
         forwards since the last call (call once after each optimizer step; no-op in eval mode). Returns
         metrics: per-layer max/mean load of the last forward and their mean."""
         metrics: dict[str, float] = {}
-        for moe in self.model.moe_layers():
-            moe.update_balancing()
+        update_moe_balancing(self.model.moe_layers())
         metrics.update(self.balancing_metrics())
         return metrics
 

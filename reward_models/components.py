@@ -261,9 +261,13 @@ class ConsistencyComponent(StepComponent):
 
 @register_component("env")
 class EnvComponent(ProcessComponent):
-    """The environment's own components, from ``env.process(trajectory, step_index)``."""
+    """The environment's own components, from ``env.process_steps(trajectory)`` (or, for an object that is
+    not an Environment, its ``process(trajectory, step_index)``)."""
 
     def score(self, trajectory: Trajectory, env: Any) -> StepScores:
+        steps = getattr(env, "process_steps", None)
+        if steps is not None:
+            return steps(trajectory)
         hook = getattr(env, "process", None)
         if hook is None:
             return [{} for _ in trajectory.steps]

@@ -1,1 +1,2 @@
-"""The learner, the job runner, the scheduler and the Redis store."""
+"""RL jobs: the shared job contract here (spec, job states, hooks, placement, joining Ray), the control plane
+in `control/` and the job driver/trainer in `training/`."""

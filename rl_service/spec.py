@@ -109,9 +109,36 @@ class AlgorithmSpec(_Strict):
     gamma: float | None = Field(None, ge=0.0, le=1.0, description="Discount for process returns-to-go; None = step only.")
 
 
+class MixedPhaseSpec(_Strict):
+    """An optional second warm-start phase on a mix of demonstrations and answers without tools."""
+
+    steps: int = Field(40, ge=1, le=100_000, description="Optimizer steps of this phase.")
+    tool_use_fraction: float = Field(
+        0.25, ge=0.0, le=1.0,
+        description="Share of the conversations that keep their tool calls; the rest state the task's `answer` "
+                    "directly. A warm start that rarely calls tools leaves RL something to learn (the demo uses it).")
+    learning_rate: float = Field(1e-3, gt=0.0, le=1.0)
+
+
+class WarmStartSpec(_Strict):
+    """Supervised fine-tuning on demonstrations before RL: a fresh model never writes a well-formed tool call,
+    so RL alone learns nothing from it. Runs once per job, before step 0; a resumed job does not repeat it."""
+
+    demonstrations: Literal["environment"] = Field(
+        "environment", description="The environment's `demonstration(task)` (an HTTP server's /demonstration), "
+                                   "on training tasks drawn with another seed than the job's.")
+    num_examples: int = Field(500, ge=1, le=100_000, description="Tasks turned into demonstrations.")
+    max_steps: int = Field(300, ge=1, le=100_000, description="Most optimizer steps.")
+    until_loss: float | None = Field(
+        0.05, gt=0.0, description="Stop early once the mean loss of the last 10 steps is under this (null: never).")
+    learning_rate: float = Field(3e-3, gt=0.0, le=1.0)
+    batch_size: int = Field(16, ge=1, le=1024)
+    mixed_phase: MixedPhaseSpec | None = None
+
+
 class InfraFailureConfig(_Strict):
     """When rollouts fail for infrastructure reasons (environment errors, tool timeouts) the job warns, then
-    pauses itself with the cause as its error, instead of training on nothing (rl_service.infra_guard)."""
+    pauses itself with the cause as its error, instead of training on nothing (rl_service.training.infra_guard)."""
 
     warn_fraction: float = Field(
         0.5, ge=0.0, lt=1.0,
@@ -225,6 +252,7 @@ class JobSpec(_Strict):
     tasks: TasksSpec = Field(default_factory=TasksSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    warm_start: WarmStartSpec | None = Field(None, description="Fine-tune on demonstrations before RL.")
     reward_schedule: RewardSchedule = Field(default_factory=RewardSchedule)
     hacking_monitor: HackingMonitorConfig = Field(
         default_factory=HackingMonitorConfig,

@@ -12,6 +12,8 @@ trap 'kill $redis_pid 2>/dev/null || true' EXIT
 for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 
 .venv/bin/ruff check .
+# the layer contracts in pyproject.toml: imports flow one way
+.venv/bin/lint-imports --no-logo
 # One pytest process per group: in-process vLLM engines and Ray clients of one group cannot leak into
 # the next. The groups run in two lanes at once (the suite waits on services and subprocesses about half
 # the time, so two lanes share the two cores well); each lane has its own Redis database (tests empty

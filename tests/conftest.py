@@ -42,7 +42,7 @@ def redis_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url:
         yield url
         return
-    from rl_service.embedded import start_private_redis
+    from rl_service.control.local_services import start_private_redis
 
     server = start_private_redis(tmp_path_factory.mktemp("redis"), persist=False)
     yield server.url

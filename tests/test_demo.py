@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from api.demo import DemoConfig, run_demo
+from api.cli.demo import DemoConfig, run_demo
 from reward_models.schedule import RewardSchedule
 
 

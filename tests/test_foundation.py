@@ -46,7 +46,7 @@ def test_vllm_fixture_generates_with_logprobs(vllm_engine) -> None:
 
 
 def test_bad_setting_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rl_service.settings import SettingsError, load_settings
+    from rl_service.control.settings import SettingsError, load_settings
 
     monkeypatch.setenv("TAPER_API_PORT", "not-a-port")
     with pytest.raises(SettingsError, match="TAPER_API_PORT"):
@@ -58,7 +58,7 @@ def test_bad_setting_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from rl_service.settings import load_settings
+    from rl_service.control.settings import load_settings
 
     monkeypatch.setenv("TAPER_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")

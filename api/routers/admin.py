@@ -9,7 +9,7 @@ from fastapi import APIRouter, Path, Query, Response
 from api.openapi import SchemaCheckedRoute
 from api.routers.params import Svc, Who
 from api.schemas import KeyCreate, KeyCreated, KeyOut, QuotaOut, error_responses
-from rl_service.quota import TenantQuota
+from rl_service.control.quota import TenantQuota
 
 router = APIRouter(prefix="/v1", tags=["admin"], route_class=SchemaCheckedRoute, responses=error_responses(403, 422))
 

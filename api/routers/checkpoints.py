@@ -1,6 +1,6 @@
 """GET /v1/jobs/{job_id}/checkpoints/{step}/download: a checkpoint's model folder as a streamed tar (weights,
 config with `auto_map`, the model's code, tokenizer), loadable with plain transformers. Thin: the lookup and
-the archive live in rl_service.checkpoint_export."""
+the archive live in rl_service.control.checkpoint_export."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from api.openapi import SchemaCheckedRoute
 from api.routers.params import JobId, Svc, Who
 from api.schemas import error_responses
-from rl_service.checkpoint_export import checkpoint_dir, tar_stream
+from rl_service.control.checkpoint_export import checkpoint_dir, tar_stream
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SchemaCheckedRoute)
 

@@ -1,6 +1,6 @@
 """/v1/fine_tuning/jobs: OpenAI's fine-tuning API over Taper jobs, so the official `openai` client drives them
 (same keys: the API key is the client's `api_key`). Errors on these routes come in OpenAI's shape. Thin: the
-translation lives in rl_service.openai_compat, every rule in rl_service.service."""
+translation lives in rl_service.control.openai_compat, every rule in rl_service.control.service."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from api.openai_schemas import (
 from api.openapi import SchemaCheckedRoute
 from api.routers.params import JobId, Svc, Who
 from api.schemas import error_responses
-from rl_service.openai_compat import (
+from rl_service.control.openai_compat import (
     CHECKPOINT_ID,
     EVENT_ID,
     FineTuningJobCreate,
@@ -31,7 +31,7 @@ from rl_service.openai_compat import (
     openai_error,
     openai_error_of,
 )
-from rl_service.service import RateLimited, ServiceError, error_field
+from rl_service.control.service import RateLimited, ServiceError, error_field
 
 # Parts of a pydantic error location that name a branch of a union, not a field ("literal['auto']", "int")
 _UNION_BRANCH = re.compile(r"^(int|float|str|bool|none|dict\[.*|list\[.*|literal\[.*|constrained-.*|function-.*)$")

@@ -1,5 +1,5 @@
 """/v1/jobs: submit, list, inspect and control jobs; their events, metrics, trajectories, checkpoints and
-reward schedule. Thin: every rule lives in rl_service.service."""
+reward schedule. Thin: every rule lives in rl_service.control.service."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from api.schemas import (
     error_responses,
 )
 from reward_models.schedule import SchedulePatch
+from rl_service.control.service import TaperService
 from rl_service.job_states import JobState
-from rl_service.service import TaperService
 from rl_service.spec import JobSpec
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=SchemaCheckedRoute)

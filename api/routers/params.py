@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Path
 
 from api.auth import get_service, principal
-from rl_service.service import Principal, TaperService
+from rl_service.control.service import Principal, TaperService
 
 Svc = Annotated[TaperService, Depends(get_service)]
 Who = Annotated[Principal, Depends(principal)]

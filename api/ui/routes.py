@@ -18,7 +18,7 @@ from api.routers.params import JobId, Svc, Who
 from api.ui.layout import render_page
 from api.ui.preview import schedule_preview
 from api.ui.tokens import token_pieces
-from rl_service.service import (
+from rl_service.control.service import (
     Conflict,
     InvalidInput,
     NotFound,

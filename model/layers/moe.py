@@ -13,6 +13,9 @@ bias is frozen at inference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,15 +29,32 @@ def quantile_balancing_target(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """Centred target bias b~ [n] from router scores [N, n]: -(1 - k/n) quantile per expert, minus its mean."""
     if scores.dim() != 2 or scores.shape[0] == 0:
         raise ValueError(f"scores must be [N > 0, n_experts], got {tuple(scores.shape)}")
-    n = scores.shape[1]
+    return balancing_targets(scores[None], None, top_k)[0][0]
+
+
+def balancing_targets(scores: torch.Tensor, keep: torch.Tensor | None,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantile_balancing_target` for L layers at once, with padding dropped on the device: scores [L, N, n],
+    keep [L, N] bool or None. Returns (targets [L, n], valid [L]: the layer had a real token). One sort for
+    all layers and no host sync, so a CUDA graph can hold it."""
+    L, N, n = scores.shape
+    scores = scores.float()
+    if keep is not None:  # padding sorts past every real score, and the quantile reads real ranks only
+        scores = scores.masked_fill(~keep[..., None], float("inf"))
+        count = keep.sum(-1)
+    else:
+        count = torch.full((L,), N, device=scores.device)
     # torch.quantile has an input-size limit; sort + linear interpolation has none.
-    ordered = scores.float().sort(dim=0).values
-    position = (1.0 - top_k / n) * (ordered.shape[0] - 1)
-    lo = int(position)
-    hi = min(lo + 1, ordered.shape[0] - 1)
-    quantile = ordered[lo] + (position - lo) * (ordered[hi] - ordered[lo])
-    target = -quantile
-    return target - target.mean()
+    ordered = scores.transpose(1, 2).sort(dim=-1).values  # [L, n, N]
+    position = (1.0 - top_k / n) * (count - 1).clamp_min(0).double()
+    lo = position.floor()
+    frac = (position - lo).float()[:, None]
+    lo = lo.long()
+    hi = torch.minimum(lo + 1, (count - 1).clamp_min(0))
+    low = ordered.gather(-1, lo[:, None, None].expand(L, n, 1))[..., 0]
+    high = ordered.gather(-1, hi[:, None, None].expand(L, n, 1))[..., 0]
+    target = -(low + frac * (high - low))
+    return target - target.mean(-1, keepdim=True), count > 0
 
 
 def expert_counts(expert_ids: torch.Tensor, n_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,6 +97,49 @@ class Router(nn.Module):
         return chosen, weights
 
 
+class ExpertRouting(NamedTuple):
+    """Where each (token, choice) pair goes in the expert-sorted order. Pair i = token * k + choice;
+    `order` [N*k] lists the pairs by expert (ties in pair order: `argsort(expert_ids.flatten(), stable=True)`),
+    `slot` [N*k] is its inverse (the sorted position of pair i), `counts` [n] the pairs per expert."""
+
+    order: torch.Tensor
+    slot: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def of(cls, expert_ids: torch.Tensor, n_experts: int) -> ExpertRouting:
+        """A counting sort: each pair's rank among the earlier pairs of its expert is a running sum over the
+        one-hot choices. Elementwise work and one scan, no comparison sort, no data-dependent size."""
+        flat = expert_ids.reshape(-1)
+        one_hot = F.one_hot(flat, n_experts).to(torch.int32)  # [N*k, n]
+        seen = one_hot.cumsum(0, dtype=torch.int32)  # inclusive: pairs of each expert up to and with pair i
+        counts = one_hot.sum(0)
+        starts = counts.cumsum(0) - counts
+        slot = (starts.gather(0, flat) + seen.gather(1, flat[:, None])[:, 0] - 1).long()
+        order = torch.empty_like(slot).scatter_(0, slot, torch.arange(flat.numel(), device=flat.device))
+        return cls(order, slot, counts)
+
+
+class _GatherRows(torch.autograd.Function):
+    """out[i] = x[index[i] // group], where index is a permutation of range(len(x) * group) and `inverse` its
+    inverse. The gradient is a gather as well (row t sums grad[inverse[t * group + j]] over j): no scatter,
+    no atomics, no zero-filled buffer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, group: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.group = group
+        return x.index_select(0, index // group if group > 1 else index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        rows = grad.index_select(0, inverse)
+        if ctx.group > 1:
+            rows = rows.view(-1, ctx.group, grad.shape[-1]).sum(1, dtype=torch.float32).to(grad.dtype)
+        return rows, None, None, None
+
+
 class LatentExperts(nn.Module):
     """Fused expert weights: `gate_up_proj` [n, 2*I, l] (rows [:I] gate a, [I:] up u), `down_proj` [n, l, I]."""
 
@@ -93,21 +156,21 @@ class LatentExperts(nn.Module):
         a, u = (z @ self.gate_up_proj[e].t()).split(self.intermediate_size, dim=-1)
         return situ_glu(a, u, self.beta, self.beta_linear) @ self.down_proj[e].t()
 
-    def forward(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """z [N, l]; expert_ids, weights [N, k]. Returns the fp32 weighted sum [N, l]."""
+    def forward(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                routing: ExpertRouting | None = None) -> torch.Tensor:
+        """z [N, l]; expert_ids, weights [N, k]. Returns the fp32 weighted sum [N, l]. Each token's row is
+        gathered once per choice into expert order and the outputs gathered back, so both directions are
+        gathers that fuse with their neighbours (the weighting and the sum over choices included)."""
         N, k = expert_ids.shape
-        flat = expert_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // k
-        weight_of = weights.reshape(-1)[order]
-        counts = expert_counts(flat, self.n_experts)
-        rows = z.index_select(0, token_of)
+        if routing is None:
+            routing = ExpertRouting.of(expert_ids, self.n_experts)
+        rows = _GatherRows.apply(z, routing.order, routing.slot, k)
         if self._uses_grouped_mm(z):
-            out = self._grouped(rows, counts)
+            out = self._grouped(rows, routing.counts)
         else:
-            out = self._looped(rows, counts)
-        y = z.new_zeros(N, z.shape[-1], dtype=torch.float32)
-        return y.index_add_(0, token_of, out.float() * weight_of[:, None])
+            out = self._looped(rows, routing.counts)
+        per_choice = _GatherRows.apply(out, routing.slot, routing.order, 1).view(N, k, -1)
+        return (per_choice.float() * weights[..., None]).sum(1)
 
     # Grouped GEMM over the expert-sorted rows: one op per projection, no host sync on CUDA. torch runs it in
     # bf16 on CUDA and in fp32 on CPU (there 2.7-3.3x faster than the loop over experts at 48-192 rows), and in
@@ -168,10 +231,11 @@ class StableLatentMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         scores = self.router.scores(flat)
         expert_ids, weights = self.router.select(scores)
+        routing = ExpertRouting.of(expert_ids, self.n_experts)
         keep = None if token_mask is None else token_mask.reshape(-1).to(torch.bool)
         # Only training forwards (train mode with autograd on) feed the balancing: inference engines and
         # no-grad evaluation passes never do, even if the module was left in train mode.
-        self._observe(scores, expert_ids, keep, record=self.training and torch.is_grad_enabled())
+        self._observe(scores, expert_ids, routing, keep, record=self.training and torch.is_grad_enabled())
         # latent down-projection and the shared expert's gate/up: one GEMM over x
         ell = self.latent_down.out_features
         if self.shared_expert is None:
@@ -179,16 +243,16 @@ class StableLatentMoE(nn.Module):
         else:
             both = F.linear(flat, torch.cat([self.latent_down.weight, self.shared_expert.gate_up_weight()]))
             z, shared_gate_up = both.split([ell, both.shape[-1] - ell], dim=-1)
-        y = self.experts(z, expert_ids, weights)
+        y = self.experts(z, expert_ids, weights, routing)
         out = self.latent_up(self.latent_norm(y).to(x.dtype))
         if self.shared_expert is not None:
             out = out + self.shared_expert.from_gate_up(shared_gate_up)
         return out.reshape(shape)
 
     @torch.no_grad()
-    def _observe(self, scores: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor | None,
-                 record: bool) -> None:
-        counts = expert_counts(expert_ids, self.n_experts, keep).float()
+    def _observe(self, scores: torch.Tensor, expert_ids: torch.Tensor, routing: ExpertRouting,
+                 keep: torch.Tensor | None, record: bool) -> None:
+        counts = (routing.counts if keep is None else expert_counts(expert_ids, self.n_experts, keep)).float()
         self.last_load = counts / counts.sum().clamp_min(1.0)
         if record:
             self._recorded_scores.append((scores.detach().float(), keep))
@@ -196,16 +260,54 @@ class StableLatentMoE(nn.Module):
     @torch.no_grad()
     def update_balancing(self) -> torch.Tensor | None:
         """Apply quantile balancing from the scores recorded since the last call, then forget them.
-        Returns the new bias, or None when nothing was recorded (e.g. eval mode) or only padding was."""
-        recorded = [s if keep is None else s[keep] for s, keep in self._recorded_scores]
-        self._recorded_scores.clear()
-        scores = torch.cat(recorded) if recorded else None
-        if scores is None or scores.shape[0] == 0:
+        Returns the new bias, or None when nothing was recorded (e.g. eval mode) or only padding was (the
+        one case that reads a value back to the host; `update_balancing` over all layers never does)."""
+        applied = update_balancing([self])
+        if not applied or (applied[0][1] is not None and not bool(applied[0][1])):
             return None
-        target = quantile_balancing_target(scores, self.top_k).to(self.router.bias_correction.device)
-        bias = self.router.bias_correction
-        bias.mul_(self.momentum).add_((1.0 - self.momentum) * target)
-        return bias.clone()
+        return self.router.bias_correction.clone()
 
     def clear_recorded_scores(self) -> None:
         self._recorded_scores.clear()
+
+
+@torch.no_grad()
+def update_balancing(layers: Sequence[StableLatentMoE]) -> list[tuple[StableLatentMoE, torch.Tensor | None]]:
+    """Quantile balancing of several MoE layers from the scores each recorded since the last call, then
+    forget them. Returns (layer, valid) for each layer that had records: valid is None without padding masks,
+    else a device bool, False when the layer saw only padding. Layers whose records have the same shapes share one
+    sort and one multi-tensor bias update, with padding dropped on the device (a layer that saw only padding
+    keeps its bias): a fixed number of kernels for the whole model and no host sync, so a training step
+    captured as a CUDA graph can include it."""
+    groups: dict[tuple, list[StableLatentMoE]] = {}
+    for layer in layers:
+        if layer._recorded_scores:
+            shapes = tuple((s.shape, keep is not None) for s, keep in layer._recorded_scores)
+            groups.setdefault((shapes, layer.top_k, layer.momentum), []).append(layer)
+    applied: list[tuple[StableLatentMoE, torch.Tensor | None]] = []
+    for (_, top_k, momentum), group in groups.items():
+        records = [layer._recorded_scores for layer in group]
+        forwards = range(len(records[0]))
+        # [L, N, n]: per forward, one stack over the layers; then the forwards end to end
+        scores = _cat1([torch.stack([r[i][0] for r in records]) for i in forwards])
+        has_mask = any(keep is not None for r in records for _, keep in r)
+        keep = None
+        if has_mask:
+            def mask(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+                return torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device) if keep is None else keep
+
+            keep = _cat1([torch.stack([mask(*r[i]) for r in records]) for i in forwards])
+        targets, valid = balancing_targets(scores, keep, top_k)
+        biases = [layer.router.bias_correction for layer in group]
+        current = torch.stack(biases)
+        moved = momentum * current + (1.0 - momentum) * targets.to(current.device)
+        new = torch.where(valid[:, None].to(current.device), moved, current) if has_mask else moved
+        torch._foreach_copy_(biases, list(new.unbind(0)))
+        for i, layer in enumerate(group):
+            layer._recorded_scores.clear()
+            applied.append((layer, valid[i] if has_mask else None))
+    return applied
+
+
+def _cat1(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -122,6 +122,11 @@ class Environment(ABC):
         """Optional environment-specific process components for one step, each in [0, 1]."""
         return {}
 
+    def process_steps(self, trajectory: Trajectory) -> list[dict[str, float]]:
+        """Every step's components (what the reward code calls); override it to judge a whole trajectory
+        at once, e.g. in one request."""
+        return [dict(self.process(trajectory, i) or {}) for i in range(len(trajectory.steps))]
+
     @classmethod
     def generate_tasks(cls, n: int, seed: int, **options: Any) -> list[dict[str, Any]]:
         """Seeded task generator; every task has a unique "id"."""

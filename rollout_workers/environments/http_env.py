@@ -5,8 +5,12 @@ Protocol (JSON over POST, paths relative to the registered base URL):
   /reset    {"task"}                                     -> {"messages": [...], "session": str | null}   (optional)
   /outcome  {"session", "task", "final_answer", "trajectory"} -> {"reward": float}                  (optional)
   /tasks    {"n", "seed", "options"}                     -> {"tasks": [...]}                          (optional)
+  /process  {"session", "task", "trajectory"}            -> {"steps": [{component: float}, ...]}       (optional)
+  /demonstration {"task"}                                -> {"messages": [...]}                        (optional)
 An optional endpoint answering 404 falls back to: the task's "question" (or "prompt") as the user
-message; reward 1.0 when the stated answer equals the task's "answer"; no task generator.
+message; reward 1.0 when the stated answer equals the task's "answer"; no task generator; no process
+components of the environment's own; no demonstrations. /process answers one object per trajectory step,
+each value in [0, 1] (clipped), at most MAX_PROCESS_COMPONENTS names of at most 64 characters.
 
 Each request has the registration's timeout; connection errors, 429 and 5xx are retried with
 exponential backoff; at most `concurrency` requests per registration are in flight in a process.
@@ -47,6 +51,7 @@ MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_TOOL_ERROR_CHARS = 2000
 MAX_OPTIONS = 32
 MAX_OPTIONS_BYTES = 16 * 1024
+MAX_PROCESS_COMPONENTS = 16
 
 
 class HttpOptions(EnvironmentOptions):
@@ -142,6 +147,21 @@ def post_json(reg: EnvironmentRegistration, endpoint: str, body: dict[str, Any],
     raise RuntimeError(f"{where}: failed after {reg.retries + 1} attempts: {last_error}")
 
 
+def probe(reg: EnvironmentRegistration, allow: AllowList) -> None:
+    """Raise RuntimeError with the cause when the tool server at `base_url` does not answer HTTP at all
+    (any status counts as an answer: the protocol's endpoints are POST-only and some are optional)."""
+    url = str(reg.base_url)
+    with httpx.Client(transport=PinnedTransport(allow), follow_redirects=False, trust_env=False) as client:
+        try:
+            client.get(url, timeout=min(reg.timeout_s, 10.0))
+        except TargetRefused as e:
+            raise RuntimeError(f"target refused: {e}") from None
+        except httpx.TimeoutException:
+            raise RuntimeError(f"{url} does not answer within {min(reg.timeout_s, 10.0)}s") from None
+        except httpx.TransportError as e:
+            raise RuntimeError(f"{url} does not answer: {e or type(e).__name__}") from None
+
+
 class HttpEnvironment(Environment):
     """Subclassed per registration by the registry (`config` set on the subclass)."""
 
@@ -200,6 +220,32 @@ class HttpEnvironment(Environment):
             return float(final is not None and expected is not None and final.strip() == str(expected).strip())
         return min(1.0, max(0.0, float(data["reward"])))
 
+    def process_steps(self, trajectory: Trajectory) -> list[dict[str, float]]:
+        """All steps' components in one request to /process (none when the server has no /process)."""
+        body = {
+            "session": trajectory.metadata.get("session"),
+            "task": trajectory.task,
+            "trajectory": trajectory.model_dump(mode="json", exclude={"prompt_ids"}),
+        }
+        try:
+            data = self._post("process", body)
+        except EndpointMissing:
+            return [{} for _ in trajectory.steps]
+        return _process_answer(data, len(trajectory.steps))
+
+    def process(self, trajectory: Trajectory, step_index: int) -> dict[str, float]:
+        return self.process_steps(trajectory)[step_index]
+
+    def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        try:
+            data = self._post("demonstration", {"task": task})
+        except EndpointMissing:
+            return super().demonstration(task)
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise RuntimeError("/demonstration: expected {'messages': [chat messages]}")
+        return messages
+
     @classmethod
     def generate_tasks(cls, n: int, seed: int, **options: Any) -> list[dict[str, Any]]:
         try:
@@ -210,3 +256,21 @@ class HttpEnvironment(Environment):
         if not isinstance(tasks, list) or not all(isinstance(t, dict) and "id" in t for t in tasks):
             raise RuntimeError("/tasks: expected {'tasks': [objects with an 'id']}")
         return tasks
+
+
+def _process_answer(data: dict[str, Any], num_steps: int) -> list[dict[str, float]]:
+    """Check a /process answer: one object of named values per step; values clipped to [0, 1]."""
+    steps = data.get("steps")
+    if not isinstance(steps, list) or len(steps) != num_steps:
+        raise RuntimeError(f"/process: expected {{'steps': [...]}} with one object per step ({num_steps})")
+    out = []
+    for i, components in enumerate(steps):
+        if not isinstance(components, dict) or len(components) > MAX_PROCESS_COMPONENTS:
+            raise RuntimeError(f"/process: steps[{i}] must be an object of at most {MAX_PROCESS_COMPONENTS} values")
+        checked = {}
+        for name, value in components.items():
+            if len(name) > 64 or isinstance(value, bool) or not isinstance(value, int | float):
+                raise RuntimeError(f"/process: steps[{i}].{name[:64]} must be a number under a name of <= 64 characters")
+            checked[name] = min(1.0, max(0.0, float(value)))
+        out.append(checked)
+    return out

@@ -66,6 +66,9 @@ class EnvironmentPolicy(BaseModel):
         module = import_path.partition(":")[0]
         if import_path in _entry_point_targets():
             return True
+        _entry_point_targets.cache_clear()  # a package installed since the last look (no restart needed)
+        if import_path in _entry_point_targets():
+            return True
         return any(module == prefix or module.startswith(prefix + ".") for prefix in self.environment_modules)
 
 

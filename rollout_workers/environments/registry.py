@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rollout_workers.environments.base import Environment, validate_tool_schemas
 from rollout_workers.environments.calculator import CalculatorEnv
-from rollout_workers.environments.http_env import HttpEnvironment
+from rollout_workers.environments.http_env import HttpEnvironment, probe
 from rollout_workers.environments.long_horizon import LongHorizonEnv
 from rollout_workers.environments.policy import EnvironmentPolicy, check_options
 from rollout_workers.environments.python_env import PythonEnv
@@ -118,6 +118,16 @@ def validate_registration(
         check_options(HttpEnvironment.Options, reg.options, policy, "options")
         check_target(reg.base_url or "", policy.allow_list)
     return reg
+
+
+def check_reachable(reg: EnvironmentRegistration, policy: EnvironmentPolicy | None = None) -> None:
+    """Registration-time check that an http environment's server answers (ValueError naming base_url)."""
+    if reg.kind != "http":
+        return
+    try:
+        probe(reg, (policy or EnvironmentPolicy()).allow_list)
+    except RuntimeError as e:
+        raise ValueError(f"base_url: {e}") from None
 
 
 def check_target(base_url: str, allow: AllowList) -> None:

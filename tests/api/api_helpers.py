@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import redis
 from fastapi.testclient import TestClient
 
-from rl_service.service import TaperService
-from rl_service.store import Store
+from rl_service.control.service import TaperService
+from rl_service.control.store import Store
 
 
 @dataclass
@@ -46,7 +46,7 @@ class ThreadedServer:
 
         import uvicorn
 
-        from rl_service.embedded import free_port
+        from rl_service.control.local_services import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

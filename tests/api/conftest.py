@@ -12,9 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from api_helpers import Api  # noqa: E402
 
 from api.app import create_app  # noqa: E402
-from rl_service.service import TaperService  # noqa: E402
-from rl_service.settings import TaperSettings  # noqa: E402
-from rl_service.store import Store  # noqa: E402
+from rl_service.control.service import TaperService  # noqa: E402
+from rl_service.control.settings import TaperSettings  # noqa: E402
+from rl_service.control.store import Store  # noqa: E402
 
 
 @pytest.fixture

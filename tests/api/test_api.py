@@ -58,6 +58,7 @@ def test_idempotency_key(api: Api) -> None:
         ({**SPEC, "rollout": {"num_generations": 0}}, "rollout.num_generations"),
         ({**SPEC, "total_steps": 1.5}, "total_steps"),
         ({**SPEC, "reward_schedule": {"kind": "exponential"}}, "reward_schedule"),
+        ({**SPEC, "resources": {"custom": {"CPU": 1}}}, "resources"),
         ({**SPEC, "reward_schedule": {"kind": "linear", "w_start": -1}}, "reward_schedule.w_start"),
         ({**SPEC, "environment": {"name": "nope"}}, "environment.name"),
         ([1, 2], ""),
@@ -69,6 +70,8 @@ def test_bad_bodies_get_422_naming_the_field_and_write_nothing(api: Api, body, f
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["field"].startswith(field) and err["message"]
+    # pydantic's "Value error, " prefix never reaches a user
+    assert "error, " not in err["message"] and all("error, " not in d["message"] for d in err.get("details", []))
     assert redis_dump(api.store.url) == before
 
 

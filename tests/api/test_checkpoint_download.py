@@ -18,13 +18,13 @@ from api_helpers import ThreadedServer
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app as cli
+from api.cli.cli import app as cli
 from model import TaperConfig, TaperForCausalLM
-from rl_service.checkpoint import save_checkpoint
-from rl_service.service import TaperService
-from rl_service.settings import TaperSettings, get_settings
+from rl_service.control.service import TaperService
+from rl_service.control.settings import TaperSettings, get_settings
+from rl_service.control.store import Store
 from rl_service.spec import JobSpec
-from rl_service.store import Store
+from rl_service.training.checkpoint import save_checkpoint
 
 OUR_PACKAGES = ("model", "kernels", "rollout_workers", "reward_models", "rl_service", "api")
 

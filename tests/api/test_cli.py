@@ -12,10 +12,10 @@ from api_helpers import ThreadedServer
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.cli import app as cli
-from rl_service.service import TaperService
-from rl_service.settings import TaperSettings, get_settings
-from rl_service.store import Store
+from api.cli.cli import app as cli
+from rl_service.control.service import TaperService
+from rl_service.control.settings import TaperSettings, get_settings
+from rl_service.control.store import Store
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from api_helpers import Api, redis_dump
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from rl_service.service import TaperService
-from rl_service.settings import SettingsError, TaperSettings, load_settings
-from rl_service.store import Store
+from rl_service.control.service import TaperService
+from rl_service.control.settings import SettingsError, TaperSettings, load_settings
+from rl_service.control.store import Store
 from rollout_workers.environments.policy import BUILTIN_DATA_DIR, EnvironmentPolicy
 
 SPEC = {"name": "t", "total_steps": 3, "rollout": {"num_generations": 2, "prompts_per_step": 2}}

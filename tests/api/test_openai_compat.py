@@ -13,9 +13,9 @@ import pytest
 from api_helpers import ThreadedServer
 
 from api.app import create_app
-from rl_service.service import TaperService
-from rl_service.settings import TaperSettings
-from rl_service.store import Store
+from rl_service.control.service import TaperService
+from rl_service.control.settings import TaperSettings
+from rl_service.control.store import Store
 
 RL = {"type": "reinforcement", "reinforcement": {"hyperparameters": {"batch_size": 2, "n_epochs": 1}}}
 

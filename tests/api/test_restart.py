@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
-from api.cli import app as cli
-from api.launcher import ApiServerProcess
-from rl_service.embedded import (
+from api.cli.cli import app as cli
+from api.cli.launcher import ApiServerProcess
+from rl_service.control.local_services import (
     EMBEDDED_RECORD,
     embedded_ray_env,
     embedded_ray_head,
@@ -29,14 +29,14 @@ from rl_service.embedded import (
     pid_alive,
     stop_embedded,
 )
-from rl_service.settings import get_settings
-from rl_service.store import Store
+from rl_service.control.settings import get_settings
+from rl_service.control.store import Store
 
 STANDIN_DIR = Path(__file__).resolve().parent.parent / "rl_service"
 # a separate process joins the head named by RAY_ADDRESS and runs a task there, as a job's entrypoint does
 JOIN = """
 import ray
-from rl_service.embedded import ensure_ray
+from rl_service.ray_cluster import ensure_ray
 ensure_ray()
 print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.get_runtime_context().gcs_address.rsplit(":", 1)[1])
 """

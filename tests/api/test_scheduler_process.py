@@ -12,16 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rl_service.embedded import stop_embedded
+from rl_service.control.local_services import stop_embedded
+from rl_service.control.store import Store
 from rl_service.job_states import JobState
 from rl_service.spec import JobSpec
-from rl_service.store import Store
 from tests.api.test_restart import STANDIN_DIR, wait_for
 
 
 def scheduler_process(env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-c", "from api.cli import app; app()", "scheduler"], env=env,
+        return subprocess.Popen([sys.executable, "-c", "from api.cli.cli import app; app()", "scheduler"], env=env,
                                 cwd=STANDIN_DIR, stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -19,10 +19,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 
 from api.app import create_app
-from rl_service.service import TaperService
-from rl_service.settings import TaperSettings
+from rl_service.control.service import TaperService
+from rl_service.control.settings import TaperSettings
+from rl_service.control.store import Store
 from rl_service.spec import JobSpec
-from rl_service.store import Store
 
 EXAMPLES_PER_OPERATION = 20
 CONFORMANCE_EXAMPLES_PER_OPERATION = 10

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from api_helpers import Api, redis_contents
 
-from rl_service.quota import JobLimits
+from rl_service.control.quota import JobLimits
 
 SPEC = {"name": "t", "total_steps": 3, "rollout": {"num_generations": 2, "prompts_per_step": 2}}
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import ray
 
-from rl_service.job import InMemoryHooks, JobRunner, default_pool_factory
 from rl_service.spec import JobSpec
+from rl_service.training.runner import InMemoryHooks, JobRunner, default_pool_factory
 
 ENV_PASSTHROUGH = ("VLLM_", "TOKENIZERS_", "HF_", "TRANSFORMERS_", "RAY_USAGE", "OMP_NUM_THREADS", "TMPDIR")
 
@@ -62,7 +62,7 @@ def place_like_the_scheduler(spec: JobSpec, timeout_s: float = 120) -> dict[str,
     of each role's bundles: learner bundles must land on `learner` nodes, rollout bundles on `rollout` ones."""
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-    from rl_service.scheduler import job_bundles, learner_bundle_indices
+    from rl_service.placement import job_bundles, learner_bundle_indices
 
     bundles = job_bundles(spec)
     pg = placement_group(bundles, strategy="PACK")

@@ -338,11 +338,12 @@ class _StopAfterParsing(Exception):
 def test_rayjob_entrypoint_is_accepted_by_job_main(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The entrypoint goes through job_main's real argument parser and spec loader (the spec read from the
     ConfigMap it mounts); it stops where job_main would connect to Ray."""
-    from rl_service import embedded, job_main
+    from rl_service import ray_cluster
+    from rl_service.training import job_main
 
     job = find("RayJob")
     argv = shlex.split(job["spec"]["entrypoint"])
-    assert argv[:3] == ["python", "-m", "rl_service.job_main"], argv
+    assert argv[:3] == ["python", "-m", "rl_service.training.job_main"], argv
     args = dict(zip(argv[3::2], argv[4::2], strict=True))
     # the spec file is the mounted ConfigMap
     spec_path = Path(args["--spec"])
@@ -362,7 +363,7 @@ def test_rayjob_entrypoint_is_accepted_by_job_main(monkeypatch: pytest.MonkeyPat
         seen["address"] = address
         raise _StopAfterParsing
 
-    monkeypatch.setattr(embedded, "ensure_ray", stop)
+    monkeypatch.setattr(ray_cluster, "ensure_ray", stop)
     with pytest.raises(_StopAfterParsing):
         job_main.main([a if a != args["--spec"] else str(local_spec) for a in argv[3:]])
     assert seen["address"] == "auto"
@@ -413,7 +414,7 @@ def test_rayjob_entrypoint_is_the_learner_and_the_cluster_fits_the_job() -> None
 def test_readme_documents_the_entry_points_and_files() -> None:
     text = (DEPLOY / "README.md").read_text()
     for needle in (
-        "python -m rl_service.job_main --spec",
+        "python -m rl_service.training.job_main --spec",
         "RAY_ADDRESS=ray://taper-head-svc:10001",
         "TAPER_REDIS_URL",
         "Dockerfile.cpu",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rl_service.scheduler import job_bundles
+from rl_service.placement import job_bundles
 from rl_service.spec import JobSpec, ResourcesSpec
 
 

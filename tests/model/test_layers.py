@@ -9,7 +9,13 @@ from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.kda import KimiDeltaAttention, causal_conv1d
 from model.layers.mla import GatedMLA
-from model.layers.moe import StableLatentMoE, expert_counts, quantile_balancing_target
+from model.layers.moe import (
+    ExpertRouting,
+    StableLatentMoE,
+    expert_counts,
+    quantile_balancing_target,
+    update_balancing,
+)
 from model.layers.situ_glu import situ_glu
 
 TINY = TaperConfig.preset("tiny")
@@ -174,6 +180,72 @@ def test_moe_matches_a_dense_reference_and_runs_standalone():
     assert out.shape == x.shape
     torch.testing.assert_close(out.reshape(-1, x.shape[-1]), _dense_moe_reference(moe, x.reshape(-1, x.shape[-1])),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_expert_routing_is_the_stable_sort_by_expert_and_its_inverse():
+    ids = torch.randint(0, 8, (257, 3), generator=torch.Generator().manual_seed(0))
+    ids[5] = ids[6]  # repeated choices: ties keep pair order
+    routing = ExpertRouting.of(ids, 8)
+    assert torch.equal(routing.order, torch.argsort(ids.reshape(-1), stable=True))
+    assert torch.equal(routing.order[routing.slot], torch.arange(ids.numel()))
+    assert torch.equal(routing.counts, torch.bincount(ids.reshape(-1), minlength=8).to(routing.counts.dtype))
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_moe_gradients_match_a_dense_reference(grouped, monkeypatch):
+    """The gathers into and out of expert order (forward and their gather-only backward) against every
+    expert on every token, weighted by the routing: output, input and parameter gradients (fp32)."""
+    from model.layers.moe import LatentExperts
+
+    monkeypatch.setattr(LatentExperts, "use_grouped_mm", grouped)
+    torch.manual_seed(0)
+    moe = StableLatentMoE(TaperConfig.preset("tiny", routed_scaling_factor=2.5))
+    _randomise(moe, torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        moe.router.bias_correction.copy_(torch.randn(moe.n_experts))
+    x = torch.randn(40, TINY.hidden_size)
+    grad_out = torch.randn(40, TINY.hidden_size)
+    results = []
+    for forward in (moe, lambda x: _dense_moe_reference(moe, x)):
+        moe.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = forward(xi)
+        (out * grad_out).sum().backward()
+        results.append([out.detach(), xi.grad, *(p.grad for p in moe.parameters())])
+    for got, ref in zip(*results, strict=True):  # relative error of the whole tensor, fp32 bound
+        assert float((got - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_balancing_of_all_layers_at_once_equals_each_layer_alone():
+    """One sort for several layers, padding dropped on the device, two forwards recorded, one layer seeing
+    only padding: the same biases as each layer's quantile target over its real tokens."""
+    torch.manual_seed(0)
+    config = TaperConfig.preset("tiny", balancing_momentum=0.6)
+    layers = [StableLatentMoE(config).train() for _ in range(3)]
+    for i, moe in enumerate(layers):
+        _randomise(moe, torch.Generator().manual_seed(20 + i))
+        with torch.no_grad():
+            moe.router.bias_correction.copy_(torch.randn(moe.n_experts) * 0.1)
+    before = [moe.router.bias_correction.clone() for moe in layers]
+    masks = [torch.rand(2, 30, generator=torch.Generator().manual_seed(i)) > 0.3 for i in range(2)]
+    inputs = [torch.randn(2, 30, config.hidden_size) for _ in range(2)]
+    expected = []
+    for i, moe in enumerate(layers):
+        real = []
+        for x, mask in zip(inputs, masks, strict=True):
+            keep = torch.zeros_like(mask) if i == 2 else mask  # the third layer sees only padding
+            moe(x, keep.float())
+            real.append(moe.router.scores(x.reshape(-1, config.hidden_size))[keep.reshape(-1)])
+        scores = torch.cat(real)
+        expected.append(before[i] if scores.shape[0] == 0 else
+                        0.6 * before[i] + 0.4 * quantile_balancing_target(scores, moe.top_k))
+    applied = update_balancing(layers)
+    assert [layer for layer, _ in applied] == layers
+    assert [bool(valid) for _, valid in applied] == [True, True, False]
+    for moe, bias in zip(layers, expected, strict=True):
+        torch.testing.assert_close(moe.router.bias_correction, bias, rtol=1e-6, atol=1e-7)
+        assert moe._recorded_scores == []
+    assert update_balancing(layers) == []
 
 
 def test_grouped_experts_match_the_loop_over_experts_with_gradients():

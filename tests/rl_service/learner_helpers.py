@@ -19,7 +19,7 @@ def make_tiny_llama(vocab: int = 48, seed: int = 0):
 
 def make_samples(n: int, vocab: int = 48, seed: int = 0, max_prompt: int = 6, max_completion: int = 10):
     """Random samples with random advantages; the last 2 completion tokens of odd samples are inserted."""
-    from rl_service.learner import PolicySample
+    from rl_service.training.learner import PolicySample
 
     rng = random.Random(seed)
     out = []

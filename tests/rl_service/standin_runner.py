@@ -1,4 +1,4 @@
-"""A stand-in for rl_service.job.JobRunner with the same contract (resume from the newest checkpoint in
+"""A stand-in for rl_service.training.runner.JobRunner with the same contract (resume from the newest checkpoint in
 work_dir, poll control each step, read the schedule each step, report metrics/checkpoints), used to test the
 scheduler's mechanics without a model. The real job over HTTP (tests/ui/test_real_job.py) uses the real JobRunner."""
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from rl_service.checkpoint import (
+from rl_service.training.checkpoint import (
     UnsafeCheckpointFile,
     latest_checkpoint,
     list_checkpoints,
@@ -17,7 +17,7 @@ from rl_service.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from rl_service.learner import Learner, LearnerConfig
+from rl_service.training.learner import Learner, LearnerConfig
 from tests.rl_service.learner_helpers import make_samples, make_tiny_llama
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from rl_service.distributed import combine_metrics, shard_samples
-from rl_service.learner import Learner, LossNorm
+from rl_service.training.distributed import combine_metrics, shard_samples
+from rl_service.training.learner import Learner, LossNorm
 from tests.rl_service.learner_helpers import make_samples
 
 
@@ -34,8 +34,8 @@ def dp_runs(ray_local, tiny_llama_dir, tmp_path_factory) -> dict[str, Any]:
     trajectories stand in for rollouts, so the learner is all that runs."""
     import ray
 
-    from rl_service.checkpoint import latest_checkpoint
-    from rl_service.job import InMemoryHooks, JobRunner
+    from rl_service.training.checkpoint import latest_checkpoint
+    from rl_service.training.runner import InMemoryHooks, JobRunner
     from tests.rl_service.learner_helpers import fake_trajectory
     from tests.rl_service.test_job import make_spec
 
@@ -150,8 +150,8 @@ def test_a_dead_rank_ends_the_wait_at_once_and_a_stopped_one_at_the_deadline(ray
 
     import ray
 
-    from rl_service.distributed import DistributedLearner, LearnerRankStalled
-    from rl_service.learner import LearnerConfig
+    from rl_service.training.distributed import DistributedLearner, LearnerRankStalled
+    from rl_service.training.learner import LearnerConfig
 
     def learner() -> DistributedLearner:
         return DistributedLearner(str(tiny_llama_dir), LearnerConfig(learning_rate=1e-3), 2, num_cpus_per_rank=0.5,

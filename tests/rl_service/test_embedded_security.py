@@ -17,8 +17,8 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from api.cli import app as cli
-from rl_service.embedded import (
+from api.cli.cli import app as cli
+from rl_service.control.local_services import (
     EMBEDDED_RECORD,
     RAY_TOKEN_FILE,
     REDIS_PASSWORD_FILE,
@@ -32,8 +32,8 @@ from rl_service.embedded import (
     stop_embedded,
     write_secret,
 )
-from rl_service.settings import get_settings
-from rl_service.store import Store
+from rl_service.control.settings import get_settings
+from rl_service.control.store import Store
 
 
 def listening_addresses(pids: list[int]) -> dict[str, list[tuple[str, int]]]:
@@ -150,7 +150,7 @@ def test_a_passwordless_redis_left_by_an_older_taper_is_refused_until_taper_down
 # the driver's own listening addresses, and stays connected until its stdin closes
 JOIN = """
 import json, os, psutil, ray, sys
-from rl_service.embedded import ensure_service_ray
+from rl_service.control.local_services import ensure_service_ray
 ensure_service_ray(None, sys.argv[1])
 @ray.remote
 class Pid:

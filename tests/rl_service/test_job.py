@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-from rl_service.checkpoint import latest_checkpoint, list_checkpoints
-from rl_service.job import InMemoryHooks, JobRunner, seeded_vllm_engine
 from rl_service.spec import JobSpec
+from rl_service.training.checkpoint import latest_checkpoint, list_checkpoints
+from rl_service.training.runner import InMemoryHooks, JobRunner, seeded_vllm_engine
 from rollout_workers.storage import iter_trajectories, step_file
 from tests.rl_service.learner_helpers import (
     EnvironmentDownPool,
@@ -225,7 +225,7 @@ def test_a_job_whose_environment_dies_warns_pauses_itself_and_resumes(shared_poo
 def test_job_main_reads_yaml_specs_and_names_bad_fields(tmp_path) -> None:
     from pydantic import ValidationError
 
-    from rl_service.job_main import load_spec
+    from rl_service.training.job_main import load_spec
 
     good = tmp_path / "job.yaml"
     good.write_text("total_steps: 3\nrollout:\n  async_mode: true\nalgorithm:\n  loss_type: gspo\n")
@@ -238,7 +238,7 @@ def test_job_main_reads_yaml_specs_and_names_bad_fields(tmp_path) -> None:
 
 
 def test_data_cursor_is_a_seeded_permutation_per_epoch() -> None:
-    from rl_service.job import DataCursor
+    from rl_service.training.runner import DataCursor
 
     c = DataCursor(5, seed=1)
     first = c.take(5)
@@ -258,7 +258,7 @@ def test_preload_imports_the_checkpoints_model_class(tiny_llama_dir, tmp_path) -
 
     code = (
         "import sys\n"
-        "from rl_service.job import InMemoryHooks, JobRunner\n"
+        "from rl_service.training.runner import InMemoryHooks, JobRunner\n"
         "from rl_service.spec import JobSpec\n"
         "name = 'transformers.models.llama.modeling_llama'\n"
         f"spec = JobSpec.model_validate({{'model': {{'checkpoint_dir': {str(tiny_llama_dir)!r}}}}})\n"
@@ -271,3 +271,26 @@ def test_preload_imports_the_checkpoints_model_class(tiny_llama_dir, tmp_path) -
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_a_warm_start_runs_once_before_step_0_and_is_reported(shared_pool, tiny_llama_dir, tmp_path) -> None:
+    """`warm_start` fine-tunes on the environment's demonstrations before RL; the initial weights the engines
+    and a resumed job start from are the warm-started ones, and a resumed job does not repeat it."""
+    spec = make_spec(tiny_llama_dir, warm_start={"num_examples": 8, "max_steps": 30, "until_loss": None,
+                                                 "batch_size": 4, "learning_rate": 0.01},
+                     total_steps=2, checkpoint_every=1)
+    crash = CrashAfter(2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        JobRunner("w", spec, crash, tmp_path / "w", pool_factory=shared_pool.factory).run()
+    (started,) = crash.events_of("warm_start_started")
+    (done,) = crash.events_of("warm_start_done")
+    assert started["examples"] == 8 and done["sft_steps"] == 30
+    assert [e["sft_step"] for e in crash.events_of("warm_start_progress")] == [25]
+    first = next(m for _, m in crash.metrics if "loss" in m)
+    assert first["warm_start/steps"] == 30 and first["warm_start/loss"] == done["loss"] < 5.0
+    w0, warm = _weights(tiny_llama_dir), _weights(tmp_path / "w" / "initial")
+    assert any(not torch.equal(w0[k], warm[k]) for k in w0)  # the engines start from the fine-tuned weights
+
+    resumed = InMemoryHooks()
+    assert JobRunner("w", spec, resumed, tmp_path / "w", pool_factory=shared_pool.factory).run() == "succeeded"
+    assert not resumed.events_of("warm_start_started") and resumed.events_of("resumed")

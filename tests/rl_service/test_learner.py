@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from rl_service.learner import Learner, LearnerConfig, LossNorm, PolicySample, pack_micro_batches, policy_loss
+from rl_service.training.learner import (
+    Learner,
+    LearnerConfig,
+    LossNorm,
+    PolicySample,
+    pack_micro_batches,
+    policy_loss,
+)
 from tests.rl_service.learner_helpers import make_samples, make_tiny_llama
 
 

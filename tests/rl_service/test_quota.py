@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rl_service.quota import JobLimits, LimitExceeded, ResourceCaps, TenantQuota, check_job
-from rl_service.settings import SettingsError, load_settings
+from rl_service.control.quota import JobLimits, LimitExceeded, ResourceCaps, TenantQuota, check_job
+from rl_service.control.settings import SettingsError, load_settings
 from rl_service.spec import JobSpec
 
 

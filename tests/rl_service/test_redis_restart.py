@@ -19,11 +19,11 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from rl_service.control.service import TaperService
+from rl_service.control.settings import TaperSettings
+from rl_service.control.store import Store
 from rl_service.job_states import JobState
-from rl_service.service import TaperService
-from rl_service.settings import TaperSettings
 from rl_service.spec import JobSpec
-from rl_service.store import Store
 from tests.rl_service.test_scheduler import running_scheduler, wait_for
 
 
@@ -54,7 +54,7 @@ class RestartableRedis:
 
 @pytest.fixture
 def restartable_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
-    from rl_service.embedded import free_port
+    from rl_service.control.local_services import free_port
 
     server = RestartableRedis(tmp_path / "redis", free_port())
     server.data_dir.mkdir()

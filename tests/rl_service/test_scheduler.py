@@ -9,18 +9,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import ray
 
+from rl_service.control.quota import TenantQuota
+from rl_service.control.scheduler import Scheduler, driver_name
+from rl_service.control.service import Principal, TaperService
+from rl_service.control.store import Store
 from rl_service.job_states import JobState
-from rl_service.quota import TenantQuota
-from rl_service.scheduler import (
-    Scheduler,
-    driver_name,
-    job_bundles,
-    learner_bundle_indices,
-    rollout_bundle_indices,
-)
-from rl_service.service import Principal, TaperService
+from rl_service.placement import job_bundles, learner_bundle_indices, rollout_bundle_indices
 from rl_service.spec import JobSpec
-from rl_service.store import Store
 
 
 @pytest.fixture
@@ -80,7 +75,7 @@ def test_bundles_follow_the_spec() -> None:
 
 
 def test_heartbeat_settings_are_checked(monkeypatch) -> None:
-    from rl_service.settings import SettingsError, load_settings
+    from rl_service.control.settings import SettingsError, load_settings
 
     monkeypatch.setenv("TAPER_DRIVER_HEARTBEAT_EVERY_S", "30")
     monkeypatch.setenv("TAPER_DRIVER_HEARTBEAT_TIMEOUT_S", "20")

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from rl_service.checkpoint import list_checkpoints
+from rl_service.control.scheduler import Scheduler
+from rl_service.control.store import Store
 from rl_service.job_states import JobState
-from rl_service.scheduler import Scheduler, job_bundles
-from rl_service.store import Store
+from rl_service.placement import job_bundles
+from rl_service.training.checkpoint import list_checkpoints
 from tests.rl_service.test_job import make_spec
 
 HANG_ONCE = {"kind": "python", "name": "hang_once_calculator",

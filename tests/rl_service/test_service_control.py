@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from rl_service.control.service import CONTROL_ATTEMPTS, Conflict, NotFound, Principal, TaperService
+from rl_service.control.store import Store
 from rl_service.job_states import CONTROL_CANCEL, CONTROL_RUN, JobState
-from rl_service.service import CONTROL_ATTEMPTS, Conflict, NotFound, Principal, TaperService
 from rl_service.spec import JobSpec
-from rl_service.store import Store
 
 
 class RacingStore(Store):

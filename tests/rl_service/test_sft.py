@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_service.sft import encode_conversation, sft_loss, warm_start
+from rl_service.training.sft import encode_conversation, sft_loss, warm_start
 from rollout_workers.environments.calculator import CalculatorEnv
 
 

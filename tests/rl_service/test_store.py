@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from rl_service.job_states import InvalidTransition, JobState
-from rl_service.quota import TenantQuota
-from rl_service.spec import JobSpec
-from rl_service.store import (
+from rl_service.control.quota import TenantQuota
+from rl_service.control.store import (
     IdempotencyConflict,
     JobActive,
     JobNotFound,
@@ -18,6 +16,8 @@ from rl_service.store import (
     Store,
     hash_api_key,
 )
+from rl_service.job_states import InvalidTransition, JobState
+from rl_service.spec import JobSpec
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pickle
 
 import torch
 
-from rl_service.learner.weight_push import ShippedTensor, shippable_state_dict
+from rl_service.training.learner.weight_push import ShippedTensor, shippable_state_dict
 
 
 def _tiny_taper():

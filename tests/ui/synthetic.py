@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from reward_models.schedule import RewardSchedule, ScheduleHistory
+from rl_service.control.service import Principal, TaperService
+from rl_service.control.store import JobRecord
 from rl_service.job_states import JobState
-from rl_service.service import Principal, TaperService
 from rl_service.spec import JobSpec, RolloutSpec
-from rl_service.store import JobRecord
 from rollout_workers.storage import TrajectoryWriter, step_file
 from rollout_workers.trajectory import Step, ToolCall, Trajectory, TrajectoryStatus
 

@@ -14,9 +14,9 @@ from ui_helpers import ThreadedServer, UiServer, log_in, screenshot, wait_js
 
 from api.app import create_app
 from api.ui.tokens import token_pieces
-from rl_service.service import Principal, TaperService
-from rl_service.settings import TaperSettings
-from rl_service.store import Store
+from rl_service.control.service import Principal, TaperService
+from rl_service.control.settings import TaperSettings
+from rl_service.control.store import Store
 from rollout_workers.trajectory import TrajectoryStatus
 
 

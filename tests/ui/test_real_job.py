@@ -21,9 +21,9 @@ from synthetic import chart_data
 from ui_helpers import ThreadedServer, log_in, screenshot, wait_js
 
 from api.app import create_app
-from rl_service.embedded import EMBEDDED_RECORD
-from rl_service.settings import TaperSettings
-from rl_service.store import Store
+from rl_service.control.local_services import EMBEDDED_RECORD
+from rl_service.control.settings import TaperSettings
+from rl_service.control.store import Store
 
 TINY_JOB = {
     "name": "ui-real",
@@ -48,7 +48,7 @@ def warm_started_tiny_model(out: Path, steps: int = 80) -> Path:
     from model.config import TaperConfig
     from model.modeling import TaperForCausalLM
     from model.tokenizer import load_tokenizer
-    from rl_service.sft import warm_start
+    from rl_service.training.sft import warm_start
     from rollout_workers.environments.registry import generate_tasks, make_env_factory
 
     torch.manual_seed(0)

@@ -16,9 +16,9 @@ from api.app import create_app
 from api.ui.preview import sample_steps, schedule_preview
 from api.ui.tokens import token_pieces, tokenizer_file
 from reward_models.schedule import RewardSchedule, ScheduleHistory
-from rl_service.service import TaperService
-from rl_service.settings import TaperSettings
-from rl_service.store import Store
+from rl_service.control.service import TaperService
+from rl_service.control.settings import TaperSettings
+from rl_service.control.store import Store
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_service.embedded import free_port
-from rl_service.service import TaperService
-from rl_service.store import Store
+from rl_service.control.local_services import free_port
+from rl_service.control.service import TaperService
+from rl_service.control.store import Store
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"
 CHROMIUM = "/usr/bin/chromium"

@@ -3,7 +3,7 @@
 "use strict";
 
 const Charts = (() => {
-  // First match wins. Keys follow rl_service.job: reward/<credit stat>, reward/process/<component>/raw|weighted,
+  // First match wins. Keys follow rl_service.training.runner: reward/<credit stat>, reward/process/<component>/raw|weighted,
   // schedule/*, success_rate, eval/*, loss*, kl, entropy, time/<phase>, tokens_per_s, ...
   const GROUPS = [
     { id: "success", title: "Success rate (train and eval)", match: (k) => /(^|\/)success_rate$/.test(k) },

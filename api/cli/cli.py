@@ -1,0 +1,511 @@
+"""The `taper` command line: runs the service and wraps its REST API.
+
+Client commands talk to TAPER_API_URL with the key TAPER_API_KEY (or the key `taper serve` wrote to
+DATA_DIR/api-key on a fresh install).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
+
+from api.cli import checkpoints, demo
+from rl_service.control.settings import TaperSettings, get_settings
+
+app = typer.Typer(help="Taper: agentic RL post-training service.", no_args_is_help=True)
+schedule_app = typer.Typer(help="Show or change a job's process-reward schedule.", no_args_is_help=True)
+env_app = typer.Typer(help="Register and list tool environments.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys (admin: talks to Redis directly).", no_args_is_help=True)
+quota_app = typer.Typer(help="Tenant quotas (needs an admin API key).", no_args_is_help=True)
+app.add_typer(schedule_app, name="schedule")
+app.add_typer(env_app, name="env")
+app.add_typer(keys_app, name="keys")
+app.add_typer(quota_app, name="quota")
+
+console = Console()
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def _settings() -> TaperSettings:
+    return get_settings()
+
+
+def _client() -> httpx.Client:
+    s = _settings()
+    key = s.api_key
+    key_file = Path(s.data_dir) / "api-key"
+    if key is None and key_file.exists():
+        key = key_file.read_text().strip()
+    if not key:
+        raise typer.BadParameter("no API key: set TAPER_API_KEY (create one with `taper keys create --tenant NAME`)")
+    return httpx.Client(base_url=s.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+@contextmanager
+def _api() -> Iterator[httpx.Client]:
+    """A client for the API; a server that cannot be reached is a one-line error, not a traceback."""
+    client = _client()
+    try:
+        yield client
+    except httpx.TransportError as exc:
+        console.print(f"[red]error[/red] cannot reach the Taper API at {client.base_url}: {exc}")
+        raise typer.Exit(2) from None
+    finally:
+        client.close()
+
+
+def _check(r: httpx.Response) -> Any:
+    if r.status_code >= 400:
+        try:
+            err = r.json()["error"]
+            where = f" [{err['field']}]" if err.get("field") else ""
+            msg = f"{r.status_code} {err['code']}{where}: {err['message']}"
+        except Exception:
+            msg = f"{r.status_code}: {r.text[:500]}"
+        console.print(f"[red]error[/red] {escape(msg)}")  # "[field]" is text, not markup
+        raise typer.Exit(1)
+    return r.json() if r.content else None
+
+
+def _load(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc}") from None
+    return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+
+
+# ---- server ----
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address (default TAPER_API_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default TAPER_API_PORT).")] = None,
+) -> None:
+    """Run the API with the scheduler. Without TAPER_REDIS_URL / RAY_ADDRESS: a private Redis and a local Ray."""
+    import uvicorn
+
+    from api.app import create_app
+    from rl_service.control.local_services import (
+        EmbeddedServiceError,
+        running_embedded_ray_head,
+        running_embedded_redis,
+    )
+
+    s = _settings()
+    try:  # embedded services left running by an older Taper (no password, no token) are refused before start
+        if not s.redis_url:
+            running_embedded_redis(Path(s.data_dir))
+        if not s.ray_address:
+            running_embedded_ray_head(Path(s.data_dir))
+    except EmbeddedServiceError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    key_file = Path(s.data_dir) / "api-key"
+    fresh = not key_file.exists()
+    app_ = create_app(settings=s)
+    console.print(f"Taper API on http://{host or s.api_host}:{port or s.api_port} (docs at /docs)")
+    if fresh:
+        console.print(f"A first API key (tenant 'default') will be written to {key_file} if the store has none.")
+    uvicorn.run(app_, host=host or s.api_host, port=port or s.api_port, log_level="info", access_log=False)
+    if not (s.redis_url and s.ray_address):
+        console.print("The API stopped; jobs keep running in the local Ray head. "
+                      "[bold]taper down[/bold] stops it and the private Redis.")
+
+
+@app.command()
+def scheduler() -> None:
+    """Run the job scheduler without the API: it places queued jobs, restarts lost drivers and frees resources
+    while no API runs. Any number may run beside `serve`'s: a Redis lease lets one place at a time."""
+    import signal
+    import threading
+
+    from rl_service.control.service import start_runtime
+
+    runtime = start_runtime(_settings(), run_scheduler=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    console.print("Taper scheduler running (Ctrl-C or SIGTERM stops it; running jobs keep going).")
+    stop.wait()
+    runtime.stop()
+    console.print("scheduler stopped")
+
+
+@app.command()
+def down() -> None:
+    """Stop the local Ray head and private Redis that `serve` started for DATA_DIR (running jobs stop too;
+    they resume from their last checkpoints at the next `serve`)."""
+    from rl_service.control.local_services import stop_embedded
+
+    stopped = stop_embedded(Path(_settings().data_dir))
+    console.print("\n".join(f"stopped the {what}" for what in stopped) or "nothing was running")
+
+
+# ---- jobs ----
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON), see rl_service/spec.py.")],
+    idempotency_key: Annotated[str | None, typer.Option(help="Submitting again with the same key is a no-op.")] = None,
+) -> None:
+    """Submit a job; prints its id."""
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    with _api() as c:
+        job = _check(c.post("/v1/jobs", json=_load(file), headers=headers))
+    console.print(f"[green]{job['id']}[/green] {job['state']}")
+
+
+def _job_table(jobs: list[dict[str, Any]]) -> Table:
+    table = Table(Column("id", no_wrap=True), "name", "state", "progress", "step", "updated")
+    for j in jobs:
+        bar_len = 10
+        filled = int(round(j["progress"] * bar_len))
+        bar = "[green]" + "█" * filled + "[/green]" + "░" * (bar_len - filled)
+        table.add_row(j["id"], j["name"], j["state"], f"{bar} {j['progress'] * 100:5.1f}%",
+                      f"{j['step']}/{j['total_steps']}", time.strftime("%H:%M:%S", time.localtime(j["updated_at"])))
+    return table
+
+
+@app.command()
+def status(
+    job_id: Annotated[str | None, typer.Argument(help="A job id; all jobs when omitted.")] = None,
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    watch: Annotated[bool, typer.Option(help="Follow the job's progress until it finishes.")] = False,
+) -> None:
+    """Jobs with progress bars, or one job's details."""
+    with _api() as c:
+        if job_id is None:
+            params = {"limit": 100, **({"state": state} if state else {})}
+            page = _check(c.get("/v1/jobs", params=params))
+            console.print(_job_table(page["items"]))
+            console.print(f"{page['total']} job(s)")
+            return
+        job = _check(c.get(f"/v1/jobs/{job_id}"))
+        if not watch:
+            _print_job(job)
+            return
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console) as progress:
+            task = progress.add_task(f"{job_id} {job['state']}", total=job["total_steps"], completed=job["step"])
+            while job["state"] not in TERMINAL:
+                time.sleep(1.0)
+                job = _check(c.get(f"/v1/jobs/{job_id}"))
+                progress.update(task, completed=job["step"], description=f"{job_id} {job['state']}")
+        _print_job(job)
+
+
+def _print_job(job: dict[str, Any]) -> None:
+    console.print(_job_table([job]))
+    if job.get("error"):
+        console.print(f"[red]error:[/red] {job['error']}")
+    if job.get("last_metrics"):
+        shown = {k: v for k, v in list(job["last_metrics"].items())[:12]}
+        console.print("last metrics: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                   for k, v in shown.items()))
+    console.print(f"schedule version {job['schedule_version']}, checkpoint {job.get('last_checkpoint') or '-'}")
+
+
+def _print_event(e: dict[str, Any]) -> None:
+    ts = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+    data = {k: v for k, v in e["data"].items() if k != "ts"}
+    console.print(f"{ts} [bold]{e['kind']}[/bold] {json.dumps(data)[:300]}")
+
+
+@app.command()
+def logs(
+    job_id: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream new events until the job finishes.")] = False,
+) -> None:
+    """A job's events."""
+    with _api() as c:
+        if not follow:
+            after = None
+            while True:
+                page = _check(c.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000, **({"after": after} if after else {})}))
+                for e in page["items"]:
+                    _print_event(e)
+                if not page["next"]:
+                    return
+                after = page["next"]
+        with c.stream("GET", f"/v1/jobs/{job_id}/events", headers={"Accept": "text/event-stream"},
+                      timeout=httpx.Timeout(30, read=None)) as r:
+            if r.status_code >= 400:
+                r.read()
+                _check(r)
+            kind, eid = "message", ""
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    kind = line[6:].strip()
+                elif line.startswith("id:"):
+                    eid = line[3:].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[5:].strip())
+                    _print_event({"id": eid, "kind": kind, "ts": data.get("ts", time.time()), "data": data})
+
+
+@app.command()
+def cancel(job_id: str) -> None:
+    """Cancel a job."""
+    with _api() as c:
+        console.print(_check(c.post(f"/v1/jobs/{job_id}/cancel"))["state"])
+
+
+@app.command()
+def pause(job_id: str) -> None:
+    """Pause a job (it checkpoints and frees its resources)."""
+    with _api() as c:
+        job = _check(c.post(f"/v1/jobs/{job_id}/pause"))
+        console.print(f"{job['state']} (requested: {job['control']})")
+
+
+@app.command()
+def resume(job_id: str) -> None:
+    """Resume a paused job from its last checkpoint."""
+    with _api() as c:
+        console.print(_check(c.post(f"/v1/jobs/{job_id}/resume"))["state"])
+
+
+@app.command()
+def delete(
+    job_id: str,
+    keep_checkpoints: Annotated[bool, typer.Option(help="Keep the checkpoint files.")] = False,
+) -> None:
+    """Delete a finished job with its records, metrics, trajectories and checkpoints."""
+    with _api() as c:
+        _check(c.delete(f"/v1/jobs/{job_id}", params={"keep_checkpoints": keep_checkpoints}))
+    console.print(f"deleted {job_id}")
+
+
+# ---- schedule ----
+@schedule_app.command("show")
+def schedule_show(job_id: str) -> None:
+    """The current schedule and its versions."""
+    with _api() as c:
+        s = _check(c.get(f"/v1/jobs/{job_id}/reward-schedule"))
+    console.print(f"version {s['version']} (from step {s['effective_from']}): {json.dumps(s['schedule'])}")
+    for v in s["history"][:-1]:
+        console.print(f"  v{v['version']} from step {v['effective_from']}: {json.dumps(v['patch'] or v['schedule'])}")
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+@schedule_app.command("set")
+def schedule_set(
+    job_id: str,
+    fields: Annotated[list[str] | None, typer.Argument(help="FIELD=VALUE pairs, e.g. w_end=0 horizon=50.")] = None,
+    file: Annotated[Path | None, typer.Option(help="A YAML/JSON object of schedule fields.")] = None,
+) -> None:
+    """Change the schedule from the job's next step (a new version)."""
+    patch: dict[str, Any] = dict(_load(file)) if file else {}
+    for item in fields or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected FIELD=VALUE, got {item!r}")
+        patch[key] = _parse_value(value)
+    if not patch:
+        raise typer.BadParameter("give FIELD=VALUE pairs or --file")
+    with _api() as c:
+        s = _check(c.patch(f"/v1/jobs/{job_id}/reward-schedule", json=patch))
+    console.print(f"version {s['version']} from step {s['effective_from']}: {json.dumps(s['schedule'])}")
+
+
+# ---- environments ----
+@env_app.command("register")
+def env_register(file: Annotated[Path, typer.Argument(help="An EnvironmentRegistration (YAML or JSON).")]) -> None:
+    """Register a tool environment (python import path or http tool server)."""
+    with _api() as c:
+        env = _check(c.post("/v1/environments", json=_load(file)))
+    console.print(f"registered [green]{env['name']}[/green] ({env['registration']['kind']})")
+
+
+@env_app.command("list")
+def env_list() -> None:
+    """Built-in and registered environments."""
+    with _api() as c:
+        envs = _check(c.get("/v1/environments"))
+    table = Table("name", "kind", "detail")
+    for e in envs:
+        reg = e["registration"] or {}
+        detail = reg.get("import_path") or reg.get("base_url") or ""
+        table.add_row(e["name"], "built-in" if e["builtin"] else reg.get("kind", ""), detail)
+    console.print(table)
+
+
+# ---- keys ----
+def _admin_store():
+    """The Store `serve` uses: TAPER_REDIS_URL, or the data dir's embedded Redis (started for this command,
+    and stopped after it, if it is not running)."""
+    from rl_service.control.local_services import (
+        EmbeddedServiceError,
+        running_embedded_redis,
+        start_embedded_redis,
+    )
+    from rl_service.control.store import Store
+
+    s = _settings()
+    if s.redis_url:
+        return Store(s.redis_url), None
+    data_dir = Path(s.data_dir)
+    try:
+        running = running_embedded_redis(data_dir)
+    except EmbeddedServiceError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if running is not None:
+        return Store(running.client_url), None
+    server = start_embedded_redis(data_dir, binary=s.redis_server_bin, detach=False)
+    return Store(server.client_url), server
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _duration_s(text: str) -> float:
+    """Seconds in a duration like 90s, 45m, 12h, 30d or 2w."""
+    number, unit = text[:-1], text[-1:].lower()
+    if unit not in DURATION_UNITS or not number.isdigit() or int(number) < 1:
+        raise typer.BadParameter(f"expected a positive whole number and a unit (s, m, h, d, w), e.g. 30d; got {text!r}",
+                                 param_hint="--expires-in")
+    return int(number) * DURATION_UNITS[unit]
+
+
+@contextmanager
+def _store_for_admin() -> Iterator[Any]:
+    """The service's Store; a Redis that cannot be reached is a one-line error, not a traceback."""
+    import redis
+
+    store, server = _admin_store()
+    try:
+        yield store
+    except redis.RedisError as exc:
+        console.print(f"[red]error[/red] cannot use the Redis at {store.url}: {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    finally:
+        store.close()
+        if server is not None:
+            server.stop()
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
+    name: Annotated[str, typer.Option(help="A label for the key.")] = "",
+    expires_in: Annotated[str | None, typer.Option(help="Lifetime, e.g. 12h, 30d, 2w (default: no expiry).")] = None,
+    admin: Annotated[bool, typer.Option(help="An admin key (may manage API keys and tenant quotas).")] = False,
+) -> None:
+    """Create an API key; it is printed once and only its hash is stored."""
+    from rl_service.control.service import ServiceError, validate_tenant
+
+    try:
+        validate_tenant(tenant)
+    except ServiceError as exc:
+        raise typer.BadParameter(exc.message, param_hint="--tenant") from None
+    expires_at = None if expires_in is None else time.time() + _duration_s(expires_in)
+    with _store_for_admin() as store:
+        key = store.create_api_key(tenant, name=name, admin=admin, expires_at=expires_at)
+    until = "" if expires_at is None else f", valid until {_when(expires_at)}"
+    console.print(f"{'admin ' if admin else ''}API key for tenant [bold]{tenant}[/bold]{until} (shown once):")
+    print(key)
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+@keys_app.command("list")
+def keys_list(tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None) -> None:
+    """API keys by id (the keys themselves are not stored)."""
+    with _store_for_admin() as store:
+        keys = store.list_api_keys(tenant)
+    table = Table(Column("id", no_wrap=True), "tenant", "name", "admin", "created", "expires")
+    now = time.time()
+    for k in keys:
+        expired = k["expires_at"] is not None and k["expires_at"] <= now
+        table.add_row(k["id"], k["tenant"], k["name"], "yes" if k["admin"] else "", _when(k["created_at"]),
+                      _when(k["expires_at"]) + (" (expired)" if expired else ""))
+    console.print(table)
+    console.print(f"{len(keys)} key(s)")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: Annotated[str, typer.Argument(help="The key's id, as `taper keys list` shows it.")]) -> None:
+    """Revoke a key: requests with it get 401 (within a few seconds: the API caches keys briefly)."""
+    with _store_for_admin() as store:
+        info = store.revoke_api_key_id(key_id)
+    if info is None:
+        console.print(f"[red]error[/red] no API key with id {key_id!r} (see `taper keys list`)")
+        raise typer.Exit(1)
+    console.print(f"revoked {key_id} ({info['tenant']}{', ' + info['name'] if info['name'] else ''})")
+
+
+# ---- quotas ----
+def _print_quota(q: dict[str, Any]) -> None:
+    quota = q["quota"]
+    source = "the operator's default" if q["default"] else "its own"
+    console.print(f"tenant [bold]{q['tenant']}[/bold] ({source} quota)")
+    for field in ("max_running_jobs", "max_queued_jobs", "max_priority"):
+        console.print(f"  {field}: {quota[field]}")
+    caps = {k: v for k, v in quota["resources"].items() if v is not None}
+    console.print("  resources: " + (", ".join(f"{k}={v}" for k, v in caps.items()) or "the operator's limits"))
+
+
+@quota_app.command("show")
+def quota_show(tenant: str) -> None:
+    """A tenant's quota."""
+    with _api() as c:
+        _print_quota(_check(c.get(f"/v1/tenants/{tenant}/quota")))
+
+
+@quota_app.command("set")
+def quota_set(
+    tenant: str,
+    fields: Annotated[list[str], typer.Argument(
+        help="FIELD=VALUE pairs: max_running_jobs, max_queued_jobs, max_priority, resources.learner_cpus, ... "
+             "(resources.X=null drops a cap).")],
+) -> None:
+    """Change some fields of a tenant's quota (the others keep their current values)."""
+    with _api() as c:
+        quota = _check(c.get(f"/v1/tenants/{tenant}/quota"))["quota"]
+        for item in fields:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise typer.BadParameter(f"expected FIELD=VALUE, got {item!r}")
+            group, dot, name = key.partition(".")
+            target = quota
+            if dot:
+                if group != "resources":
+                    raise typer.BadParameter(f"unknown field {key!r}")
+                target, key = quota["resources"], name
+            target[key] = _parse_value(value)
+        _print_quota(_check(c.put(f"/v1/tenants/{tenant}/quota", json=quota)))
+
+
+@quota_app.command("reset")
+def quota_reset(tenant: str) -> None:
+    """Drop a tenant's own quota: the operator's default applies again."""
+    with _api() as c:
+        _check(c.delete(f"/v1/tenants/{tenant}/quota"))
+    console.print(f"tenant {tenant} has the operator's default quota")
+
+
+demo.register(app)
+checkpoints.register(app, _api, _check, console)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,97 @@
+"""Service settings, read from the environment (prefix ``TAPER_``; ``RAY_ADDRESS`` as Ray names it). The limits on
+tenants' environments are declared in ``rl_service.environment_settings`` (a job driver reads them too).
+
+The python sandbox's ``TAPER_SANDBOX_*`` are read in ``rollout_workers.environments.sandbox`` instead: the
+Ray workers that run it do not import the service."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+
+from rl_service.control.quota import JobLimits, TenantQuota
+from rl_service.environment_settings import EnvironmentSettings, SettingsError, load
+
+__all__ = ["SettingsError", "TaperSettings", "get_settings", "load_settings"]
+
+
+class TaperSettings(EnvironmentSettings):
+    """Every setting of the service; the environments' limits and data_dir come from EnvironmentSettings."""
+
+    redis_url: str | None = Field(
+        None, description="Redis to use. Unset: the service starts a private redis-server under data_dir."
+    )
+    ray_address: str | None = Field(
+        None,
+        validation_alias=AliasChoices("RAY_ADDRESS", "TAPER_RAY_ADDRESS"),
+        description="Ray cluster to join. Unset: a local Ray is started.",
+    )
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(8000, ge=1, le=65535)
+    api_url: str = Field("http://127.0.0.1:8000", description="Where the CLI finds the API.")
+    api_key: str | None = Field(None, description="Bearer key the CLI sends.")
+    max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body.")
+    submit_rate_per_minute: int = Field(60, ge=1, description="Job submissions per tenant per minute.")
+    local_cpus: int | None = Field(None, ge=1, description="CPUs a locally started Ray may use (default: all).")
+    redis_server_bin: str = Field("redis-server", description="The binary the private Redis is started from.")
+    job_runner: str = Field(
+        "rl_service.training.runner:JobRunner", pattern=r"^[\w.]+:\w+$", description="Import path of the job runner class."
+    )
+    driver_heartbeat_every_s: float = Field(
+        10.0, gt=0.0, description="A job driver writes its heartbeat to Redis at most this often while it progresses."
+    )
+    driver_heartbeat_timeout_s: float = Field(
+        900.0, gt=0.0,
+        description="A running job whose driver has not beaten for this long is hung: killed and resumed from its "
+                    "last checkpoint. Must exceed driver_heartbeat_every_s and the longest single call a job makes "
+                    "without progress (engine start, one weight push, one checkpoint write).",
+    )
+    limits: JobLimits = Field(
+        default_factory=JobLimits,
+        description="The operator's maxima for every job (TAPER_LIMITS__LEARNER_CPUS=8, ..., or TAPER_LIMITS as JSON).")
+    default_quota: TenantQuota = Field(
+        default_factory=TenantQuota,
+        description="The quota of a tenant an admin gave none (TAPER_DEFAULT_QUOTA__MAX_RUNNING_JOBS=2, ...).")
+    base_models: dict[str, Path] = Field(
+        default_factory=dict,
+        description="Model directories tenants may start from as `model.checkpoint: base:NAME` "
+                    '(JSON: {"NAME": "/models/dir"}).')
+    events_maxlen: int = Field(10_000, ge=100, description="Events kept per job (older ones are trimmed).")
+    metrics_maxlen: int = Field(100_000, ge=100, description="Metric rows kept per job (older ones are trimmed).")
+    schedule_max_versions: int = Field(
+        1_000, ge=1, description="Reward-schedule versions per job; a patch beyond is refused.")
+
+    @field_validator("base_models")
+    @classmethod
+    def _base_model_names(cls, v: dict[str, Path]) -> dict[str, Path]:
+        from rl_service.spec import BASE_MODEL_NAME
+
+        for name in v:
+            if not re.fullmatch(BASE_MODEL_NAME, name):
+                raise ValueError(f"base model name {name!r}: use 1-64 of A-Z, a-z, 0-9, '_', '.', '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _heartbeat_timeout_exceeds_interval(self) -> TaperSettings:
+        if self.driver_heartbeat_timeout_s <= self.driver_heartbeat_every_s:
+            raise ValueError("TAPER_DRIVER_HEARTBEAT_TIMEOUT_S must exceed TAPER_DRIVER_HEARTBEAT_EVERY_S")
+        return self
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+
+def load_settings() -> TaperSettings:
+    return load(TaperSettings)
+
+
+@lru_cache
+def get_settings() -> TaperSettings:
+    return load_settings()
