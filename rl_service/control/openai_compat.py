@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from reward_models.monitor import HackingMonitorConfig
 from reward_models.schedule import RewardSchedule
 from rl_service.control.service import (
     InvalidInput,
@@ -32,6 +33,7 @@ from rl_service.spec import (
     CHECKPOINT_REF,
     AlgorithmSpec,
     EnvironmentSpec,
+    InfraFailureConfig,
     JobSpec,
     Metadata,
     ResourcesSpec,
@@ -39,6 +41,8 @@ from rl_service.spec import (
     TasksSpec,
     TrackingSpec,
     WandbTracking,
+    WarmStartSpec,
+    WatchdogSpec,
 )
 
 PRESETS = ("tiny", "small", "large")
@@ -114,6 +118,10 @@ class FineTuningJobCreate(_Strict):
     reward_schedule: RewardSchedule | None = None
     resources: ResourcesSpec | None = None
     tracking: TrackingSpec | None = None
+    warm_start: WarmStartSpec | None = None
+    hacking_monitor: HackingMonitorConfig | None = None
+    infra_failures: InfraFailureConfig | None = None
+    watchdog: WatchdogSpec | None = None
     total_steps: int | None = Field(None, ge=1, le=1_000_000)
     eval_every: int | None = Field(None, ge=0)
     checkpoint_every: int | None = Field(None, ge=1)

@@ -144,3 +144,26 @@ def test_a_bad_key_is_an_authentication_error(live) -> None:
     with pytest.raises(openai.AuthenticationError) as exc:
         bad.fine_tuning.jobs.list()
     assert exc.value.body["type"] == "authentication_error" and exc.value.body["param"] == "Authorization"
+
+
+def test_finished_jobs_and_fine_tuned_model_as_the_next_model(live) -> None:
+    client, _, store = live
+    job = create(client)
+    for state in ("starting", "running", "succeeded"):
+        store.transition(job.id, state)
+    step_dir = Path(store.get_job(job.id).work_dir) / "checkpoints" / "step_00000004"
+    step_dir.mkdir(parents=True)
+    store.add_checkpoint(job.id, 4, step_dir.resolve().as_uri())
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert (done.status, done.fine_tuned_model, done.error) == ("succeeded", job.id, None)
+    assert isinstance(done.finished_at, int) and done.finished_at >= done.created_at
+    following = client.fine_tuning.jobs.create(model=done.fine_tuned_model, training_file=None)
+    assert following.model == job.id
+    assert store.get_job(following.id).spec.model.checkpoint_dir == str(step_dir.resolve())
+
+    failing = create(client)
+    store.transition(failing.id, "starting")
+    store.transition(failing.id, "failed", fields={"error": "learner rank 0 died"})
+    failed = client.fine_tuning.jobs.retrieve(failing.id)
+    assert failed.status == "failed" and failed.fine_tuned_model is None
+    assert (failed.error.code, failed.error.message) == ("job_failed", "learner rank 0 died")
