@@ -233,7 +233,8 @@ def create_app(
         if app.state.service is None:
             from rl_service.control.service import start_runtime
 
-            runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner)
+            runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner,
+                                    detached_scheduler=settings.embedded_scheduler)
             app.state.service = runtime.service
             registry.register(_JobsByState(runtime.service))
             registry.register(TrainingMetrics(runtime.service))

@@ -1,12 +1,13 @@
 """The `taper` command line: runs the service and wraps its REST API.
 
-Client commands talk to TAPER_API_URL with the key TAPER_API_KEY (or the key `taper serve` wrote to
-DATA_DIR/api-key on a fresh install).
+Client commands talk to the API at `--api-url` or TAPER_API_URL, else at the address `taper serve` recorded in
+DATA_DIR/api.json, with the key TAPER_API_KEY (or the key `taper serve` wrote to DATA_DIR/api-key).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from api.cli import checkpoints, demo
 from rl_service.control.settings import TaperSettings, get_settings
 
 app = typer.Typer(help="Taper: agentic RL post-training service.", no_args_is_help=True)
+API_RECORD = "api.json"  # where `taper serve` records its address (and pid) in the data dir
 schedule_app = typer.Typer(help="Show or change a job's process-reward schedule.", no_args_is_help=True)
 env_app = typer.Typer(help="Register and list tool environments.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys (admin: talks to Redis directly).", no_args_is_help=True)
@@ -36,10 +38,42 @@ app.add_typer(quota_app, name="quota")
 
 console = Console()
 TERMINAL = {"succeeded", "failed", "cancelled"}
+_api_url_option: str | None = None
+
+
+@app.callback()
+def _options(
+    api_url: Annotated[str | None, typer.Option(
+        help="The API's address for client commands (default: TAPER_API_URL, else the address `taper serve` "
+             "recorded in the data dir, else http://127.0.0.1:8000).")] = None,
+) -> None:
+    global _api_url_option
+    _api_url_option = api_url
 
 
 def _settings() -> TaperSettings:
     return get_settings()
+
+
+def _recorded_api(data_dir: Path) -> dict[str, Any] | None:
+    """The running `taper serve` of a data dir (its url and pid), if one recorded itself and is alive."""
+    from rl_service.control.local_services import pid_alive
+
+    try:
+        record = json.loads((data_dir / API_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and pid_alive(int(record.get("pid", 0))) else None
+
+
+def _api_url() -> str:
+    s = _settings()
+    if _api_url_option:
+        return _api_url_option
+    if "api_url" in s.model_fields_set:
+        return s.api_url
+    recorded = _recorded_api(Path(s.data_dir))
+    return str(recorded["url"]) if recorded else s.api_url
 
 
 def _client() -> httpx.Client:
@@ -50,7 +84,7 @@ def _client() -> httpx.Client:
         key = key_file.read_text().strip()
     if not key:
         raise typer.BadParameter("no API key: set TAPER_API_KEY (create one with `taper keys create --tenant NAME`)")
-    return httpx.Client(base_url=s.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    return httpx.Client(base_url=_api_url(), headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
 
 @contextmanager
@@ -115,10 +149,19 @@ def serve(
     key_file = Path(s.data_dir) / "api-key"
     fresh = not key_file.exists()
     app_ = create_app(settings=s)
-    console.print(f"Taper API on http://{host or s.api_host}:{port or s.api_port} (docs at /docs)")
+    host, port = host or s.api_host, port or s.api_port
+    console.print(f"Taper API on http://{host}:{port} (docs at /docs)")
     if fresh:
         console.print(f"A first API key (tenant 'default') will be written to {key_file} if the store has none.")
-    uvicorn.run(app_, host=host or s.api_host, port=port or s.api_port, log_level="info", access_log=False)
+    record = Path(s.data_dir) / API_RECORD
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    Path(s.data_dir).mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"url": f"http://{client_host}:{port}", "pid": os.getpid()}))
+    try:
+        uvicorn.run(app_, host=host, port=port, log_level="info", access_log=False)
+    finally:
+        if (_recorded_api(Path(s.data_dir)) or {}).get("pid") == os.getpid():
+            record.unlink(missing_ok=True)
     if not (s.redis_url and s.ray_address):
         console.print("The API stopped; jobs keep running in the local Ray head. "
                       "[bold]taper down[/bold] stops it and the private Redis.")
@@ -128,18 +171,10 @@ def serve(
 def scheduler() -> None:
     """Run the job scheduler without the API: it places queued jobs, restarts lost drivers and frees resources
     while no API runs. Any number may run beside `serve`'s: a Redis lease lets one place at a time."""
-    import signal
-    import threading
+    from rl_service.control.scheduler_process import run_scheduler
 
-    from rl_service.control.service import start_runtime
-
-    runtime = start_runtime(_settings(), run_scheduler=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    console.print("Taper scheduler running (Ctrl-C or SIGTERM stops it; running jobs keep going).")
-    stop.wait()
-    runtime.stop()
+    run_scheduler(_settings(), on_ready=lambda: console.print(
+        "Taper scheduler running (Ctrl-C or SIGTERM stops it; running jobs keep going)."))
     console.print("scheduler stopped")
 
 
@@ -147,9 +182,16 @@ def scheduler() -> None:
 def down() -> None:
     """Stop the local Ray head and private Redis that `serve` started for DATA_DIR (running jobs stop too;
     they resume from their last checkpoints at the next `serve`)."""
-    from rl_service.control.local_services import stop_embedded
+    from rl_service.control.local_services import stop_embedded, stop_process
 
-    stopped = stop_embedded(Path(_settings().data_dir))
+    data_dir = Path(_settings().data_dir)
+    stopped = []
+    api = _recorded_api(data_dir)
+    if api is not None:  # first: an API whose Redis and Ray vanish under it takes minutes to give up
+        stop_process(int(api["pid"]), timeout=60)
+        (data_dir / API_RECORD).unlink(missing_ok=True)
+        stopped.append(f"API at {api['url']}")
+    stopped += stop_embedded(data_dir)
     console.print("\n".join(f"stopped the {what}" for what in stopped) or "nothing was running")
 
 
@@ -345,6 +387,44 @@ def env_list() -> None:
         detail = reg.get("import_path") or reg.get("base_url") or ""
         table.add_row(e["name"], "built-in" if e["builtin"] else reg.get("kind", ""), detail)
     console.print(table)
+
+
+@env_app.command("check")
+def env_check(
+    target: Annotated[str, typer.Argument(
+        help="'package.module:Class', or the package or entry-point name of an installed environment.")],
+    tasks: Annotated[int, typer.Option(min=1, max=1000, help="Tasks to generate and replay.")] = 8,
+    seed: Annotated[int, typer.Option(help="Task generator seed.")] = 0,
+    option: Annotated[list[str] | None, typer.Option(help="Environment option FIELD=VALUE (repeatable).")] = None,
+) -> None:
+    """Run an environment locally before registering it: generate tasks, replay each task's demonstration
+    through its tools, score it with its outcome and process rewards; exit 1 on any problem."""
+    from rollout_workers.environments.check import check_environment
+    from rollout_workers.environments.registry import find_environment_class
+
+    options = {}
+    for pair in option or []:
+        field, sep, raw = pair.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--option {pair!r}: expected FIELD=VALUE")
+        options[field] = _parse_value(raw)
+    try:
+        report = check_environment(find_environment_class(target), n=tasks, seed=seed, options=options)
+    except (ValueError, NotImplementedError) as exc:
+        console.print(f"[red]error[/red] {escape(str(exc))}")
+        raise typer.Exit(1) from None
+    table = Table("task", "tool calls", "outcome", "process components per step", "problems",
+                  title=f"environment {report.environment}: {tasks} tasks, seed {seed}")
+    for t in report.tasks:
+        steps = "; ".join(", ".join(f"{k}={v:.2f}" for k, v in c.items()) or "-" for c in t.process)
+        outcome = "" if t.outcome is None else f"{t.outcome:.2f}"
+        table.add_row(t.task_id, str(t.tool_calls), outcome, steps, escape("; ".join(t.problems)) or "[green]ok")
+    console.print(table)
+    for problem in report.problems:
+        console.print(f"[red]problem[/red] {escape(problem)}")
+    if not report.ok:
+        raise typer.Exit(1)
+    console.print(f"[green]ok[/green]: {len(report.tasks)} demonstrations earn the full outcome reward")
 
 
 # ---- keys ----

@@ -8,8 +8,11 @@ RAY_AUTH_TOKEN_PATH).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -18,13 +21,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
 import redis
 
 from rl_service.ray_cluster import ensure_ray
+
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -116,7 +123,7 @@ class RedisServer:
 
 
 def start_private_redis(data_dir: Path, binary: str = "redis-server", persist: bool = True,
-                        detach: bool = False, password: str | None = None) -> RedisServer:
+                        detach: bool = False, password: str | None = None, port: int | None = None) -> RedisServer:
     """Start redis-server on a free 127.0.0.1 port with its files under ``data_dir``.
 
     With ``persist`` the server keeps an append-only file, so a restarted service finds its jobs again. With
@@ -132,7 +139,7 @@ def start_private_redis(data_dir: Path, binary: str = "redis-server", persist: b
         )
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", ""]
     args += ["--appendonly", "yes" if persist else "no", "--protected-mode", "yes"]
     if password is not None:
@@ -245,6 +252,20 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def stop_process(pid: int, timeout: float) -> None:
+    """SIGTERM `pid`; SIGKILL it if it still runs after `timeout` seconds."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def stop_process_group(pid: int, timeout: float) -> None:
     """SIGTERM the process that leads its own session; SIGKILL its group once it exits or after `timeout`."""
     try:
@@ -332,10 +353,13 @@ def embedded_ray_head(data_dir: Path) -> RayHead | None:
 
 
 def start_embedded_redis(data_dir: Path, binary: str = "redis-server", detach: bool = True) -> RedisServer:
-    """A new Redis on the data dir's files (its append-only file keeps the jobs), with the data dir's password."""
+    """A new Redis on the data dir's files (its append-only file keeps the jobs), with the data dir's password,
+    on the port the data dir's last Redis had (drivers and schedulers hold its URL), else on a free one."""
     password = ensure_secret(Path(data_dir) / REDIS_PASSWORD_FILE)
+    recorded = _read_record(data_dir).get("redis", {}).get("url")
+    port = int(recorded.rsplit(":", 1)[1].split("/")[0]) if recorded else None
     return start_private_redis(Path(data_dir) / "redis", binary=binary, persist=True, detach=detach,
-                               password=password)
+                               password=password, port=port)
 
 
 def running_embedded_redis(data_dir: Path) -> RedisServer | None:
@@ -346,8 +370,23 @@ def running_embedded_redis(data_dir: Path) -> RedisServer | None:
     return server
 
 
+@contextlib.contextmanager
+def _services_lock(data_dir: Path) -> Iterator[None]:
+    """One process at a time starts or stops a data dir's services (the API's and the scheduler's supervisors
+    may both find Redis gone)."""
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(data_dir) / ".services.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_embedded_redis(data_dir: Path, binary: str = "redis-server") -> RedisServer:
     """The data dir's Redis: the running one, or a new detached one."""
+    with _services_lock(data_dir):
+        return _ensure_embedded_redis(data_dir, binary)
+
+
+def _ensure_embedded_redis(data_dir: Path, binary: str) -> RedisServer:
     server = running_embedded_redis(data_dir)
     if server is None:
         server = start_embedded_redis(data_dir, binary=binary)
@@ -366,6 +405,11 @@ def running_embedded_ray_head(data_dir: Path) -> RayHead | None:
 
 def ensure_embedded_ray_head(data_dir: Path, num_cpus: int | None = None) -> RayHead:
     """The data dir's Ray head: the running one, or a new detached one."""
+    with _services_lock(data_dir):
+        return _ensure_embedded_ray_head(data_dir, num_cpus)
+
+
+def _ensure_embedded_ray_head(data_dir: Path, num_cpus: int | None) -> RayHead:
     head = running_embedded_ray_head(data_dir)
     if head is None:
         head = start_ray_head(Path(data_dir) / "logs", num_cpus=num_cpus,
@@ -387,9 +431,80 @@ def ensure_service_ray(address: str | None, data_dir: Path, num_cpus: int | None
         join_embedded_head(ensure_embedded_ray_head(data_dir, num_cpus=num_cpus))
 
 
+def embedded_scheduler(data_dir: Path) -> int | None:
+    """The pid of the data dir's detached scheduler process, if it runs."""
+    pid = _read_record(data_dir).get("scheduler", {}).get("pid")
+    return pid if pid and pid_alive(pid) else None
+
+
+def ensure_embedded_scheduler(data_dir: Path, env: dict[str, str] | None = None) -> int:
+    """The data dir's detached scheduler process (`taper scheduler`, in its own session so that it outlives the
+    API): the running one, or a new one. Its output goes to `logs/scheduler.log`."""
+    with _services_lock(data_dir):
+        pid = embedded_scheduler(data_dir)
+        if pid is None:
+            (Path(data_dir) / "logs").mkdir(parents=True, exist_ok=True)
+            with open(Path(data_dir) / "logs" / "scheduler.log", "a") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "rl_service.control.scheduler_process"], stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, **(env or {}), "TAPER_DATA_DIR": str(Path(data_dir).resolve())})
+            pid = proc.pid
+            _write_record(data_dir, {**_read_record(data_dir), "scheduler": {"pid": pid}})
+        return pid
+
+
+class EmbeddedSupervisor:
+    """Keeps a data dir's embedded services up while the process that runs it lives: a Redis that died is
+    started again on its port and files (its append-only file replays what it acknowledged), and with
+    `scheduler` the detached scheduler process is started again. Checks every `interval_s` seconds."""
+
+    def __init__(self, data_dir: Path, redis_binary: str = "redis-server", scheduler: bool = False,
+                 interval_s: float = 2.0) -> None:
+        self.data_dir, self.redis_binary, self.scheduler, self.interval_s = data_dir, redis_binary, scheduler, interval_s
+        self.restarts: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="taper-embedded-supervisor", daemon=True)
+
+    def start(self) -> EmbeddedSupervisor:
+        if self.scheduler:
+            ensure_embedded_scheduler(self.data_dir)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def check_once(self) -> None:
+        if embedded_redis(self.data_dir) is None:
+            ensure_embedded_redis(self.data_dir, self.redis_binary)
+            self.restarts.append("redis")
+        if self.scheduler and embedded_scheduler(self.data_dir) is None:
+            ensure_embedded_scheduler(self.data_dir)
+            self.restarts.append("scheduler")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check_once()
+            except Exception as exc:  # e.g. the port taken meanwhile: said in the log, tried again next round
+                log.warning("embedded services of %s: %s", self.data_dir, exc)
+
+
 def stop_embedded(data_dir: Path) -> list[str]:
-    """Stop the data dir's detached Ray head and Redis (the jobs stay in Redis's files); names what it stopped."""
+    """Stop the data dir's detached scheduler, Ray head and Redis (the jobs stay in Redis's files); names what it
+    stopped."""
+    with _services_lock(data_dir):
+        return _stop_embedded(data_dir)
+
+
+def _stop_embedded(data_dir: Path) -> list[str]:
     stopped = []
+    scheduler = embedded_scheduler(data_dir)
+    if scheduler is not None:  # first: it would start drivers on the head
+        stop_process(scheduler, timeout=30)
+        stopped.append(f"scheduler (pid {scheduler})")
     head, server = embedded_ray_head(data_dir), embedded_redis(data_dir)
     if head is not None:  # first: job drivers write to Redis until they stop
         head.stop()

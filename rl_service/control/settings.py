@@ -32,6 +32,10 @@ class TaperSettings(EnvironmentSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
     api_url: str = Field("http://127.0.0.1:8000", description="Where the CLI finds the API.")
+    embedded_scheduler: bool = Field(
+        True, description="On the embedded setup (no TAPER_REDIS_URL, no RAY_ADDRESS) `taper serve` keeps a "
+                          "scheduler process running beside the API, so jobs are placed and recovered while no "
+                          "API runs; `taper down` stops it.")
     api_key: str | None = Field(None, description="Bearer key the CLI sends.")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body.")
     submit_rate_per_minute: int = Field(60, ge=1, description="Job submissions per tenant per minute.")

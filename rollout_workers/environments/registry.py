@@ -120,6 +120,25 @@ def validate_registration(
     return reg
 
 
+def find_environment_class(target: str) -> type[Environment]:
+    """A built-in name, an entry-point name or package of the `taper.environments` group, or an import path."""
+    from importlib.metadata import entry_points
+
+    from rollout_workers.environments.policy import ENTRY_POINT_GROUP
+
+    if ":" in target:
+        return import_environment_class(target)
+    if target in BUILTIN_ENVIRONMENTS:
+        return BUILTIN_ENVIRONMENTS[target]
+    points = [ep for ep in entry_points(group=ENTRY_POINT_GROUP)
+              if ep.name == target or ep.module == target or ep.module.startswith(target + ".")]
+    if len(points) != 1:
+        found = ", ".join(f"{ep.name} ({ep.value})" for ep in points) or "none"
+        raise ValueError(f"{target!r} names {len(points)} environments of the installed {ENTRY_POINT_GROUP!r} "
+                         f"entry points ({found}); give 'package.module:Class'")
+    return import_environment_class(points[0].value)
+
+
 def check_reachable(reg: EnvironmentRegistration, policy: EnvironmentPolicy | None = None) -> None:
     """Registration-time check that an http environment's server answers (ValueError naming base_url)."""
     if reg.kind != "http":
@@ -150,10 +169,13 @@ def allowed_class(import_path: str, policy: EnvironmentPolicy) -> type[Environme
             f"import_path: {import_path!r} is not available to tenants; the operator makes classes available "
             "through the 'taper.environments' entry points or the allowed module prefixes"
         )
-    return _import_class(import_path)
+    return import_environment_class(import_path)
 
 
-def _import_class(import_path: str) -> type[Environment]:
+def import_environment_class(import_path: str) -> type[Environment]:
+    """Import `package.module:Class` and check that it is a concrete Environment (ValueError naming
+    import_path otherwise). No allow-list: for code the caller chose (`taper env check`, the registry after
+    `allowed_class`)."""
     if not _IMPORT_PATH.match(import_path):
         raise ValueError(f"import_path: must look like 'package.module:ClassName', got {import_path!r}")
     module_name, class_name = import_path.split(":")
@@ -196,7 +218,7 @@ def environment_class(env: EnvironmentRegistration | str, policy: EnvironmentPol
             raise ValueError(f"environment: unknown built-in {env!r} (built-ins: {sorted(BUILTIN_ENVIRONMENTS)})")
         return BUILTIN_ENVIRONMENTS[env]
     if env.kind == "python":
-        return _import_class(env.import_path or "")
+        return import_environment_class(env.import_path or "")
     return _http_class(env.model_dump_json(), (policy or EnvironmentPolicy()).allow_list)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from rl_service.control.local_services import (
     embedded_ray_env,
     embedded_ray_head,
     embedded_redis,
+    embedded_scheduler,
     ensure_embedded_ray_head,
     ensure_embedded_redis,
     pid_alive,
@@ -42,6 +44,10 @@ print(ray.get(ray.remote(lambda: 6 * 7).remote()), ray.get_runtime_context().gcs
 """
 
 
+# uvicorn shuts down on SIGTERM, then raises the signal again with its default handler (the exit status says so)
+CLEAN_EXIT = (0, -signal.SIGTERM)
+
+
 def wait_for(pred, timeout: float = 90.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -58,9 +64,10 @@ def api_process(env: dict[str, str], data_dir: Path) -> ApiServerProcess:
     return ApiServerProcess(data_dir / f"api-{time.monotonic_ns()}.log", env=env, cwd=STANDIN_DIR)
 
 
-def restart_mid_job(services: dict[str, str], tmp_path: Path) -> None:
+def restart_mid_job(services: dict[str, str], tmp_path: Path, keep_running: bool = False) -> ApiServerProcess | None:
     """A job runs through an API crash: with no API at all it keeps training, and the restarted API sees it
-    finish, with every step, the schedule patch made before the crash, and the one driver it ever had."""
+    finish, with every step, the schedule patch made before the crash, and the one driver it ever had. The
+    restarted API is returned running with `keep_running`, else stopped by SIGTERM (cleanly: no traceback)."""
     first = api_process(services, tmp_path).start()
     redis_url = services.get("TAPER_REDIS_URL") or embedded_redis(tmp_path).client_url
     key = Store(redis_url).create_api_key("restart")
@@ -94,8 +101,14 @@ def restart_mid_job(services: dict[str, str], tmp_path: Path) -> None:
         # the scheduler frees the job's placement on its next tick after the job ends
         store = Store(redis_url)
         assert wait_for(lambda: not store.r.smembers(store.k_placed()), 120, "the placement to be released")
-    finally:
+    except BaseException:
         second.stop()
+        raise
+    if keep_running:
+        return second
+    second.stop()
+    assert second.proc is not None and second.proc.returncode in CLEAN_EXIT and "Traceback" not in second.logs()
+    return None
 
 
 def test_api_crash_and_restart_mid_job_loses_nothing(redis_url: str, ray_local, tmp_path: Path) -> None:
@@ -107,15 +120,19 @@ def test_api_crash_and_restart_mid_job_loses_nothing(redis_url: str, ray_local, 
 def test_embedded_services_outlive_an_api_crash_and_are_stopped_by_taper_down(tmp_path: Path,
                                                                                monkeypatch) -> None:
     """No Redis or Ray configured: the embedded defaults of the data dir, which must outlive the killed server."""
-    server = head = None
+    server = head = api = None
     try:
-        restart_mid_job({"RAY_ADDRESS": ""}, tmp_path)
+        api = restart_mid_job({"RAY_ADDRESS": ""}, tmp_path, keep_running=True)
+        assert api is not None
         server, head = embedded_redis(tmp_path), embedded_ray_head(tmp_path)
         assert server is not None and head is not None
         record = json.loads((tmp_path / EMBEDDED_RECORD).read_text())
+        scheduler = embedded_scheduler(tmp_path)  # `taper serve` keeps one beside the API
+        assert scheduler is not None
         assert record == {"redis": {"url": server.url, "pid": server.pid, "password_file": "redis-password"},
                           "ray": {"address": head.address, "pid": head.pid, "temp_dir": head.temp_dir,
-                                  "auth_token_file": str(tmp_path / "ray-auth-token")}}
+                                  "auth_token_file": str(tmp_path / "ray-auth-token")},
+                          "scheduler": {"pid": scheduler}}
         # started once: the next caller finds the same ones
         assert ensure_embedded_redis(tmp_path).pid == server.pid
         assert ensure_embedded_ray_head(tmp_path).pid == head.pid
@@ -129,10 +146,31 @@ def test_embedded_services_outlive_an_api_crash_and_are_stopped_by_taper_down(tm
 
         monkeypatch.setenv("TAPER_DATA_DIR", str(tmp_path))
         monkeypatch.delenv("TAPER_REDIS_URL", raising=False)
+        monkeypatch.delenv("TAPER_API_URL", raising=False)
+        monkeypatch.setenv("TAPER_API_KEY", Store(server.client_url).create_api_key("restart"))  # the job's tenant
         get_settings.cache_clear()
+        # client commands find the running server from the address it recorded in the data dir
+        assert json.loads((tmp_path / "api.json").read_text())["url"] == api.url
+        result = CliRunner().invoke(cli, ["status"], catch_exceptions=False)
+        assert result.exit_code == 0 and "survivor" in result.output, result.output
+        unreachable = CliRunner().invoke(cli, ["--api-url", "http://127.0.0.1:9", "status"])
+        assert unreachable.exit_code == 2 and "127.0.0.1:9" in unreachable.output
+        # the API's supervisor starts a Redis that died again on its port and files, and a dead scheduler process
+        os.kill(server.pid, signal.SIGKILL)
+        os.kill(scheduler, signal.SIGKILL)
+        again = wait_for(lambda: embedded_redis(tmp_path), 60, "Redis started again")
+        assert again.url == server.url and again.pid != server.pid and Store(again.client_url).has_api_keys()
+        new_scheduler = wait_for(lambda: embedded_scheduler(tmp_path), 60, "a scheduler started again")
+        assert new_scheduler != scheduler
+        server, scheduler = again, new_scheduler
+        # `taper down` while the API runs stops the API first, with SIGTERM: it shuts down cleanly
         result = CliRunner().invoke(cli, ["down"], catch_exceptions=False)
         assert result.exit_code == 0
+        assert f"API at {api.url}" in result.output, result.output
+        assert api.proc is not None and api.proc.wait(10) in CLEAN_EXIT and "Traceback" not in api.logs(), api.logs()[-3000:]
+        assert not (tmp_path / "api.json").exists()
         assert head.address in result.output and server.url in result.output, result.output
+        assert f"scheduler (pid {scheduler})" in result.output and not pid_alive(scheduler)
         assert server.password not in result.output
         assert not pid_alive(head.pid) and not pid_alive(server.pid) and not Path(head.temp_dir).exists()
         assert embedded_ray_head(tmp_path) is None and embedded_redis(tmp_path) is None
@@ -143,6 +181,8 @@ def test_embedded_services_outlive_an_api_crash_and_are_stopped_by_taper_down(tm
         again = ensure_embedded_redis(tmp_path)
         assert again.pid != server.pid and Store(again.client_url).has_api_keys()
     finally:
+        if api is not None:
+            api.stop()
         stop_embedded(tmp_path)
         get_settings.cache_clear()
     assert not pid_alive(head.pid) and not pid_alive(server.pid)
