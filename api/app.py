@@ -101,7 +101,7 @@ class _JobsByState:
     def collect(self):
         gauge = GaugeMetricFamily("taper_jobs", "Jobs by state", labels=["state"])
         try:
-            for state, n in self.service.store.count_by_state().items():
+            for state, n in self.service.jobs_by_state().items():
                 gauge.add_metric([state], n)
         except Exception:  # a scrape must not fail because Redis blinked
             pass

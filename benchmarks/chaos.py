@@ -1,12 +1,13 @@
 """Chaos run: a real job on the tiny model while its parts are killed, then the invariants.
 
 `python -m benchmarks.chaos --seeds 5 --faults 6` starts the service as an operator would on one machine
-(`taper serve` with its embedded Redis and Ray head, plus a `taper scheduler` process), submits a real
+(`taper serve`, which starts its embedded Redis, Ray head and a detached scheduler process), submits a real
 data-parallel RL job (two learner ranks, one vLLM rollout worker, calculator, tiny model) and, at job steps
 drawn from the seed, SIGKILLs one of: the API, the scheduler process, the job driver, a rollout worker, a
-learner rank, Redis. What the operator's supervisor would do (systemd, Kubernetes) the harness does: it
-starts a killed API, scheduler or Redis again on the same data dir. Drivers, workers and ranks are the
-service's own business. Twice during the run the reward schedule is patched.
+learner rank, Redis. Only the API is started again by the harness, as systemd or Kubernetes would; the rest
+is the service's own business (its supervisor restarts Redis on its port and the scheduler process; the
+scheduler restarts a lost driver from its last checkpoint; the driver replaces workers and ranks). Twice
+during the run the reward schedule is patched.
 
 Each fault counts as survived when the job trains a step past the one it was killed at (or finishes) within
 `--recovery-timeout` seconds; the time that took is its recovery time. At the end it checks:
@@ -40,7 +41,7 @@ import psutil
 
 from api.cli.launcher import ApiServerProcess
 from benchmarks.machine import describe, machine_info
-from rl_service.control.local_services import EMBEDDED_RECORD, ensure_embedded_redis
+from rl_service.control.local_services import EMBEDDED_RECORD
 
 FAULT_KINDS = ("api", "scheduler", "driver", "rollout_worker", "learner_rank", "redis")
 # Ray names an actor's process after its class
@@ -89,22 +90,16 @@ class RunResult:
 
 
 class Service:
-    """`taper serve` and `taper scheduler` on one data dir, restartable as a supervisor would."""
+    """`taper serve` on one data dir, restarted when killed as a supervisor would."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.env = {**os.environ, "TAPER_DATA_DIR": str(data_dir), "RAY_ADDRESS": "", "OMP_NUM_THREADS": "1"}
         self.env.pop("TAPER_REDIS_URL", None)
         self.api: ApiServerProcess | None = None
-        self.scheduler: subprocess.Popen | None = None
 
     def start_api(self) -> None:
         self.api = ApiServerProcess(self.data_dir / "logs" / f"api-{time.monotonic_ns()}.log", env=self.env).start()
-
-    def start_scheduler(self) -> None:
-        log = open(self.data_dir / "logs" / f"scheduler-{time.monotonic_ns()}.log", "w")  # noqa: SIM115
-        self.scheduler = subprocess.Popen([sys.executable, "-m", "api.cli", "scheduler"], env=self.env,
-                                          stdout=log, stderr=subprocess.STDOUT)
 
     def client(self) -> httpx.Client:
         key = (self.data_dir / "api-key").read_text().strip()
@@ -128,17 +123,16 @@ class Service:
                 raise RuntimeError(f"GET {path}: no answer for 600 s")
             time.sleep(1.0)
 
-    def redis_pid(self) -> int:
-        return json.loads((self.data_dir / EMBEDDED_RECORD).read_text())["redis"]["pid"]
+    def recorded_pid(self, service: str) -> int:
+        return json.loads((self.data_dir / EMBEDDED_RECORD).read_text())[service]["pid"]
 
     def record_processes(self, seen: dict[int, float]) -> None:
         """Add this service's processes (the API, the scheduler, Redis, the Ray head and everything under
         them: drivers, workers, ranks) to `seen` as pid -> create time."""
-        roots = [self.api.proc.pid if self.api and self.api.proc else None,
-                 self.scheduler.pid if self.scheduler else None]
+        roots = [self.api.proc.pid if self.api and self.api.proc else None]
         try:
             record = json.loads((self.data_dir / EMBEDDED_RECORD).read_text())
-            roots += [record.get("redis", {}).get("pid"), record.get("ray", {}).get("pid")]
+            roots += [record.get(name, {}).get("pid") for name in ("redis", "ray", "scheduler")]
         except (OSError, ValueError):
             pass
         for pid in filter(None, roots):
@@ -150,26 +144,18 @@ class Service:
                 continue
 
     def kill(self, kind: str, rng: random.Random) -> str:
-        """SIGKILL one part; for the parts a supervisor owns, start it again. Returns what was killed."""
+        """SIGKILL one part (the API is started again, as its supervisor would). Returns what was killed."""
         if kind == "api":
             assert self.api is not None
             pid = self.api.proc.pid if self.api.proc else 0
             self.api.kill()
             self.start_api()
             return f"API pid {pid}"
-        if kind == "scheduler":
-            assert self.scheduler is not None
-            pid = self.scheduler.pid
-            self.scheduler.send_signal(signal.SIGKILL)
-            self.scheduler.wait(30)
-            self.start_scheduler()
-            return f"scheduler pid {pid}"
-        if kind == "redis":
-            pid = self.redis_pid()
+        if kind in ("scheduler", "redis"):
+            pid = self.recorded_pid(kind)
             os.kill(pid, signal.SIGKILL)
             _wait_gone(pid)
-            ensure_embedded_redis(self.data_dir)  # the supervisor's restart, on the same data dir
-            return f"redis-server pid {pid}"
+            return f"{kind} pid {pid}"
         victims = [p for p in psutil.process_iter(["pid", "cmdline"])
                    if (p.info["cmdline"] or [""])[0].startswith(ACTOR_TITLES[kind])]
         if not victims:
@@ -180,11 +166,7 @@ class Service:
         return f"{title} pid {victim.pid}"
 
     def down(self) -> None:
-        if self.scheduler is not None and self.scheduler.poll() is None:
-            self.scheduler.terminate()
-            self.scheduler.wait(60)
-        if self.api is not None:
-            self.api.stop()
+        """`taper down`: the API, the scheduler, the Ray head and Redis."""
         subprocess.run([sys.executable, "-m", "api.cli", "down"], env=self.env, capture_output=True, timeout=300)
 
 
@@ -226,7 +208,6 @@ def run(seed: int, faults: int, steps: int, recovery_timeout: float, work: Path)
     start = time.monotonic()
     try:
         service.start_api()
-        service.start_scheduler()
         spec = job_spec(steps, seed)
         with service.client() as c:
             r = c.post("/v1/jobs", json=spec)

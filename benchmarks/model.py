@@ -176,6 +176,22 @@ def cuda_checks(preset: str, device: str = "cuda") -> dict:
         return compare(run(compiled, x, "torch", True), run(moe, x, "torch", True))
 
     guarded("moe_bf16_compiled_vs_eager", moe_compiled_vs_eager)
+
+    def router_bf16_vs_fp32() -> dict:
+        """The router's bf16 GEMM with an fp32 result against the fp32 product of the same bf16 values:
+        scores, and the gradients of x and W_r (the bf16 path rounds the logits' gradient to bf16)."""
+        router = moe.router
+        xr = x.detach().requires_grad_(True)
+        got = router.scores(xr)
+        weights = torch.randn_like(got)
+        got_dx, got_dw = torch.autograd.grad((got * weights).sum(), [xr, router.weight])
+        x32 = x.detach().float().requires_grad_(True)
+        w32 = router.weight.detach().float().requires_grad_(True)
+        ref = torch.sigmoid(x32 @ w32.t())
+        ref_dx, ref_dw = torch.autograd.grad((ref * weights).sum(), [x32, w32])
+        return {"scores_rel": _rel(got, ref), "dx_rel": _rel(got_dx, ref_dx), "dw_rel": _rel(got_dw, ref_dw)}
+
+    guarded("router_bf16_vs_fp32", router_bf16_vs_fp32)
     LatentExperts.use_grouped_mm = hasattr(torch, "_grouped_mm")
 
     @torch.no_grad()

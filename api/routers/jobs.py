@@ -138,15 +138,14 @@ async def _event_stream(request: Request, svc: TaperService, job_id: str, after:
     """Replays events after ``after``, then follows the stream until the job has finished."""
     cursor = after
     while not await request.is_disconnected():
-        batch = await asyncio.to_thread(svc.store.events, job_id, cursor, 500)
+        batch = await asyncio.to_thread(svc.followed_events, job_id, cursor, 500)
         for e in batch:
             cursor = e["id"]
             yield {"id": e["id"], "event": e["kind"], "data": json.dumps({"ts": e["ts"], **e["data"]})}
         if not batch:
-            state = await asyncio.to_thread(svc.store.job_field, job_id, "state")
-            if state is None or JobState(state).is_terminal:
+            if await asyncio.to_thread(svc.job_finished, job_id):
                 # the terminal state and its event are written together: one last read sends it
-                for e in await asyncio.to_thread(svc.store.events, job_id, cursor, 10_000):
+                for e in await asyncio.to_thread(svc.followed_events, job_id, cursor, 10_000):
                     yield {"id": e["id"], "event": e["kind"], "data": json.dumps({"ts": e["ts"], **e["data"]})}
                 return
             await asyncio.sleep(0.25)

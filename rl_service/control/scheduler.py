@@ -311,11 +311,11 @@ class Scheduler:
     # ---- the three passes ----
     def cleanup(self) -> None:
         """Free the resources of jobs that no longer need them (paused or finished)."""
-        for job_id in self.store.r.smembers(self.store.k_placed()):
+        for job_id in self.store.placed_job_ids():
             state = self.store.job_field(job_id, "state")
             if state is None or not JobState(state).has_driver:
                 self._release(job_id)
-                self.store.r.srem(self.store.k_placed(), job_id)
+                self.store.unmark_placed(job_id)
 
     def reconcile(self) -> None:
         for state in (JobState.RUNNING, JobState.STARTING):
@@ -347,7 +347,7 @@ class Scheduler:
             return
         pg = self._pg(job.id)
         if pg is None:
-            self.store.r.sadd(self.store.k_placed(), job.id)
+            self.store.mark_placed(job.id)
             pg = placement_group(job_bundles(job.spec), strategy="PACK", name=pg_name(job.id), lifetime="detached")
             self._pending_pg_since[job.id] = time.monotonic()
         if not pg.wait(timeout_seconds=0):
@@ -393,7 +393,7 @@ class Scheduler:
         self.store.add_event(job.id, "driver_hung", {"silent_s": round(age, 3), "timeout_s": self.heartbeat_timeout_s,
                                                      "attempt": job.attempts, "step": job.step})
         ray.kill(driver, no_restart=True)
-        self.store.r.delete(self.store.k_heartbeat(job.id))
+        self.store.clear_heartbeat(job.id)
         self._driver_started.pop(job.id, None)
         return True
 

@@ -461,13 +461,28 @@ class TaperService:
         self._job(p, job_id)
         return self.store.events(job_id, after=after, limit=limit)
 
+    def followed_events(self, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+        """The next events of a job whose stream the caller was already allowed to follow (see `events`); an empty
+        list once the job is gone."""
+        return self.store.events(job_id, after=after, limit=limit)
+
+    def job_finished(self, job_id: str) -> bool:
+        """The job has reached a final state, or no longer exists."""
+        state = self.store.job_field(job_id, "state")
+        return state is None or JobState(state).is_terminal
+
+    def jobs_by_state(self) -> dict[str, int]:
+        """How many jobs are in each state (every tenant's)."""
+        return self.store.count_by_state()
+
     def metrics(self, p: Principal, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         self._job(p, job_id)
         return self.store.metrics(job_id, after=after, limit=limit)
 
     def checkpoints(self, p: Principal, job_id: str) -> list[dict[str, Any]]:
+        """The job's checkpoints that exist (the runner deletes all but the newest `keep_last_checkpoints`)."""
         self._job(p, job_id)
-        return self.store.checkpoints(job_id)
+        return [c for c in self.store.checkpoints(job_id) if _checkpoint_exists(c["uri"])]
 
     def trajectories(self, p: Principal, job_id: str, *, status: str | None = None, min_reward: float | None = None,
                      max_reward: float | None = None, step: int | None = None, offset: int = 0,
@@ -480,7 +495,9 @@ class TaperService:
 
         trajs = read_trajectories(traj_dir, status=status, min_reward=min_reward, max_reward=max_reward,
                                   step=step, offset=offset, limit=limit)
-        return [t.model_dump(mode="json") for t in trajs]
+        # the tokens after the prompt, and which of them the loss trains on (1: the model wrote it)
+        return [{**t.model_dump(mode="json"), "completion_ids": t.completion_ids(), "loss_mask": t.loss_mask()}
+                for t in trajs]
 
     # ---- reward schedule ----
     def schedule(self, p: Principal, job_id: str) -> ScheduleHistory:
@@ -554,12 +571,33 @@ class TaperService:
             raise Conflict(f"{body.name!r} is a built-in environment", field="name")
         try:
             reg = registry.validate_registration(body, self.env_policy)
+            registry.check_reachable(reg, self.env_policy)
         except ValueError as exc:
             raise named_invalid(exc) from None
+        if reg.kind == "python":
+            self._check_workers_import(reg.import_path or "")
         data = reg.model_dump(mode="json")
         if not self.store.put_environment(p.tenant, reg.name, data):
             raise Conflict(f"environment {reg.name!r} is already registered; delete it first", field="name")
         return data
+
+    def _check_workers_import(self, import_path: str, timeout_s: float = 60.0) -> None:
+        """The cluster's workers, not only this process, can import a python environment (a task on the Ray
+        cluster this process has joined; nothing to ask when it has joined none)."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        importable = ray.remote(num_cpus=0, max_retries=0)(self._registry().importable_here)
+        try:
+            error = ray.get(importable.remote(import_path), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            error = f"the cluster did not answer within {timeout_s:.0f} s"
+        if error:
+            raise InvalidInput(
+                f"the cluster's workers cannot import {import_path}: {error}. Install the package where the "
+                "workers run (every Ray node); a local Ray head started before the package or PYTHONPATH was "
+                "set needs `taper down` and `taper serve`", field="import_path")
 
     def list_environments(self, p: Principal) -> list[dict[str, Any]]:
         out = [{"name": n, "builtin": True, "registration": None} for n in self.builtin_environments()]
@@ -612,6 +650,11 @@ class ServiceRuntime:
         if self.scheduler is not None:
             self.scheduler.stop()
         self.service.store.close()
+
+
+def _checkpoint_exists(uri: str) -> bool:
+    parts = urlparse(uri)
+    return parts.scheme != "file" or Path(unquote(parts.path)).is_dir()
 
 
 def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | type | None = None,

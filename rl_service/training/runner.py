@@ -1,5 +1,6 @@
-"""One RL job's loop: sample tasks, roll out groups, score with the schedule in force, compute advantages,
-train, push weights, checkpoint, evaluate, report.
+"""One RL job's driver: set up (tasks, model, learner), resume from the newest checkpoint, run the step loop
+(the pipeline in rl_service.training.step: roll out groups, score with the schedule in force, compute
+advantages, train, push weights), obey pause/cancel, checkpoint, evaluate, report.
 
 `JobRunner(job_id, spec, hooks, work_dir).run()` returns "succeeded" | "cancelled" | "paused" (or raises:
 the caller marks the job failed). It resumes from the newest checkpoint under `work_dir/checkpoints/`.
@@ -20,23 +21,29 @@ the engines seed every sampling request that way, so a resumed run regenerates t
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
+import ray
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from reward_models.schedule import RewardSchedule, ScheduleHistory
+from model import TaperConfig, TaperForCausalLM
+from model.tokenizer import load_tokenizer
+from reward_models.credit import CreditConfig
+from reward_models.schedule import RewardSchedule
 from rl_service.environment_settings import operator_environment_policy
 from rl_service.hooks import Control, JobHooks
+from rl_service.placement import learner_bundle_indices, rollout_bundle_indices
 from rl_service.spec import JobSpec
+from rl_service.training import step as pipeline
 from rl_service.training.checkpoint import (
     latest_checkpoint,
     load_weights,
@@ -45,11 +52,21 @@ from rl_service.training.checkpoint import (
     save_checkpoint,
     save_weights,
 )
-from rl_service.training.infra_guard import InfraFailureGuard
-from rl_service.training.learner import Learner, LearnerConfig, PolicySample
-from rl_service.training.learner.weight_push import shippable_state_dict
-from rl_service.training.tracking import TrackedHooks, tool_metrics
+from rl_service.training.distributed import DistributedLearner
+from rl_service.training.learner import Learner, LearnerConfig
+from rl_service.training.run_state import RunState
+from rl_service.training.tracking import TrackedHooks
 from rl_service.training.warm_start import WARM_START_SEED_OFFSET, run_warm_start
+from rollout_workers.engine import EngineConfig, VLLMEngine
+from rollout_workers.environments.registry import (
+    EnvironmentRegistration,
+    environment_class,
+    generate_tasks,
+    make_env_factory,
+)
+from rollout_workers.pool import RolloutPool
+from rollout_workers.sampling import SamplingConfig
+from rollout_workers.storage import step_file
 from rollout_workers.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -135,51 +152,6 @@ class InMemoryHooks:
         return [d for k, d in self.events if k == kind]
 
 
-class DataCursor:
-    """Walks the training tasks epoch by epoch, each epoch a seeded permutation."""
-
-    def __init__(self, num_tasks: int, seed: int, epoch: int = 0, position: int = 0) -> None:
-        if num_tasks < 1:
-            raise ValueError("tasks.num_train must be >= 1")
-        self.num_tasks, self.seed, self.epoch, self.position = num_tasks, seed, epoch, position
-        self._order = self._permutation(epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(self.num_tasks))
-        random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        for _ in range(k):
-            if self.position >= self.num_tasks:
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
-            out.append(self._order[self.position])
-            self.position += 1
-        return out
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    @classmethod
-    def from_state(cls, num_tasks: int, seed: int, state: dict[str, int]) -> DataCursor:
-        return cls(num_tasks, seed, int(state["epoch"]), int(state["position"]))
-
-
-def staleness_of(traj: Trajectory, policy_version: int) -> int:
-    versions = traj.weight_versions()
-    return policy_version - min(versions) if versions else 0
-
-
-def _token_stats(name: str, values: Sequence[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    a = np.asarray(values, dtype=np.float64)
-    return {f"{name}/mean": float(a.mean()), f"{name}/std": float(a.std()), f"{name}/min": float(a.min()),
-            f"{name}/max": float(a.max())}
-
-
 class _Stop(Exception):
     def __init__(self, result: str) -> None:
         self.result = result
@@ -206,24 +178,14 @@ class JobRunner:
 
     def preload(self) -> None:
         """Import the code `run` needs before it starts (the job driver calls this before its first heartbeat:
-        a cold import of transformers' model code alone can outlast a heartbeat timeout on a loaded machine)."""
-        import model  # noqa: F401  (registers the architecture)
-        import reward_models.credit  # noqa: F401
-        import reward_models.monitor  # noqa: F401
-        import reward_models.scoring  # noqa: F401
-        import rollout_workers.storage  # noqa: F401
-        from rollout_workers.environments.registry import environment_class
-
-        environment_class(self._environment(), self.env_policy)  # a registered environment's own module
+        a cold import of transformers' model code alone can outlast a heartbeat timeout on a loaded machine).
+        This module's own imports came with the class; what is left is the code the job's spec names."""
+        environment_class(environment_of(self.spec), self.env_policy)  # a registered environment's own module
 
         if self.spec.model.checkpoint_dir:  # the checkpoint's own model class (a Llama, a Qwen, ...)
-            from transformers import AutoConfig, AutoModelForCausalLM
-
             path = Path(self.spec.model.checkpoint_dir)
             with contextlib.suppress(Exception):  # a bad checkpoint is reported by the real load in `run`
                 AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
-        if self.spec.resources.num_learners > 1:
-            import rl_service.training.distributed  # noqa: F401
 
     # ------------------------------------------------------------------ progress
     def _progress(self) -> None:
@@ -235,8 +197,6 @@ class JobRunner:
 
     def _await(self, future: Any, every_s: float = 1.0) -> Any:
         """`future.result()`, beating while it waits."""
-        import concurrent.futures
-
         while True:
             try:
                 return future.result(timeout=every_s)
@@ -252,72 +212,6 @@ class JobRunner:
     def env_policy(self) -> Any:
         """The operator's limits for environments (HTTP allow-list, option maxima, data roots)."""
         return operator_environment_policy()
-
-    def _environment(self) -> Any:
-        """A built-in name or the registration the control plane resolved at submit time."""
-        reg = self.spec.environment.registration
-        if reg is None:
-            return self.spec.environment.name
-        from rollout_workers.environments.registry import EnvironmentRegistration
-
-        return EnvironmentRegistration.model_validate(reg)
-
-    def _warm_start(self) -> None:
-        """Fine-tune the fresh model on the environment's demonstrations (spec.warm_start), reported as the
-        job's `warm_start` phase: events while it runs, its summary in the first step's metrics."""
-        from rollout_workers.environments.registry import generate_tasks, make_env_factory
-
-        spec = self.spec
-        assert spec.warm_start is not None
-        ws = spec.warm_start
-        tasks = generate_tasks(self.env, ws.num_examples, spec.tasks.seed + WARM_START_SEED_OFFSET,
-                               spec.tasks.options, self.env_policy)
-        env = make_env_factory(self.env, spec.environment.options, self.env_policy)()
-        self.hooks.emit_event("warm_start_started", {"examples": len(tasks), "max_steps": ws.max_steps,
-                                                     "mixed_phase": ws.mixed_phase is not None})
-
-        def on_step(phase: str, step: int, loss: float) -> None:
-            self._progress()
-            if step % 25 == 0:
-                self.hooks.emit_event("warm_start_progress", {"phase": phase, "sft_step": step, "loss": loss})
-
-        self.model.train()
-        result = run_warm_start(self.model, self.tokenizer, env, tasks, ws, spec.seed, on_step)
-        self.warm_start_metrics = result.metrics()
-        self.hooks.emit_event("warm_start_done", {"sft_steps": result.steps, "loss": result.final_loss,
-                                                  "seconds": round(result.seconds, 1)})
-
-    def _build_model(self) -> tuple[torch.nn.Module, Any]:
-        import model as _taper  # noqa: F401  (registers the architecture)
-        from model import TaperConfig, TaperForCausalLM
-        from model.tokenizer import load_tokenizer
-
-        ms = self.spec.model
-        torch.manual_seed(self.spec.seed)
-        if ms.checkpoint_dir:  # resolved by the control plane from `model.checkpoint`
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            path = Path(ms.checkpoint_dir)
-            if not path.is_dir():
-                raise ValueError(f"model.checkpoint: {ms.checkpoint or ms.checkpoint_dir!r} is no longer a checkpoint "
-                                 "directory")
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").exists() else load_tokenizer()
-        else:
-            tokenizer = load_tokenizer()
-            config = TaperConfig.preset(ms.preset, **ms.overrides.model_dump(exclude_none=True))
-            model = TaperForCausalLM(config)
-        return model.float(), tokenizer
-
-    def _sampling(self, greedy: bool = False) -> Any:
-        from rollout_workers.sampling import SamplingConfig
-
-        r = self.spec.rollout
-        return SamplingConfig(
-            temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p, max_turns=r.max_turns,
-            max_tokens_per_turn=min(r.max_tokens_per_turn, r.max_total_tokens), max_total_tokens=r.max_total_tokens,
-            tool_timeout_s=r.tool_timeout_s, seed=self.spec.seed,
-        )
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> str:
@@ -359,8 +253,6 @@ class JobRunner:
         self._check_control(start)
         t0 = time.perf_counter()
         self._progress()
-        import concurrent.futures
-
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-pool-start") as starter:
             self.pool = self._await(starter.submit(self.pool_factory, spec, engine_dir))
         self.hooks.emit_event("rollout_pool_ready", {"seconds": time.perf_counter() - t0, "weights": str(engine_dir)})
@@ -371,20 +263,13 @@ class JobRunner:
     def setup(self) -> tuple[int, Path]:
         """Tasks, model, learner, and the state of the newest checkpoint if there is one.
         Returns (first step to run, directory the rollout engines load)."""
-        from reward_models.credit import CreditConfig
-        from reward_models.monitor import HackingMonitor
-        from rollout_workers.environments.registry import generate_tasks
-
         spec = self.spec
-        self.env = self._environment()
-        self.train_tasks = generate_tasks(self.env, spec.tasks.num_train, spec.tasks.seed, spec.tasks.options,
-                                          self.env_policy)
-        self.eval_tasks = (generate_tasks(self.env, spec.tasks.num_eval, spec.tasks.seed + EVAL_SEED_OFFSET,
-                                          spec.tasks.options, self.env_policy) if spec.tasks.num_eval else [])
+        self.env = environment_of(spec)
+        self.train_tasks, self.eval_tasks = job_tasks(spec, self.env, self.env_policy)
         self.credit = CreditConfig.from_algorithm(spec.algorithm)
 
         self._progress()
-        self.model, self.tokenizer = self._build_model()
+        self.model, self.tokenizer = build_policy(self.spec)
         self.model.to(self.device)
         self._progress()
         if not (self.initial_dir / "config.json").exists():  # a resumed job has its (warm-started) initial weights
@@ -393,8 +278,6 @@ class JobRunner:
             save_weights(self.model, self.initial_dir, self.tokenizer)
         ref = None
         if spec.algorithm.beta > 0:
-            from transformers import AutoModelForCausalLM
-
             ref = AutoModelForCausalLM.from_pretrained(str(self.initial_dir), dtype=torch.float32).to(self.device)
         self.learner = Learner(self.model, LearnerConfig.from_spec(spec), ref_model=ref,
                                pad_token_id=self.tokenizer.pad_token_id or 0, device=self.device)
@@ -408,7 +291,8 @@ class JobRunner:
         if spec.resources.num_learners > 1:
             # Data-parallel ranks (Ray actors) train; the driver keeps a full copy for pushes and checkpoints.
             # Checkpoints hold the ranks' optimizer state gathered whole, keyed by parameter name.
-            self.dp = self._start_data_parallel(ckpt.path if ckpt else self.initial_dir)
+            self.dp = start_data_parallel(spec, self.learner.config, ckpt.path if ckpt else self.initial_dir,
+                                          self.initial_dir, self.tokenizer.pad_token_id or 0, self._progress)
         start = 0
         if ckpt is not None:
             state = ckpt.state
@@ -422,103 +306,75 @@ class JobRunner:
                 self.hooks.emit_event("warning", {"message": "the checkpoint has no data-parallel optimizer "
                                                   "state; AdamW restarts from zero moments", "step": ckpt.step})
             start = int(state["step"])
-            self.cursor = DataCursor.from_state(len(self.train_tasks), spec.tasks.seed, state["cursor"])
-            self.history = ScheduleHistory.from_json(state["schedule_history"])
-            self.hooks_schedule_version = int(state["hooks_schedule_version"])
-            self.version_map = {int(k): int(v) for k, v in state["version_map"].items()}
-            self.monitor = HackingMonitor.from_state_dict(state["monitor"])
-            self.infra_guard = InfraFailureGuard.from_state_dict(spec.infra_failures, state.get("infra_guard"))
+            self.run_state = RunState.from_checkpoint(spec, len(self.train_tasks), state)
             rng = ckpt.rng_state()
             if rng is not None:
                 restore_rng_state(rng)
-            self._drop_trajectories_after(start)
+            drop_trajectories_after(self.trajectory_dir, start, spec.total_steps)
             engine_dir = ckpt.path
             self.hooks.emit_event("resumed", {"step": start, "checkpoint": str(ckpt.path)})
         else:
-            self.cursor = DataCursor(len(self.train_tasks), spec.tasks.seed)
-            version, schedule = self.hooks.current_schedule()
-            self.history = ScheduleHistory.start(schedule)
-            self.hooks_schedule_version = version
-            self.version_map = {1: version}
-            self.monitor = HackingMonitor(spec.hacking_monitor)
-            self.infra_guard = InfraFailureGuard(spec.infra_failures)
+            self.run_state = RunState.fresh(spec, len(self.train_tasks), self.hooks.current_schedule())
             engine_dir = self.initial_dir
             self.hooks.emit_event("started", {"step": 0, "total_steps": spec.total_steps})
         return start, engine_dir
 
-    def _start_data_parallel(self, model_dir: Path) -> Any:
-        """The learner ranks, each in its own bundle of the job's placement group when the driver runs in one
-        (under the scheduler), else wherever Ray has room."""
-        import ray
+    def _warm_start(self) -> None:
+        """Fine-tune the fresh model on the environment's demonstrations (spec.warm_start), reported as the
+        job's `warm_start` phase: events while it runs, its summary in the first step's metrics."""
+        spec = self.spec
+        assert spec.warm_start is not None
+        ws = spec.warm_start
+        tasks = generate_tasks(self.env, ws.num_examples, spec.tasks.seed + WARM_START_SEED_OFFSET,
+                               spec.tasks.options, self.env_policy)
+        self.hooks.emit_event("warm_start_started", {"examples": len(tasks), "max_steps": ws.max_steps,
+                                                     "mixed_phase": ws.mixed_phase is not None})
 
-        from rl_service.placement import learner_bundle_indices
-        from rl_service.training.distributed import DistributedLearner
+        def on_step(phase: str, step: int, loss: float) -> None:
+            self._progress()
+            if step % 25 == 0:
+                self.hooks.emit_event("warm_start_progress", {"phase": phase, "sft_step": step, "loss": loss})
 
-        res = self.spec.resources
-        pg = ray.util.get_current_placement_group()
-        return DistributedLearner(str(model_dir), self.learner.config, res.num_learners,
-                                  use_gpu=res.learner_gpus > 0, num_cpus_per_rank=res.learner_cpus,
-                                  ref_model_dir=str(self.initial_dir), pad_token_id=self.tokenizer.pad_token_id or 0,
-                                  actor_options={"resources": res.learner_resources}, placement_group=pg,
-                                  bundle_indices=learner_bundle_indices(self.spec) if pg is not None else None,
-                                  progress=self._progress, rank_timeout_s=self.spec.learner_rank_deadline_s)
+        self.model.train()
+        result = run_warm_start(self.model, self.tokenizer, self._new_env(), tasks, ws, spec.seed, on_step)
+        self.warm_start_metrics = result.metrics()
+        self.hooks.emit_event("warm_start_done", {"sft_steps": result.steps, "loss": result.final_loss,
+                                                  "seconds": round(result.seconds, 1)})
 
     def _loop(self, start: int) -> str:
         spec = self.spec
         assert self.pool is not None
-        pending: Any = None  # async mode: the rollouts of the next step, already running
-        pending_cursor: dict[str, int] | None = None
-        async_depth = spec.rollout.async_mode and spec.rollout.max_staleness >= 1
+        rollouts = pipeline.Rollouts(
+            self.pool, self._take_tasks, self.run_state.cursor.state, n=spec.rollout.num_generations,
+            sampling=sampling_config(spec), job_id=self.job_id, wait=self._await,
+            ahead=spec.rollout.async_mode and spec.rollout.max_staleness >= 1, total_steps=spec.total_steps)
         for t in range(start, spec.total_steps):
-            # tasks already drawn for a pending rollout are drawn again after a resume
-            self._check_control(t, pending_cursor if pending is not None else None)
+            self._check_control(t, rollouts.saved_cursor())
             step_start = time.perf_counter()
-            times: dict[str, float] = {}
             self._pick_up_schedule(t)
-
-            # ---- rollouts
-            tr = time.perf_counter()
-            if async_depth:
-                if pending is None:
-                    pending = self.pool.submit(self._take_tasks(), spec.rollout.num_generations, self._sampling(),
-                                               train_step=t, job_id=self.job_id)
-                groups = self._await(pending)
-                times["time/idle"] = time.perf_counter() - tr
-                pending = None
-                if t + 1 < spec.total_steps:
-                    pending_cursor = self.cursor.state()
-                    pending = self.pool.submit(self._take_tasks(), spec.rollout.num_generations, self._sampling(),
-                                               train_step=t + 1, job_id=self.job_id)
-                times["time/rollout"] = times["time/idle"]
-            else:
-                groups = self._generate(self._take_tasks(), spec.rollout.num_generations, self._sampling(), t)
-                times["time/rollout"] = time.perf_counter() - tr
-                times["time/idle"] = 0.0
+            groups, times = rollouts.collect(t)
             trajs = [tj for g in groups for tj in g]
             self._progress()
 
             metrics = self._train_step(t, trajs, times)
-            health = self.infra_guard.observe(t, groups, trained="learner_skipped" not in metrics)
+            health = self.run_state.infra_guard.observe(t, groups, trained="learner_skipped" not in metrics)
             metrics.update(health.metrics())
-            metrics["steps/untrained"] = float(self.infra_guard.untrained_steps)
+            metrics["steps/untrained"] = float(self.run_state.infra_guard.untrained_steps)
             if health.warning:
                 self.hooks.warn("infrastructure_failures", health.warning,
                                 {"step": t, "infra_failure_rate": health.infra_failure_rate})
             self._progress()
-            # ---- weights to the engines
-            ts = time.perf_counter()
-            state = shippable_state_dict(self.model, torch.bfloat16 if spec.resources.rollout_gpus > 0 else None)
-            push_s = self.pool.push_weights(state, t + 1)
-            times["time/sync"] = time.perf_counter() - ts
-            metrics["weight_sync_s"] = push_s
+            pushed = pipeline.push_weights(self.pool, self.model, t + 1, bf16=spec.resources.rollout_gpus > 0)
+            times["time/sync"] = pushed.pop("time/sync")
+            metrics.update(pushed)
             self._progress()
 
             done = t + 1
             tc = time.perf_counter()
             if health.pause_cause:
-                self.infra_guard.end_streak()  # the resumed job starts a fresh failure streak
+                self.run_state.infra_guard.end_streak()  # the resumed job starts a fresh failure streak
             if done % spec.checkpoint_every == 0 or done == spec.total_steps or health.pause_cause:
-                self._checkpoint(done, cursor=self.cursor.state() if pending is None else pending_cursor)
+                self._checkpoint(done, cursor=rollouts.saved_cursor())
             times["time/checkpoint"] = time.perf_counter() - tc
             te = time.perf_counter()
             if self.eval_tasks and ((spec.eval_every and done % spec.eval_every == 0) or done == spec.total_steps):
@@ -532,162 +388,145 @@ class JobRunner:
             if health.pause_cause:
                 self._pause_itself(done, health.pause_cause)
         self.hooks.emit_event("completed", {"step": spec.total_steps,
-                                            "untrained_steps": self.infra_guard.untrained_steps})
+                                            "untrained_steps": self.run_state.infra_guard.untrained_steps})
         return "succeeded"
 
     # ------------------------------------------------------------------ pieces
     def _take_tasks(self) -> list[dict[str, Any]]:
-        return [self.train_tasks[i] for i in self.cursor.take(self.spec.rollout.prompts_per_step)]
+        return [self.train_tasks[i] for i in self.run_state.cursor.take(self.spec.rollout.prompts_per_step)]
 
     def _pick_up_schedule(self, t: int) -> None:
         """A control-plane schedule version newer than the one in force applies from this step on."""
         version, schedule = self.hooks.current_schedule()
-        if version == self.hooks_schedule_version:
-            return
-        if t == 0:
-            self.history = ScheduleHistory.start(schedule)
-            self.version_map = {1: version}
-        else:
-            new = self.history.replace(schedule, at_step=t - 1)
-            self.version_map[new.version] = version
-        self.hooks_schedule_version = version
-        self.hooks.emit_event("schedule_applied", {"version": version, "step": t, "schedule": schedule.model_dump()})
+        if self.run_state.apply_schedule(t, version, schedule):
+            self.hooks.emit_event("schedule_applied", {"version": version, "step": t, "schedule": schedule.model_dump()})
 
     def _train_step(self, t: int, trajs: list[Trajectory], times: dict[str, float]) -> dict[str, float]:
-        from reward_models.credit import compute_advantages
-        from reward_models.scoring import score_trajectories
-        from rollout_workers.environments.registry import make_env_factory
-        from rollout_workers.storage import TrajectoryWriter, step_file
-
+        """Score, assign credit, record and learn from step `t`'s rollouts (the pipeline in `step`)."""
         spec = self.spec
         metrics: dict[str, float] = {"step": float(t + 1), **self.warm_start_metrics}
         self.warm_start_metrics = {}  # reported once, with the first step trained after it
-        # ---- rewards with the schedule in force at this step
         tw = time.perf_counter()
-        score_trajectories(trajs, make_env_factory(self.env, spec.environment.options, self.env_policy)())
+        pipeline.score(trajs, self._new_env())
         self._progress()
-        hist_version, schedule = self.history.at(t)
-        w = schedule.weight(t)
-        # staleness: never train on a trajectory older than the bound
-        stale = [tj for tj in trajs if staleness_of(tj, t) > spec.rollout.max_staleness]
-        fresh = [tj for tj in trajs if staleness_of(tj, t) <= spec.rollout.max_staleness]
-        batch = compute_advantages(fresh, w, self.credit, keep_node=functools.partial(self.history.keep_node, t))
+        batch, credit_metrics = pipeline.assign_credit(t, trajs, self.run_state.history, self.credit,
+                                                       spec.rollout.max_staleness, self.run_state.version_map)
         times["time/reward"] = time.perf_counter() - tw
-        with TrajectoryWriter(step_file(self.trajectory_dir, t)) as writer:
-            writer.write(trajs)
-        staleness = [staleness_of(tj, t) for tj in trajs]
-        metrics.update({
-            "schedule/version": float(self.version_map.get(hist_version, hist_version)),
-            "schedule/weight": w,
-            "schedule/density": schedule.density(t),
-            "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
-            "staleness/max": float(max(staleness, default=0)),
-            "staleness/dropped": float(len(stale)),
-            "trajectories/num": float(len(trajs)),
-            "trajectories/excluded": float(len(batch.excluded_ids)),
-            "trajectories/truncated": float(sum(tj.status == "truncated" for tj in trajs)),
-            "trajectories/mean_completion_tokens": float(np.mean([len(tj.completion_ids()) for tj in trajs]))
-            if trajs else 0.0,
-        })
-        sampled = sum(len(s.action_ids) for tj in trajs for s in tj.steps)
-        metrics["rollout/sampled_tokens"] = float(sampled)
-        if times.get("time/rollout", 0.0) > 0 and not self.spec.rollout.async_mode:
-            metrics["rollout/tokens_per_s"] = sampled / times["time/rollout"]
-        metrics.update(tool_metrics(trajs))
-        for key, value in batch.stats.items():
-            metrics[f"reward/{key}"] = value
-        metrics["success_rate"] = batch.stats.get("success_rate", 0.0)
-        event = self.monitor.update(t, batch.stats.get("process_weighted_mean", 0.0), metrics["success_rate"])
+        pipeline.save_trajectories(self.trajectory_dir, t, trajs)
+        metrics.update(credit_metrics)
+        metrics.update(pipeline.rollout_metrics(trajs, times.get("time/rollout", 0.0), spec.rollout.async_mode))
+        event = self.run_state.monitor.update(t, batch.stats.get("process_weighted_mean", 0.0), metrics["success_rate"])
         if event is not None:
             self.hooks.warn(event["kind"], event["message"], event)
 
-        # ---- learn (infrastructure failures were dropped by compute_advantages)
-        samples = [PolicySample.from_trajectory(tj, adv) for tj, adv in zip(batch.trajectories, batch.advantages,
-                                                                             strict=True)]
-        samples = [s for s in samples if s.num_action_tokens > 0]
-        action_adv = [a for s in samples for a, m in zip(s.advantages, s.loss_mask, strict=True) if m]
-        metrics.update(_token_stats("advantages", action_adv))
+        # infrastructure failures were dropped by assign_credit
+        samples, advantage_stats = pipeline.policy_samples(batch)
+        metrics.update(advantage_stats)
         tl = time.perf_counter()
-        if samples and self.dp is not None:
-            metrics.update(self.dp.step(samples))
-            self.model.load_state_dict(self.dp.full_state_dict())
-        elif samples:
-            metrics.update(self.learner.step(samples))
-        else:
-            metrics["learner_skipped"] = 1.0
+        metrics.update(pipeline.learn(samples, self.learner, self.model, self.dp))
         times["time/learn"] = time.perf_counter() - tl
         return metrics
 
-    def _drop_trajectories_after(self, step: int) -> None:
-        """A crashed run may have written rollouts of steps after its last checkpoint; the resumed run
-        regenerates them."""
-        from rollout_workers.storage import step_file
-
-        if not self.trajectory_dir.is_dir():
-            return
-        for t in range(step, self.spec.total_steps + 1):
-            f = step_file(self.trajectory_dir, t)
-            if f.exists():
-                f.unlink()
+    def _new_env(self) -> Any:
+        """A fresh environment instance for scoring (with the job's options and the operator's limits)."""
+        return make_env_factory(self.env, self.spec.environment.options, self.env_policy)()
 
     def _checkpoint(self, step: int, cursor: dict[str, int] | None = None) -> None:
-        state = {
-            "cursor": cursor if cursor is not None else self.cursor.state(),
-            "schedule_history": self.history.to_json(),
-            "hooks_schedule_version": self.hooks_schedule_version,
-            "version_map": {str(k): v for k, v in self.version_map.items()},
-            "monitor": self.monitor.state_dict(),
-            "infra_guard": self.infra_guard.state_dict(),
-            "job_id": self.job_id,
-        }
+        state = {**self.run_state.to_checkpoint(cursor), "job_id": self.job_id}
         learner_state = self.dp.state_dict() if getattr(self, "dp", None) is not None else self.learner.state_dict()
         ck = save_checkpoint(self.checkpoint_dir, step, self.model, state, learner_state=learner_state,
                              tokenizer=self.tokenizer, keep_last=self.spec.keep_last_checkpoints)
         self.hooks.add_checkpoint(step, ck.path.resolve().as_uri())
         self.hooks.emit_event("checkpoint", {"step": step, "path": str(ck.path)})
 
-    def _evaluate(self, step: int) -> None:
+    def _evaluate(self, at_step: int) -> None:
         """Greedy rollouts on the held-out tasks; outcome success rate."""
-        from reward_models.scoring import score_outcome
-        from rollout_workers.environments.registry import make_env_factory
-
         t0 = time.perf_counter()
-        groups = self._generate(self.eval_tasks, 1, self._sampling(greedy=True), None)
-        env = make_env_factory(self.env, self.spec.environment.options, self.env_policy)()
-        outcomes = []
-        for g in groups:
-            for tj in g:
-                score_outcome(tj, env)
-                if not tj.excluded:
-                    outcomes.append(float(tj.outcome_reward))
-        success = float(np.mean([o >= self.credit.success_threshold for o in outcomes])) if outcomes else 0.0
-        result = {"eval/success_rate": success, "eval/outcome_mean": float(np.mean(outcomes)) if outcomes else 0.0,
-                  "eval/num": float(len(outcomes)), "eval/time_s": time.perf_counter() - t0}
-        self.hooks.emit_metrics(step, result)
-        self.hooks.emit_event("eval", {"step": step, **result})
+        groups = self._generate(self.eval_tasks, 1, sampling_config(self.spec, greedy=True), None)
+        result = pipeline.evaluate(groups, self._new_env(), self.credit.success_threshold)
+        result["eval/time_s"] = time.perf_counter() - t0
+        self.hooks.emit_metrics(at_step, result)
+        self.hooks.emit_event("eval", {"step": at_step, **result})
+
+
+def environment_of(spec: JobSpec) -> Any:
+    """A built-in name or the registration the control plane resolved at submit time."""
+    reg = spec.environment.registration
+    return spec.environment.name if reg is None else EnvironmentRegistration.model_validate(reg)
+
+
+def job_tasks(spec: JobSpec, env: Any, policy: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training tasks and the held-out ones (from a seed stream disjoint from the training tasks')."""
+    t = spec.tasks
+    train = generate_tasks(env, t.num_train, t.seed, t.options, policy)
+    held_out = generate_tasks(env, t.num_eval, t.seed + EVAL_SEED_OFFSET, t.options, policy) if t.num_eval else []
+    return train, held_out
+
+
+def build_policy(spec: JobSpec) -> tuple[torch.nn.Module, Any]:
+    """The policy model (fp32) and its tokenizer: from the job's checkpoint directory, else a fresh preset."""
+    ms = spec.model
+    torch.manual_seed(spec.seed)
+    if ms.checkpoint_dir:  # resolved by the control plane from `model.checkpoint`
+        path = Path(ms.checkpoint_dir)
+        if not path.is_dir():
+            raise ValueError(f"model.checkpoint: {ms.checkpoint or ms.checkpoint_dir!r} is no longer a checkpoint "
+                             "directory")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer.json").exists() else load_tokenizer()
+    else:
+        tokenizer = load_tokenizer()
+        config = TaperConfig.preset(ms.preset, **ms.overrides.model_dump(exclude_none=True))
+        model = TaperForCausalLM(config)
+    return model.float(), tokenizer
+
+
+def sampling_config(spec: JobSpec, greedy: bool = False) -> SamplingConfig:
+    r = spec.rollout
+    return SamplingConfig(
+        temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p, max_turns=r.max_turns,
+        max_tokens_per_turn=min(r.max_tokens_per_turn, r.max_total_tokens), max_total_tokens=r.max_total_tokens,
+        tool_timeout_s=r.tool_timeout_s, seed=spec.seed,
+    )
+
+
+def start_data_parallel(spec: JobSpec, config: LearnerConfig, model_dir: Path, initial_dir: Path, pad_token_id: int,
+                        progress: Callable[[], None]) -> DistributedLearner:
+    """The learner ranks, each in its own bundle of the job's placement group when the driver runs in one
+    (under the scheduler), else wherever Ray has room. They start from `model_dir`; `initial_dir` is the KL
+    reference."""
+    res = spec.resources
+    pg = ray.util.get_current_placement_group()
+    return DistributedLearner(str(model_dir), config, res.num_learners,
+                              use_gpu=res.learner_gpus > 0, num_cpus_per_rank=res.learner_cpus,
+                              ref_model_dir=str(initial_dir), pad_token_id=pad_token_id,
+                              actor_options={"resources": res.learner_resources}, placement_group=pg,
+                              bundle_indices=learner_bundle_indices(spec) if pg is not None else None,
+                              progress=progress, rank_timeout_s=spec.learner_rank_deadline_s)
+
+
+def drop_trajectories_after(directory: Path, step: int, total_steps: int) -> None:
+    """A crashed run may have written rollouts of steps after its last checkpoint; the resumed run
+    regenerates them."""
+    if not directory.is_dir():
+        return
+    for t in range(step, total_steps + 1):
+        f = step_file(directory, t)
+        if f.exists():
+            f.unlink()
 
 
 def seeded_vllm_engine(config: Any) -> Any:
     """EngineFactory for the rollout workers (runs inside the worker process)."""
-    from rollout_workers.engine import VLLMEngine
-
     return VLLMEngine(config)
 
 
 def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     """The real rollout pool: Ray actors, each with a vLLM engine loading `weights_dir`."""
-    import ray
-
-    from rl_service.placement import rollout_bundle_indices
-    from rollout_workers.engine import EngineConfig
-    from rollout_workers.pool import RolloutPool
-
     if spec.rollout.engine != "vllm":
         raise ValueError(f"rollout.engine: {spec.rollout.engine!r} is not available; use 'vllm'")
     reg: Any = spec.environment.name
     if spec.environment.registration is not None:
-        from rollout_workers.environments.registry import EnvironmentRegistration
-
         reg = EnvironmentRegistration.model_validate(spec.environment.registration)
     max_len = max(spec.rollout.max_total_tokens + 16, 64)
     # Seeded sampling needs whole-prompt prefills: vLLM rewinds a request's generator after a partial

@@ -9,13 +9,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from rl_service.hooks import JobHooks
 from rl_service.spec import JobSpec
-from rollout_workers.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +140,3 @@ class TrackedHooks:
             except Exception:
                 log.exception("job %s: closing a tracker failed", self.job_id)
         self.trackers = None
-
-
-def tool_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Tool calls of a step's trajectories: how many, their mean latency and error rate."""
-    calls = [c for tj in trajs for step in tj.steps for c in step.tool_calls]
-    if not calls:
-        return {"tools/calls": 0.0}
-    return {"tools/calls": float(len(calls)),
-            "tools/latency_mean_s": sum(c.latency_s for c in calls) / len(calls),
-            "tools/latency_max_s": max(c.latency_s for c in calls),
-            "tools/error_rate": sum(c.error is not None for c in calls) / len(calls)}

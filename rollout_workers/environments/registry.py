@@ -139,6 +139,16 @@ def find_environment_class(target: str) -> type[Environment]:
     return import_environment_class(points[0].value)
 
 
+def importable_here(import_path: str) -> str | None:
+    """None when this process can import the environment class at `import_path`, else why not (run as a task on
+    the cluster's workers at registration)."""
+    try:
+        import_environment_class(import_path)
+    except ValueError as e:
+        return str(e).removeprefix("import_path: ")
+    return None
+
+
 def check_reachable(reg: EnvironmentRegistration, policy: EnvironmentPolicy | None = None) -> None:
     """Registration-time check that an http environment's server answers (ValueError naming base_url)."""
     if reg.kind != "http":

@@ -5,8 +5,10 @@ paths. Every refusal is a 4xx naming the field and leaves Redis unchanged."""
 from __future__ import annotations
 
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -67,9 +69,18 @@ def test_http_registration_to_an_internal_or_malformed_target_is_a_422(api: Api,
 
 
 def test_the_operator_allow_list_admits_a_local_tool_server(operator_api: Api) -> None:
-    body = {"kind": "http", "name": "local", "base_url": "http://127.0.0.1:8700", "tools": TOOLS}
-    r = operator_api.client.post("/v1/environments", json=body, headers=operator_api.h())
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers every request with 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    body = {"kind": "http", "name": "local", "base_url": f"http://127.0.0.1:{server.server_address[1]}",
+            "tools": TOOLS}
+    try:
+        r = operator_api.client.post("/v1/environments", json=body, headers=operator_api.h())
+    finally:
+        server.shutdown()
+        server.server_close()
     assert r.status_code == 201, r.text
+    # a server that does not answer is named at registration, not when the job fails
+    refused(operator_api, "/v1/environments", {**body, "name": "gone"}, "base_url", "does not answer")
     # still only what it lists
     refused(operator_api, "/v1/environments", {**body, "name": "meta", "base_url": "http://169.254.169.254"},
             "base_url", "link-local")
@@ -172,3 +183,23 @@ def test_the_settings_carry_the_policy(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("TAPER_PYTHON_MAX_MEMORY_MB", "8")
     with pytest.raises(SettingsError, match="TAPER_PYTHON_MAX_MEMORY_MB: .*greater than or equal to 16"):
         load_settings()
+
+
+def test_a_python_class_the_workers_cannot_import_is_refused(
+    ray_local, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Importable by the API process (on its sys.path) but not by the Ray workers: 422 saying so, nothing
+    stored. The same class from an installed package registers."""
+    name = f"api_only_env_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "from rollout_workers.environments.calculator import CalculatorEnv\n\n\nclass Env(CalculatorEnv):\n"
+        "    name = 'api_only'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    store = Store(redis_url)
+    service = TaperService(store, tmp_path, env_policy=EnvironmentPolicy(environment_modules=(name,)))
+    with TestClient(create_app(service, TaperSettings(data_dir=tmp_path))) as client:
+        api = Api(client, store, service, store.create_api_key("alpha"), store.create_api_key("beta"))
+        refused(api, "/v1/environments", {"kind": "python", "name": "api-only", "import_path": f"{name}:Env"},
+                "import_path", "the cluster's workers cannot import")
+        ok = {"kind": "python", "name": "calc", "import_path": "rollout_workers.environments.calculator:CalculatorEnv"}
+        assert api.client.post("/v1/environments", json=ok, headers=api.h()).status_code == 201

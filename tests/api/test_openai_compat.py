@@ -81,7 +81,9 @@ def test_control_events_and_checkpoints(live) -> None:
     assert client.fine_tuning.jobs.resume(job.id).status == "queued"
 
     for step in (2, 4, 6):
-        store.add_checkpoint(job.id, step, f"file:///ckpt/step-{step}")
+        step_dir = Path(store.get_job(job.id).work_dir) / "checkpoints" / f"step_{step:08d}"
+        step_dir.mkdir(parents=True)
+        store.add_checkpoint(job.id, step, step_dir.resolve().as_uri())
     checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id, limit=2)
     assert [c.step_number for c in checkpoints.data] == [6, 4] and checkpoints.has_more
     assert checkpoints.data[0].fine_tuned_model_checkpoint == f"{job.id}:6"

@@ -238,7 +238,7 @@ def test_job_main_reads_yaml_specs_and_names_bad_fields(tmp_path) -> None:
 
 
 def test_data_cursor_is_a_seeded_permutation_per_epoch() -> None:
-    from rl_service.training.runner import DataCursor
+    from rl_service.training.run_state import DataCursor
 
     c = DataCursor(5, seed=1)
     first = c.take(5)

@@ -36,7 +36,8 @@ TINY_JOB = {
     "reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 10},
     "resources": {"learner_cpus": 1, "rollout_cpus": 1},
     "total_steps": 4,
-    "checkpoint_every": 2,
+    "checkpoint_every": 1,
+    "keep_last_checkpoints": 2,
 }
 
 
@@ -162,13 +163,19 @@ def test_real_job_lifecycle_over_http_and_its_page_updates_takes_a_schedule_patc
         states = [e["data"]["to"] for e in events if e["kind"] == "state"]
         assert states == ["starting", "running", "succeeded"]
         ckpts = api.get(f"/v1/jobs/{job_id}/checkpoints").json()
-        every = TINY_JOB["checkpoint_every"]
-        assert [ck["step"] for ck in ckpts] == list(range(every, total + 1, every))
+        keep = TINY_JOB["keep_last_checkpoints"]
+        assert [ck["step"] for ck in ckpts] == list(range(total + 1 - keep, total + 1))  # what was kept
         assert all(ck["uri"].startswith("file://") for ck in ckpts)
+        on_disk = sorted((Path(ckpts[0]["uri"].removeprefix("file://")).parent).glob("step_*"))
+        assert [int(p.name.split("_")[1]) for p in on_disk] == [ck["step"] for ck in ckpts]
         per_step = TINY_JOB["rollout"]["prompts_per_step"] * TINY_JOB["rollout"]["num_generations"]
         assert len(trajs) == total * per_step
         one = api.get(f"/v1/jobs/{job_id}/trajectories", params={"step": 1}).json()["items"]
         assert len(one) == per_step and all(t["train_step"] == 1 for t in one)
+        for t in one:  # the loss mask: 1 on what the model wrote, 0 on what the environment inserted
+            assert len(t["loss_mask"]) == len(t["completion_ids"])
+            assert sum(t["loss_mask"]) == sum(len(s["action_ids"]) for s in t["steps"])
+            assert t["completion_ids"][: len(t["steps"][0]["action_ids"])] == t["steps"][0]["action_ids"]
         paged = api.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 3, "offset": 6}).json()["items"]
         assert [t["id"] for t in paged] == [t["id"] for t in trajs[6:9]]
         assert all(t["job_id"] == job_id for t in trajs)
