@@ -21,7 +21,7 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.openapi import install_openapi
-from api.routers import admin, checkpoints, environments, fine_tuning, jobs, system
+from api.routers import admin, checkpoints, environments, files, fine_tuning, jobs, system
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
@@ -40,25 +40,29 @@ def error_response(status: int, code: str, message: str, field: str | None = Non
 
 
 class BodySizeLimit:
-    """Rejects request bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
+    """Rejects request bodies over ``max_bytes`` (or the larger limit of a path in ``path_limits``, e.g. file
+    uploads) with 413, by Content-Length or while streaming."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_max_bytes = max_bytes
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        max_bytes = self.path_limits.get(scope.get("path", ""), self.default_max_bytes)
+
         def too_big() -> JSONResponse:
-            return error_response(413, "too_large", f"request body over {self.max_bytes} bytes", "body")
+            return error_response(413, "too_large", f"request body over {max_bytes} bytes", "body")
 
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
-                    declared = self.max_bytes + 1
-                if declared > self.max_bytes:
+                    declared = max_bytes + 1
+                if declared > max_bytes:
                     return await too_big()(scope, receive, send)
         received = 0
         exceeded = False
@@ -69,7 +73,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     exceeded = True
                     raise _BodyTooLarge
             return message
@@ -256,10 +260,12 @@ def create_app(
     if service is not None:
         registry.register(_JobsByState(service))
         registry.register(TrainingMetrics(service))
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    upload_bytes = settings.task_files.max_bytes + 1024 * 1024  # the file and its multipart framing
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
+                       path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes)})
     app.add_middleware(RequestMetrics, registry=registry)
     _install_errors(app)
-    for r in (jobs.router, checkpoints.router, environments.router, admin.router, system.router):
+    for r in (jobs.router, checkpoints.router, environments.router, files.router, admin.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
     app.include_router(fine_tuning.router)  # documents its own (OpenAI-shaped) errors
     app.include_router(ui_router)

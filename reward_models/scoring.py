@@ -1,5 +1,7 @@
 """Score finished trajectories: per-step process rewards and the outcome reward, in place.
 
+An environment built from a registration with a declared grader (``env.grader_spec``) is scored by that
+grader instead of its verifier, and its declared process components (``env.process_specs``) join the others.
 Infrastructure failures (status ``env_error`` / ``tool_timeout``) get no rewards: their outcome stays
 None ("missing", not zero) and credit assignment drops them. A verifier or process component that raises
 marks the trajectory ``env_error`` (the environment failed, not the policy). Values outside [0, 1] are a contract violation of
@@ -8,6 +10,8 @@ the environment or component and raise ValueError naming it.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -39,12 +43,51 @@ def _check_unit(value: Any, what: str) -> float:
     return f
 
 
+@functools.lru_cache(maxsize=64)
+def _declared_grader(spec_json: str) -> Any:
+    from reward_models.graders import parse_grader
+
+    return parse_grader(json.loads(spec_json))
+
+
+@functools.lru_cache(maxsize=64)
+def _declared_process(specs_json: str) -> list[Any]:
+    from reward_models.graders import parse_process
+
+    return parse_process(json.loads(specs_json))
+
+
+def _grade_context(env: Any) -> Any:
+    from reward_models.graders import GradeContext
+
+    policy = getattr(env, "policy", None)
+    return GradeContext() if policy is None else GradeContext(allow=policy.allow_list, python_max=policy.python_max)
+
+
+class _Declared:
+    """The declared process components of an environment, as one component named `declared`."""
+
+    kind = "declared"
+
+    def __init__(self, specs: list[Any]) -> None:
+        self.specs = specs
+
+    def score(self, trajectory: Trajectory, env: Any) -> list[dict[str, float]]:
+        from reward_models.graders import score_declared
+
+        return [score_declared(self.specs, trajectory, i) for i in range(len(trajectory.steps))]
+
+
 def score_process(trajectory: Trajectory, env: Any, components: Sequence[ProcessComponent]) -> None:
     """Fill ``Step.process_rewards`` of one trajectory."""
     env_name = getattr(env, "name", type(env).__name__)
     merged: list[dict[str, float]] = [{} for _ in trajectory.steps]
     owner: dict[str, str] = {}
-    for comp in components:
+    declared = getattr(env, "process_specs", ())
+    all_components: list[Any] = list(components)
+    if declared:
+        all_components.append(_Declared(_declared_process(json.dumps(list(declared), sort_keys=True))))
+    for comp in all_components:
         try:
             per_step = comp.score(trajectory, env)
         except Exception as e:
@@ -74,8 +117,14 @@ def score_outcome(trajectory: Trajectory, env: Any) -> None:
         trajectory.outcome_reward = None
         return
     env_name = getattr(env, "name", type(env).__name__)
+    grader = getattr(env, "grader_spec", None)
     try:
-        value = env.outcome(trajectory)
+        if grader is not None:
+            from reward_models.graders import grade_trajectory
+
+            value = grade_trajectory(_declared_grader(json.dumps(grader, sort_keys=True)), trajectory, _grade_context(env))
+        else:
+            value = env.outcome(trajectory)
     except Exception as e:  # the verifier crashed: an environment failure, not the policy's
         log.warning("outcome verifier of %r failed on trajectory %s: %s", env_name, trajectory.id, e)
         trajectory.status = TrajectoryStatus.ENV_ERROR

@@ -56,6 +56,12 @@ class ModelSpec(_Strict):
 class EnvironmentSpec(_Strict):
     name: str = Field("calculator", min_length=1, max_length=64, description="A built-in or registered environment.")
     options: dict[str, Any] = Field(default_factory=dict, description="Passed to the environment's constructor / task generator.")
+    grader: dict[str, Any] | None = Field(
+        None, description="A declared outcome grader for this job (string_check, text_similarity, numeric, regex, "
+                          "json_match, python, http, multi), instead of the registration's or the verifier.")
+    process_rewards: list[dict[str, Any]] | None = Field(
+        None, max_length=16, description="Declared per-step process components for this job (tool_called, "
+                                         "tool_args_match), instead of the registration's.")
     # Set by the control plane, never by a submission: the request schema says null.
     registration: Annotated[dict[str, Any] | None, WithJsonSchema({"type": "null"}, mode="validation")] = Field(
         None,
@@ -64,11 +70,22 @@ class EnvironmentSpec(_Strict):
     )
 
 
+FILE_ID = r"^file-[0-9a-f]{24}$"
+_SET_BY_SERVICE = WithJsonSchema({"type": "null"}, mode="validation")
+
+
 class TasksSpec(_Strict):
     seed: int = 0
-    num_train: int = Field(2000, ge=1, le=1_000_000)
-    num_eval: int = Field(100, ge=0, le=100_000)
+    num_train: int = Field(2000, ge=1, le=1_000_000, description="Generated training tasks (not used with train_file).")
+    num_eval: int = Field(100, ge=0, le=100_000,
+                          description="Generated held-out tasks (not used with eval_file; none with train_file alone).")
     options: dict[str, Any] = Field(default_factory=dict, description="Task generator options (e.g. difficulty).")
+    train_file: str | None = Field(None, pattern=FILE_ID,
+                                   description="An uploaded task file (POST /v1/files) to train on instead of generated tasks.")
+    eval_file: str | None = Field(None, pattern=FILE_ID, description="An uploaded task file of held-out tasks.")
+    # Set by the control plane, never by a submission: where the named files are stored.
+    train_path: Annotated[str | None, _SET_BY_SERVICE] = Field(None, description="Set by the service from train_file.")
+    eval_path: Annotated[str | None, _SET_BY_SERVICE] = Field(None, description="Set by the service from eval_file.")
 
 
 class RolloutSpec(_Strict):

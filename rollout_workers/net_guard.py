@@ -207,6 +207,16 @@ def endpoint_url(base_url: str, endpoint: str) -> httpx.URL:
     return base.copy_with(path=base.path.rstrip("/") + "/" + quote(endpoint, safe=""))
 
 
+def request_targets(url: httpx.URL, allow: AllowList, resolver: Resolver = system_resolver
+                    ) -> tuple[str, list[IPAddress], bool]:
+    """(host, checked addresses, host is a name) for a request URL (httpx's, or any with the same
+    `raw_host`, `port` and `scheme`): what a pinned transport connects to, keeping a name for TLS."""
+    host = url.raw_host.decode("ascii")  # IDNA-encoded, as it goes on the wire
+    port = url.port or (443 if url.scheme == "https" else 80)
+    addresses = resolve_target(host, port, allow, resolver)
+    return host, addresses, literal_address(_normal_host(host))[0] is None
+
+
 class PinnedTransport(httpx.HTTPTransport):
     """An HTTP transport that resolves and checks each request's host, then connects to a checked address
     (the next one only when connecting fails). The Host header and TLS SNI/certificate check keep the name.
@@ -219,10 +229,7 @@ class PinnedTransport(httpx.HTTPTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        host = url.raw_host.decode("ascii")  # IDNA-encoded, as it goes on the wire
-        port = url.port or (443 if url.scheme == "https" else 80)
-        addresses = resolve_target(host, port, self.allow, self.resolver)
-        named = literal_address(_normal_host(host))[0] is None
+        host, addresses, named = request_targets(url, self.allow, self.resolver)
         last_error: httpx.ConnectError | None = None
         for ip in addresses:
             request.url = url.copy_with(host=str(ip))

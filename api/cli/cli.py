@@ -33,6 +33,8 @@ keys_app = typer.Typer(help="API keys (admin: talks to Redis directly).", no_arg
 quota_app = typer.Typer(help="Tenant quotas (needs an admin API key).", no_args_is_help=True)
 app.add_typer(schedule_app, name="schedule")
 app.add_typer(env_app, name="env")
+files_app = typer.Typer(help="Upload and list task files (JSONL).", no_args_is_help=True)
+app.add_typer(files_app, name="files")
 app.add_typer(keys_app, name="keys")
 app.add_typer(quota_app, name="quota")
 
@@ -370,7 +372,7 @@ def schedule_set(
 # ---- environments ----
 @env_app.command("register")
 def env_register(file: Annotated[Path, typer.Argument(help="An EnvironmentRegistration (YAML or JSON).")]) -> None:
-    """Register a tool environment (python import path or http tool server)."""
+    """Register a tool environment (python import path, http tool server or mcp server)."""
     with _api() as c:
         env = _check(c.post("/v1/environments", json=_load(file)))
     console.print(f"registered [green]{env['name']}[/green] ({env['registration']['kind']})")
@@ -425,6 +427,33 @@ def env_check(
     if not report.ok:
         raise typer.Exit(1)
     console.print(f"[green]ok[/green]: {len(report.tasks)} demonstrations earn the full outcome reward")
+
+
+# ---- task files ----
+@files_app.command("upload")
+def files_upload(
+    file: Annotated[Path, typer.Argument(help="A JSONL file: one task per line ({question | messages, answer?, ...}).")],
+    purpose: Annotated[str, typer.Option(help="tasks or fine-tune.")] = "tasks",
+) -> None:
+    """Upload a task file; prints its id (name it in a job's tasks.train_file / tasks.eval_file)."""
+    if not file.is_file():
+        raise typer.BadParameter(f"{file} is not a file")
+    with _api() as c, file.open("rb") as f:
+        meta = _check(c.post("/v1/files", files={"file": (file.name, f, "application/jsonl")},
+                             data={"purpose": purpose}, timeout=httpx.Timeout(30, write=None)))
+    console.print(f"{meta['id']}  ({meta['tasks']} tasks, {meta['bytes']} bytes)")
+
+
+@files_app.command("list")
+def files_list() -> None:
+    """Your task files, newest first."""
+    with _api() as c:
+        files = _check(c.get("/v1/files"))["data"]
+    table = Table("filename", "purpose", "tasks", "bytes")
+    table.add_column("id", no_wrap=True, min_width=29)
+    for f in files:
+        table.add_row(f["filename"], f["purpose"], str(f["tasks"]), str(f["bytes"]), f["id"])
+    console.print(table)
 
 
 # ---- keys ----

@@ -143,7 +143,7 @@ class ExpertRouting(NamedTuple):
     @classmethod
     def of(cls, expert_ids: torch.Tensor, n_experts: int) -> ExpertRouting:
         """A counting sort: each pair's rank among the earlier pairs of its expert is a running sum over the
-        one-hot choices. Elementwise work and one scan, no comparison sort, no data-dependent size."""
+        one-hot choices. Elementwise work and short scans, no comparison sort, no data-dependent size."""
         flat = expert_ids.reshape(-1)
         one_hot = F.one_hot(flat, n_experts).to(torch.int32)  # [N*k, n]
         seen = _running_sum(one_hot)  # inclusive: pairs of each expert up to and with pair i

@@ -61,6 +61,10 @@ class Conflict(ServiceError):
     status, code = 409, "conflict"
 
 
+class TooLarge(ServiceError):
+    status, code = 413, "too_large"
+
+
 class InvalidInput(ServiceError):
     status, code = 422, "invalid"
 
@@ -162,7 +166,7 @@ class TaperService:
     def __init__(self, store: Store, data_dir: Path, submit_rate_per_minute: int = 60,
                  auth_cache_s: float = 5.0, status_cache_s: float = 0.25, env_policy: Any = None, *,
                  limits: JobLimits | None = None, default_quota: TenantQuota | None = None,
-                 base_models: dict[str, Path] | None = None) -> None:
+                 base_models: dict[str, Path] | None = None, task_file_limits: Any = None) -> None:
         """`env_policy`: the operator's EnvironmentPolicy (TaperSettings.environment_policy()); default: the
         safe defaults (no internal HTTP targets, no extra python modules, only the built-in data).
         ``limits`` (the operator's maxima per job), ``default_quota`` (of tenants an admin gave none) and
@@ -171,6 +175,10 @@ class TaperService:
         self._env_policy = env_policy
         self.data_dir = Path(data_dir)
         self.jobs_dir = (self.data_dir / "jobs").resolve()
+        from rl_service.control.task_file_store import TaskFileStore
+
+        # not under data_dir/files: that is the default data root environments' file options may read
+        self.task_files = TaskFileStore(self.data_dir / "task_files", task_file_limits)
         self.submit_rate_per_minute = submit_rate_per_minute
         self.limits = limits or JobLimits()
         self.default_quota = default_quota or TenantQuota()
@@ -296,6 +304,11 @@ class TaperService:
             raise InvalidInput(str(exc), field=exc.field) from None
         registration = self._resolve_environment(p, spec.environment.name)
         self._check_job_environment(spec, registration)
+        try:
+            check_declared_rewards(spec.environment.grader, spec.environment.process_rewards or [], "environment.")
+        except ValueError as exc:
+            raise named_invalid(exc) from None
+        spec = self._resolve_task_files(p, spec, registration)
         if registration is not None:
             # the job carries its registration, so its driver never reads the (tenant's, mutable) registry
             spec = spec.model_copy(update={
@@ -313,6 +326,27 @@ class TaperService:
             raise RateLimited(str(exc), retry_after_s=60 - int(time.time()) % 60) from None
         except QueueFull as exc:
             raise QuotaExceeded(f"{exc}; wait for some to start or finish", field="max_queued_jobs") from None
+
+    def _resolve_task_files(self, p: Principal, spec: JobSpec, registration: dict[str, Any] | None) -> JobSpec:
+        """The stored paths of the job's task files (422 naming the field for a file the tenant does not have);
+        an environment without a task generator needs a train_file."""
+        tasks = spec.tasks
+        for name in ("train_path", "eval_path"):
+            if getattr(tasks, name) is not None:
+                raise InvalidInput("set by the service from the file id; name the file instead", field=f"tasks.{name}")
+        update: dict[str, str] = {}
+        for name in ("train_file", "eval_file"):
+            file_id = getattr(tasks, name)
+            if file_id is None:
+                continue
+            path = self.task_files.path(p.tenant, file_id)
+            if path is None:
+                raise InvalidInput(f"no task file {file_id!r} (upload one with POST /v1/files)", field=f"tasks.{name}")
+            update[name.replace("_file", "_path")] = str(path)
+        if tasks.train_file is None and registration is not None and registration.get("kind") == "mcp":
+            raise InvalidInput("an mcp environment has no task generator: upload a task file and name it here",
+                               field="tasks.train_file")
+        return spec.model_copy(update={"tasks": tasks.model_copy(update=update)}) if update else spec
 
     def _resolve_checkpoint(self, p: Principal, ref: str) -> str:
         """The directory of a checkpoint reference (rl_service.spec.CHECKPOINT_REF): a base model the operator
@@ -523,6 +557,44 @@ class TaperService:
         except ValueError as exc:  # the job's step is behind its current version (a patch cannot change the past)
             raise Conflict(str(exc), field="state") from None
 
+    # ---- task files ----
+    def create_file(self, p: Principal, filename: str, purpose: str, stream: Any) -> dict[str, Any]:
+        from rl_service.task_files import TaskFileError
+
+        try:
+            return self.task_files.create(p.tenant, filename, purpose, stream)
+        except TaskFileError as exc:
+            field = str(exc).split(":", 1)[0]
+            error = {413: TooLarge, 409: Conflict}.get(exc.status, InvalidInput)
+            raise error(str(exc), field=field if field in ("file", "purpose") else "file") from None
+
+    def list_files(self, p: Principal) -> list[dict[str, Any]]:
+        return self.task_files.list(p.tenant)
+
+    def get_file(self, p: Principal, file_id: str) -> dict[str, Any]:
+        meta = self.task_files.get(p.tenant, file_id)
+        if meta is None:
+            raise NotFound(f"file {file_id!r} not found", field="file_id")
+        return meta
+
+    def delete_file(self, p: Principal, file_id: str) -> None:
+        """Refused (409) while a job that has not finished names the file."""
+        for state in JobState:
+            if state.is_terminal:
+                continue
+            offset = 0
+            while True:
+                jobs, total = self.store.list_jobs(p.tenant, state, offset, 200)
+                for job in jobs:
+                    if file_id in (job.spec.tasks.train_file, job.spec.tasks.eval_file):
+                        raise Conflict(f"file {file_id!r} is used by job {job.id} ({state.value}); delete it once the "
+                                       "job has finished", field="file_id")
+                offset += len(jobs)
+                if not jobs or offset >= total:
+                    break
+        if not self.task_files.delete(p.tenant, file_id):
+            raise NotFound(f"file {file_id!r} not found", field="file_id")
+
     # ---- environments ----
     def _registry(self):  # imported lazily: the registry pulls in environment code the API rarely needs
         from rollout_workers.environments import registry
@@ -572,6 +644,7 @@ class TaperService:
         try:
             reg = registry.validate_registration(body, self.env_policy)
             registry.check_reachable(reg, self.env_policy)
+            check_declared_rewards(reg.grader, reg.process_rewards)
         except ValueError as exc:
             raise named_invalid(exc) from None
         if reg.kind == "python":
@@ -628,6 +701,16 @@ class TaperService:
         return {"ok": ok, "redis": ok}
 
 
+def check_declared_rewards(grader: dict[str, Any] | None, process_rewards: list[dict[str, Any]],
+                           prefix: str = "") -> None:
+    """A declared grader and process components are well-formed (ValueError naming the field)."""
+    from reward_models.graders import parse_grader, parse_process
+
+    if grader is not None:
+        parse_grader(grader, f"{prefix}grader")
+    parse_process(process_rewards, f"{prefix}process_rewards")
+
+
 def validate_tenant(tenant: str) -> None:
     import re
 
@@ -681,7 +764,8 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
                   schedule_max_versions=settings.schedule_max_versions)
     service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute,
                            env_policy=settings.environment_policy(), limits=settings.limits,
-                           default_quota=settings.default_quota, base_models=settings.base_models)
+                           default_quota=settings.default_quota, base_models=settings.base_models,
+                           task_file_limits=settings.task_files)
     service.builtin_environments()  # import the environment registry now, not in the first submission
     if not store.has_api_keys():
         key_file = data_dir / "api-key"

@@ -14,6 +14,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from rl_service.control.quota import JobLimits, TenantQuota
 from rl_service.environment_settings import EnvironmentSettings, SettingsError, load
+from rl_service.task_files import TaskFileLimits
 
 __all__ = ["SettingsError", "TaperSettings", "get_settings", "load_settings"]
 
@@ -63,6 +64,10 @@ class TaperSettings(EnvironmentSettings):
         default_factory=dict,
         description="Model directories tenants may start from as `model.checkpoint: base:NAME` "
                     '(JSON: {"NAME": "/models/dir"}).')
+    task_files: TaskFileLimits = Field(
+        default_factory=TaskFileLimits,
+        description="Limits on uploaded task files (TAPER_TASK_FILES__MAX_BYTES=..., __MAX_LINES, __MAX_LINE_BYTES, "
+                    "__MAX_FILES per tenant).")
     events_maxlen: int = Field(10_000, ge=100, description="Events kept per job (older ones are trimmed).")
     metrics_maxlen: int = Field(100_000, ge=100, description="Metric rows kept per job (older ones are trimmed).")
     schedule_max_versions: int = Field(

@@ -43,6 +43,7 @@ from rl_service.environment_settings import operator_environment_policy
 from rl_service.hooks import Control, JobHooks
 from rl_service.placement import learner_bundle_indices, rollout_bundle_indices
 from rl_service.spec import JobSpec
+from rl_service.task_files import load_tasks
 from rl_service.training import step as pipeline
 from rl_service.training.checkpoint import (
     latest_checkpoint,
@@ -428,8 +429,15 @@ class JobRunner:
         return metrics
 
     def _new_env(self) -> Any:
-        """A fresh environment instance for scoring (with the job's options and the operator's limits)."""
-        return make_env_factory(self.env, self.spec.environment.options, self.env_policy)()
+        """A fresh environment instance for scoring (with the job's options and the operator's limits), judged by
+        the registration's declared grader and process components, or the job's own where it declares them."""
+        declared = self.spec.environment
+        env = make_env_factory(self.env, declared.options, self.env_policy)()
+        if declared.grader is not None:
+            env.grader_spec = declared.grader
+        if declared.process_rewards is not None:
+            env.process_specs = tuple(declared.process_rewards)
+        return env
 
     def _checkpoint(self, step: int, cursor: dict[str, int] | None = None) -> None:
         state = {**self.run_state.to_checkpoint(cursor), "job_id": self.job_id}
@@ -458,8 +466,16 @@ def environment_of(spec: JobSpec) -> Any:
 def job_tasks(spec: JobSpec, env: Any, policy: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training tasks and the held-out ones (from a seed stream disjoint from the training tasks')."""
     t = spec.tasks
-    train = generate_tasks(env, t.num_train, t.seed, t.options, policy)
-    held_out = generate_tasks(env, t.num_eval, t.seed + EVAL_SEED_OFFSET, t.options, policy) if t.num_eval else []
+    if t.train_path:  # uploaded task files, resolved by the control plane at submit time
+        train = load_tasks(t.train_path)
+    else:
+        train = generate_tasks(env, t.num_train, t.seed, t.options, policy)
+    if t.eval_path:
+        held_out = load_tasks(t.eval_path)
+    elif t.num_eval and not t.train_path:
+        held_out = generate_tasks(env, t.num_eval, t.seed + EVAL_SEED_OFFSET, t.options, policy)
+    else:
+        held_out = []
     return train, held_out
 
 

@@ -99,6 +99,12 @@ class Environment(ABC):
     # its episode's own tools loop, where a blocked call times out without stalling other episodes.
     cooperative: ClassVar[bool] = False
 
+    # A registration's declared rewards, set by the registry's factory (data: reward_models.graders reads them):
+    # scoring uses the grader instead of `outcome` and adds the process components; `policy` is the operator's.
+    grader_spec: dict[str, Any] | None = None
+    process_specs: tuple[dict[str, Any], ...] = ()
+    policy: Any = None
+
     def __init__(self, **options: Any) -> None:
         self.options = options
 

@@ -1,6 +1,7 @@
 """The JSON Schema of an environment registration: one object per kind, told apart by `kind`, so that a
 schema-valid registration is a well-formed one. Kind `python` needs `import_path` and has no `base_url` or
-`tools` (its class declares its tools); kind `http` needs `base_url` and `tools` and has no `import_path`.
+`tools` (its class declares its tools); kind `http` needs `base_url` and `tools` and has no `import_path`;
+kind `mcp` needs `base_url` (its server lists the tools) and has no `import_path`.
 An unused field may be left out or null. What no schema can say (that the class imports on this cluster,
 that the tool names differ, that the URL's host may be reached) is still checked by the registry.
 """
@@ -14,6 +15,7 @@ from rollout_workers.environments.base import _TOOL_NAME
 KIND_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # kind -> (required, absent)
     "python": (("import_path",), ("base_url", "tools")),
     "http": (("base_url", "tools"), ("import_path",)),
+    "mcp": (("base_url",), ("import_path",)),
 }
 
 # http(s), a host, no query or fragment (what the registry's URL check accepts)

@@ -1,4 +1,6 @@
-"""Environment registrations: built-ins, `python` (an installed class) and `http` (a remote tool server).
+"""Environment registrations: built-ins, `python` (an installed class), `http` (a remote tool server) and `mcp`
+(the tools of an MCP server over streamable HTTP), each optionally with a declared outcome grader and process
+reward components (data, checked against reward_models.graders by the control plane).
 
 A registration is data only (JSON-serialisable, stored by the control plane): an import path of code
 already installed on the cluster, or a URL. No code is ever accepted inside a request. What a tenant may
@@ -13,8 +15,10 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -23,6 +27,7 @@ from rollout_workers.environments.base import Environment, validate_tool_schemas
 from rollout_workers.environments.calculator import CalculatorEnv
 from rollout_workers.environments.http_env import HttpEnvironment, probe
 from rollout_workers.environments.long_horizon import LongHorizonEnv
+from rollout_workers.environments.mcp_env import MAX_TOOLS, McpEnvironment, list_mcp_tools
 from rollout_workers.environments.policy import EnvironmentPolicy, check_options
 from rollout_workers.environments.python_env import PythonEnv
 from rollout_workers.environments.registration_schema import kind_union_schema
@@ -33,6 +38,7 @@ BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {
     cls.name: cls for cls in (CalculatorEnv, PythonEnv, RetrievalEnv, LongHorizonEnv)
 }
 
+MAX_DECLARED_BYTES = 128 * 1024
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]{0,63}$")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -40,19 +46,29 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[
 class EnvironmentRegistration(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=kind_union_schema)
 
-    kind: Literal["python", "http"]
+    kind: Literal["python", "http", "mcp"]
     name: str = Field(description="Unique environment name, lowercase: [a-z][a-z0-9_-]*.",
                       json_schema_extra={"pattern": _NAME.pattern})
     description: str = Field("", max_length=2000)
     import_path: str | None = Field(None, description="python kind: 'package.module:ClassName', installed on the cluster.",
                                     json_schema_extra={"pattern": _IMPORT_PATH.pattern})
-    base_url: str | None = Field(None, description="http kind: the tool server's base URL (http or https).")
-    tools: list[dict[str, Any]] | None = Field(None, description="http kind: tool descriptions with JSON Schemas.")
-    timeout_s: float = Field(10.0, gt=0.0, le=3600.0, description="http kind: per-request timeout.")
-    retries: int = Field(2, ge=0, le=10, description="http kind: retries on connection errors, 429 and 5xx.")
-    backoff_s: float = Field(0.2, ge=0.0, le=60.0, description="http kind: first retry delay; doubles each retry.")
-    concurrency: int = Field(16, ge=1, le=4096, description="http kind: max requests in flight per process.")
+    base_url: str | None = Field(None, description="http kind: the tool server's base URL (http or https); mcp kind: "
+                                                   "the MCP server's streamable HTTP endpoint (e.g. http://host:8000/mcp).")
+    tools: list[dict[str, Any]] | None = Field(
+        None, max_length=MAX_TOOLS,
+        description="http kind: tool descriptions with JSON Schemas. mcp kind: optional; the names among the server's "
+                    "tools to expose (default all); the stored schemas are what the server lists at registration.")
+    timeout_s: float = Field(10.0, gt=0.0, le=3600.0, description="http/mcp kind: per-request timeout.")
+    retries: int = Field(2, ge=0, le=10, description="http/mcp kind: retries on connection errors (http: also 429 and 5xx).")
+    backoff_s: float = Field(0.2, ge=0.0, le=60.0, description="http/mcp kind: first retry delay; doubles each retry.")
+    concurrency: int = Field(16, ge=1, le=4096, description="http/mcp kind: max requests in flight per process.")
     options: dict[str, Any] = Field(default_factory=dict, description="Constructor / task generator options.")
+    grader: dict[str, Any] | None = Field(
+        None, description="A declared outcome grader (string_check, text_similarity, numeric, regex, json_match, "
+                          "python, http, multi) scoring the final answer instead of the environment's verifier.")
+    process_rewards: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16,
+        description="Declared per-step process components ({kind: tool_called | tool_args_match, name, ...}).")
 
     @field_validator("name")
     @classmethod
@@ -71,9 +87,21 @@ class EnvironmentRegistration(BaseModel):
                 raise ValueError(str(e)) from None
         return v
 
+    @field_validator("grader", "process_rewards")
+    @classmethod
+    def _declared_size(cls, v: Any) -> Any:
+        if v is not None and len(json.dumps(v, default=str)) > MAX_DECLARED_BYTES:
+            raise ValueError(f"at most {MAX_DECLARED_BYTES} bytes (as JSON)")
+        return v
+
     @model_validator(mode="after")
     def _kind_fields(self) -> EnvironmentRegistration:
-        if self.kind == "python":
+        if self.kind == "mcp":
+            if not self.base_url:
+                raise ValueError("base_url: required for kind 'mcp'")
+            if self.import_path is not None:
+                raise ValueError("import_path: only for kind 'python'")
+        elif self.kind == "python":
             if not self.import_path:
                 raise ValueError("import_path: required for kind 'python'")
             if self.base_url is not None or self.tools is not None:
@@ -113,11 +141,35 @@ def validate_registration(
         except Exception as e:
             raise ValueError(f"import_path: {reg.import_path}.tools() raised {e!r}") from None
         validate_tool_schemas(tools, field=f"import_path: {reg.import_path}.tools()")
+    elif reg.kind == "mcp":
+        check_options(McpEnvironment.Options, reg.options, policy, "options")
+        check_target(reg.base_url or "", policy.allow_list)
+        reg = reg.model_copy(update={"tools": _mcp_tools(reg, policy)})
     else:
         validate_tool_schemas(reg.tools)
         check_options(HttpEnvironment.Options, reg.options, policy, "options")
         check_target(reg.base_url or "", policy.allow_list)
     return reg
+
+
+def _mcp_tools(reg: EnvironmentRegistration, policy: EnvironmentPolicy) -> list[dict[str, Any]]:
+    """The server's tool schemas (those named in `tools`, when given), checked like any tool list."""
+    try:
+        listed = list_mcp_tools(str(reg.base_url), policy.allow_list, reg.timeout_s)
+    except Exception as e:
+        raise ValueError(f"base_url: the MCP server did not answer: {str(e)[:500]}") from None
+    if not listed:
+        raise ValueError("base_url: the MCP server lists no tools")
+    if len(listed) > MAX_TOOLS:
+        raise ValueError(f"base_url: the MCP server lists more than {MAX_TOOLS} tools; name the ones to use in tools")
+    if reg.tools is not None:
+        wanted = [t.get("name") for t in reg.tools]
+        by_name = {t["name"]: t for t in listed}
+        missing = [w for w in wanted if w not in by_name]
+        if missing:
+            raise ValueError(f"tools: the MCP server has no tool {missing[0]!r} (it lists {sorted(by_name)})")
+        listed = [by_name[w] for w in wanted]
+    return validate_tool_schemas(listed, field="base_url: the MCP server's tools")
 
 
 def find_environment_class(target: str) -> type[Environment]:
@@ -220,6 +272,12 @@ def _http_class(reg_json: str, allow: AllowList) -> type[HttpEnvironment]:
     return type(f"Http_{reg.name}", (HttpEnvironment,), {"config": reg, "name": reg.name, "allow": allow})
 
 
+@functools.lru_cache(maxsize=256)
+def _mcp_class(reg_json: str, allow: AllowList) -> type[McpEnvironment]:
+    reg = EnvironmentRegistration.model_validate_json(reg_json)
+    return type(f"Mcp_{reg.name}", (McpEnvironment,), {"config": reg, "name": reg.name, "allow": allow})
+
+
 def environment_class(env: EnvironmentRegistration | str, policy: EnvironmentPolicy | None = None) -> type[Environment]:
     """The Environment class behind a built-in name or a registration (an http one bound to the policy's
     allow-list)."""
@@ -229,11 +287,30 @@ def environment_class(env: EnvironmentRegistration | str, policy: EnvironmentPol
         return BUILTIN_ENVIRONMENTS[env]
     if env.kind == "python":
         return import_environment_class(env.import_path or "")
+    if env.kind == "mcp":
+        return _mcp_class(env.model_dump_json(), (policy or EnvironmentPolicy()).allow_list)
     return _http_class(env.model_dump_json(), (policy or EnvironmentPolicy()).allow_list)
 
 
 def _registered_options(env: EnvironmentRegistration | str) -> dict[str, Any]:
     return dict(env.options) if isinstance(env, EnvironmentRegistration) else {}
+
+
+@dataclass(frozen=True)
+class EnvFactory:
+    """Makes one fresh Environment per episode, carrying the registration's declared rewards and the
+    operator's policy (which the reward code reads: graders reach targets and run code under it)."""
+
+    cls: type[Environment]
+    options: dict[str, Any]
+    grader: dict[str, Any] | None = None
+    process_rewards: tuple[dict[str, Any], ...] = ()
+    policy: EnvironmentPolicy | None = None
+
+    def __call__(self) -> Environment:
+        env = self.cls(**self.options)
+        env.grader_spec, env.process_specs, env.policy = self.grader, self.process_rewards, self.policy
+        return env
 
 
 def make_env_factory(
@@ -246,7 +323,9 @@ def make_env_factory(
     policy = policy or EnvironmentPolicy()
     cls = environment_class(env, policy)
     checked = check_options(cls.Options, {**_registered_options(env), **(options or {})}, policy, "environment.options")
-    return functools.partial(cls, **checked.model_dump(exclude_unset=True))
+    if not isinstance(env, EnvironmentRegistration):
+        return EnvFactory(cls, checked.model_dump(exclude_unset=True), policy=policy)
+    return EnvFactory(cls, checked.model_dump(exclude_unset=True), env.grader, tuple(env.process_rewards), policy)
 
 
 def generate_tasks(

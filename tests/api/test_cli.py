@@ -144,3 +144,15 @@ def test_key_commands_without_redis_are_a_one_line_error(monkeypatch: pytest.Mon
         get_settings.cache_clear()
     assert result.exit_code == 2 and "cannot use the Redis" in result.output and result.exception is not None
     assert isinstance(result.exception, SystemExit)
+
+
+def test_files_upload_and_list(live: Store, tmp_path: Path) -> None:
+    tasks = Path(__file__).resolve().parents[2] / "examples" / "mcp" / "weather_tasks.jsonl"
+    out = run("files", "upload", str(tasks))
+    file_id = out.split()[0]
+    assert file_id.startswith("file-") and "6 tasks" in out
+    assert file_id in run("files", "list")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q"}\n{"answer": 1}\n')
+    result = CliRunner().invoke(cli, ["files", "upload", str(bad)])
+    assert result.exit_code == 1 and "line 2" in result.output

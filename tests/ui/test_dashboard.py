@@ -43,7 +43,10 @@ def test_login_rejects_a_bad_key_then_lists_jobs(ui_server: UiServer, page) -> N
 
     registered = httpx.post(f"{ui_server.url}/v1/environments", headers={"Authorization": f"Bearer {ui_server.key}"},
                             json={"kind": "python", "name": "my-calc",
-                                  "import_path": "rollout_workers.environments.calculator:CalculatorEnv"})
+                                  "import_path": "rollout_workers.environments.calculator:CalculatorEnv",
+                                  "grader": {"type": "string_check", "input": "{{sample.answer}}",
+                                             "reference": "{{item.answer}}"},
+                                  "process_rewards": [{"kind": "tool_called", "name": "used", "tool": "calculator"}]})
     assert registered.status_code == 201, registered.text
     page.click("a[data-nav=environments]")
     page.wait_for_selector("tr[data-env=calculator]")
@@ -51,6 +54,7 @@ def test_login_rejects_a_bad_key_then_lists_jobs(ui_server: UiServer, page) -> N
     assert page.locator("tr[data-env]").count() == len(listed) >= 3
     row = page.locator("tr[data-env=my-calc]")
     assert "python" in row.inner_text() and "calculator:CalculatorEnv" in row.inner_text()
+    assert "grader: string_check" in row.inner_text() and "1 process components" in row.inner_text()
     assert "built-in" in page.inner_text("tr[data-env=calculator]")
     screenshot(page, "environments")
 

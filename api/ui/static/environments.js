@@ -6,7 +6,10 @@
   function details(env) {
     if (env.builtin) return el("span", { class: "muted" }, "built-in");
     const reg = env.registration || {};
-    const summary = reg.kind === "http" ? reg.base_url || "" : reg.import_path || "";
+    const target = reg.kind === "http" || reg.kind === "mcp" ? reg.base_url || "" : reg.import_path || "";
+    const declared = [reg.grader ? `grader: ${reg.grader.type}` : "",
+      (reg.process_rewards || []).length ? `${reg.process_rewards.length} process components` : ""];
+    const summary = [target, ...declared].filter(Boolean).join(" · ");
     return el("details", {}, el("summary", {}, summary || "registration"),
       el("pre", { class: "mono small" }, JSON.stringify(reg, null, 2)));
   }

@@ -1,0 +1,117 @@
+"""Task files: JSONL, one task per line (the format, shared by the control plane and the job runner;
+rl_service.control.task_file_store keeps them per tenant).
+
+A line is a JSON object with a `question` (the user message) or `messages` (the opening chat), an optional
+`answer` and `id`, a `metadata` object, and any other fields the graders read as `{{item.FIELD}}` (as in
+OpenAI's reinforcement fine-tuning files). A job reads its files with `load_tasks`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+FILE_ID_PATTERN = r"^file-[0-9a-f]{24}$"
+
+
+class TaskFileLimits(BaseModel):
+    """The operator's limits on task files."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest task file.")
+    max_lines: int = Field(100_000, ge=1, description="Most tasks in one file.")
+    max_line_bytes: int = Field(1024 * 1024, ge=256, description="Longest line (one task).")
+    max_files: int = Field(100, ge=1, description="Most files a tenant keeps.")
+
+
+class TaskMessage(BaseModel):
+    """`developer` (OpenAI's name for instructions in newer files) is kept as `system`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str = Field(max_length=1_000_000)
+
+
+class TaskLine(BaseModel):
+    """One task. Fields beyond these are kept for graders (`{{item.FIELD}}`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = Field(None, min_length=1, max_length=128, description="Unique in the file; default line-N.")
+    question: str | None = Field(None, min_length=1, max_length=1_000_000)
+    messages: list[TaskMessage] | None = Field(None, min_length=1, max_length=256)
+    answer: Any = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _prompt(self) -> TaskLine:
+        if self.question is None and self.messages is None:
+            raise ValueError("needs a 'question' or 'messages'")
+        if self.messages is not None and self.messages[-1].role != "user":
+            raise ValueError("messages: the last message must be the user's")
+        return self
+
+
+class TaskFileError(ValueError):
+    """An upload that is refused; `status` is the HTTP status it maps to."""
+
+    def __init__(self, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def check_line(raw: bytes, number: int, limits: TaskFileLimits) -> dict[str, Any]:
+    if len(raw) > limits.max_line_bytes:
+        raise TaskFileError(f"line {number}: longer than {limits.max_line_bytes} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TaskFileError(f"line {number}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise TaskFileError(f"line {number}: must be a JSON object, got {type(data).__name__}")
+    try:
+        task = TaskLine.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        msg = str(err.get("msg", exc)).removeprefix("Value error, ")
+        raise TaskFileError(f"line {number}: {where + ': ' if where else ''}{msg}") from None
+    out = task.model_dump(exclude_none=True)
+    for message in out.get("messages", []):
+        if message["role"] == "developer":
+            message["role"] = "system"
+    out.setdefault("id", f"line-{number}")
+    return out
+
+
+def read_tasks(path: Path, limits: TaskFileLimits) -> list[dict[str, Any]]:
+    """Every task of a JSONL file, checked; raises TaskFileError naming the first bad line."""
+    tasks: list[dict[str, Any]] = []
+    ids: dict[str, int] = {}
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            if len(tasks) >= limits.max_lines:
+                raise TaskFileError(f"line {number}: more than {limits.max_lines} tasks in one file", status=413)
+            task = check_line(raw, number, limits)
+            if task["id"] in ids:
+                raise TaskFileError(f"line {number}: id {task['id']!r} repeats line {ids[task['id']]}")
+            ids[task["id"]] = number
+            tasks.append(task)
+    if not tasks:
+        raise TaskFileError("file: no tasks (an empty file)")
+    return tasks
+
+
+_UNLIMITED = TaskFileLimits.model_construct(max_bytes=2**62, max_lines=2**62, max_line_bytes=2**62, max_files=2**62)
+
+
+def load_tasks(path: str | Path) -> list[dict[str, Any]]:
+    """The tasks of a stored file (checked when it was uploaded, under the limits of that time)."""
+    return read_tasks(Path(path), _UNLIMITED)

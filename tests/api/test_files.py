@@ -1,0 +1,136 @@
+"""/v1/files: JSONL task files per tenant, each line checked, nothing half-stored; jobs name them by id."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from api_helpers import Api
+
+from rl_service.task_files import load_tasks
+
+TASKS = [
+    {"question": "How warm is Oslo?", "answer": "4", "city": "Oslo"},
+    {"id": "p", "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Paris?"}],
+     "answer": "12", "metadata": {"source": "table"}},
+]
+
+
+def jsonl(rows: list) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def upload(api: Api, content: bytes, name: str = "tasks.jsonl", purpose: str = "tasks", key: str | None = None):
+    return api.client.post("/v1/files", files={"file": (name, content, "application/jsonl")},
+                           data={"purpose": purpose}, headers=api.h(key))
+
+
+def stored_files(api: Api) -> list[Path]:
+    root = api.service.data_dir / "task_files"
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def test_upload_list_get_delete_per_tenant(api: Api) -> None:
+    r = upload(api, jsonl(TASKS), purpose="fine-tune")
+    assert r.status_code == 200, r.text
+    f = r.json()
+    assert f["id"].startswith("file-") and len(f["id"]) == 29
+    assert (f["object"], f["bytes"], f["filename"], f["purpose"], f["tasks"]) == (
+        "file", len(jsonl(TASKS)), "tasks.jsonl", "fine-tune", 2)
+    assert isinstance(f["created_at"], int)
+    assert api.client.get("/v1/files", headers=api.h()).json()["data"] == [f]
+    assert api.client.get(f"/v1/files/{f['id']}", headers=api.h()).json() == f
+    # another tenant sees nothing of it
+    assert api.client.get("/v1/files", headers=api.h(api.key_b)).json()["data"] == []
+    assert api.client.get(f"/v1/files/{f['id']}", headers=api.h(api.key_b)).status_code == 404
+    assert api.client.delete(f"/v1/files/{f['id']}", headers=api.h(api.key_b)).status_code == 404
+    tasks = load_tasks(api.service.task_files.path("alpha", f["id"]))
+    assert [t["id"] for t in tasks] == ["line-1", "p"]
+    assert tasks[0]["city"] == "Oslo" and tasks[1]["metadata"] == {"source": "table"}
+    assert tasks[1]["messages"][0] == {"role": "system", "content": "Be brief."}  # OpenAI's developer role
+    r = api.client.delete(f"/v1/files/{f['id']}", headers=api.h())
+    assert r.json() == {"id": f["id"], "object": "file", "deleted": True}
+    assert api.client.get(f"/v1/files/{f['id']}", headers=api.h()).status_code == 404
+    assert stored_files(api) == []
+
+
+def test_bad_lines_are_422_naming_the_line_and_nothing_is_stored(api: Api) -> None:
+    good = jsonl(TASKS)
+    cases = [
+        (good + b"{not json\n", "line 3: not valid JSON"),
+        (good + b"[1, 2]\n", "line 3: must be a JSON object"),
+        (good + b'{"answer": "x"}\n', "line 3: needs a 'question' or 'messages'"),
+        (good + b'{"question": ""}\n', "line 3: question"),
+        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
+         "line 3: messages: the last message must be the user's"),
+        (good + b'{"messages": [{"role": "robot", "content": "a"}]}\n', "line 3: messages.0.role"),
+        (good + b'{"id": "p", "question": "again"}\n', "line 3: id 'p' repeats line 2"),
+        (b"\n\n", "no tasks"),
+    ]
+    for content, message in cases:
+        r = upload(api, content)
+        assert r.status_code == 422, (message, r.text)
+        assert message in r.json()["error"]["message"], r.json()
+        assert r.json()["error"]["field"] == "file"
+    r = upload(api, good, purpose="batch")
+    assert r.status_code == 422 and r.json()["error"]["field"] == "purpose"
+    r = upload(api, good, name="tasks.csv")
+    assert r.status_code == 422 and ".jsonl" in r.json()["error"]["message"]
+    assert stored_files(api) == []  # not even a temporary file is left
+
+
+def test_operator_limits(api: Api) -> None:
+    from rl_service.control.task_file_store import TaskFileStore
+    from rl_service.task_files import TaskFileLimits
+
+    api.service.task_files = TaskFileStore(api.service.data_dir / "task_files",
+                                           TaskFileLimits(max_bytes=2048, max_lines=3, max_line_bytes=512, max_files=1))
+    r = upload(api, jsonl([{"question": "q" * 100}] * 30))
+    assert r.status_code == 413 and "larger than 2048 bytes" in r.json()["error"]["message"]
+    r = upload(api, jsonl([{"question": "q"}] * 4))
+    assert r.status_code == 413 and "line 4: more than 3 tasks" in r.json()["error"]["message"]
+    r = upload(api, jsonl([{"question": "q"}, {"question": "q" * 600}]))
+    assert r.status_code == 422 and "line 2: longer than 512 bytes" in r.json()["error"]["message"]
+    assert upload(api, jsonl([{"question": "q"}])).status_code == 200
+    r = upload(api, jsonl([{"question": "q"}]))
+    assert r.status_code == 409 and "delete some" in r.json()["error"]["message"]
+    assert len(stored_files(api)) == 2  # the one kept file and its description
+
+
+def test_jobs_name_files_by_id(api: Api) -> None:
+    f = upload(api, jsonl(TASKS)).json()
+    spec = {"environment": {"name": "calculator"}, "tasks": {"train_file": f["id"], "eval_file": f["id"]}}
+    r = api.client.post("/v1/jobs", json=spec, headers=api.h())
+    assert r.status_code == 201, r.text
+    tasks = r.json()["spec"]["tasks"]
+    assert Path(tasks["train_path"]) == api.service.task_files.path("alpha", f["id"])
+    assert tasks["eval_path"] == tasks["train_path"]
+    # another tenant's file, an unknown one, a path set by hand: 422 naming the field
+    for body, field in [
+        ({"tasks": {"train_file": f["id"]}}, "tasks.train_file"),
+        ({"tasks": {"eval_file": "file-" + "0" * 24}}, "tasks.eval_file"),
+    ]:
+        r = api.client.post("/v1/jobs", json=body, headers=api.h(api.key_b))
+        assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+    r = api.client.post("/v1/jobs", json={"tasks": {"train_file": "file-123"}}, headers=api.h())
+    assert r.status_code == 422 and r.json()["error"]["field"] == "tasks.train_file"
+    r = api.client.post("/v1/jobs", json={"tasks": {"train_path": "/etc/passwd"}}, headers=api.h())
+    assert r.status_code == 422 and r.json()["error"]["field"] == "tasks.train_path"
+
+
+def test_a_file_a_waiting_job_names_cannot_be_deleted(api: Api) -> None:
+    f = upload(api, jsonl(TASKS)).json()
+    job = api.client.post("/v1/jobs", json={"tasks": {"train_file": f["id"]}}, headers=api.h()).json()
+    r = api.client.delete(f"/v1/files/{f['id']}", headers=api.h())
+    assert r.status_code == 409 and job["id"] in r.json()["error"]["message"]
+    api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.h())
+    assert api.client.delete(f"/v1/files/{f['id']}", headers=api.h()).status_code == 200
+
+
+def test_task_files_are_outside_the_data_roots_environments_read(api: Api) -> None:
+    from rl_service.control.settings import TaperSettings
+
+    f = upload(api, jsonl(TASKS)).json()
+    path = api.service.task_files.path("alpha", f["id"])
+    policy = TaperSettings(data_dir=api.service.data_dir).environment_policy()
+    assert not any(path.is_relative_to(root.resolve()) for root in policy.data_roots)
