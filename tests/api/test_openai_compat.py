@@ -5,6 +5,7 @@ calls a driver makes: state transitions, checkpoints), as the native API's contr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,3 +170,19 @@ def test_finished_jobs_and_fine_tuned_model_as_the_next_model(live) -> None:
     failed = client.fine_tuning.jobs.retrieve(failing.id)
     assert failed.status == "failed" and failed.fine_tuned_model is None
     assert (failed.error.code, failed.error.message) == ("job_failed", "learner rank 0 died")
+
+
+def test_training_and_validation_files_uploaded_with_the_client(live) -> None:
+    client, other, store = live
+    lines = [{"question": f"What is {a} + {a}?", "answer": str(2 * a)} for a in range(1, 5)]
+    content = "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
+    train = client.files.create(file=("train.jsonl", content), purpose="fine-tune")
+    valid = client.files.create(file=("valid.jsonl", content[: content.index(b"\n") + 1]), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, validation_file=valid.id,
+                                         extra_body={"environment": {"name": "calculator"}})
+    assert (job.training_file, job.validation_file) == (train.id, valid.id)
+    tasks = store.get_job(job.id).spec.tasks
+    assert (tasks.train_file, tasks.eval_file) == (train.id, valid.id)
+    with pytest.raises(openai.APIStatusError) as exc:  # another tenant's file is not theirs to train on
+        other.fine_tuning.jobs.create(model="tiny", training_file=train.id)
+    assert exc.value.status_code in (404, 422) and "train_file" in (exc.value.body.get("param") or "")
