@@ -31,6 +31,7 @@ from rl_service.control.store import JobRecord
 from rl_service.job_states import CONTROL_PAUSE, JobState
 from rl_service.spec import (
     CHECKPOINT_REF,
+    FILE_ID,
     AlgorithmSpec,
     EnvironmentSpec,
     InfraFailureConfig,
@@ -102,9 +103,9 @@ class FineTuningJobCreate(_Strict):
     model: str = Field(pattern=MODEL, description="A preset (tiny, small, large), a checkpoint "
                        "(`JOB_ID`, `JOB_ID:STEP`: e.g. a job's fine_tuned_model) or `base:NAME`.")
     training_file: str | None = Field(
-        None, min_length=1, max_length=128,
+        None, pattern=FILE_ID,
         description="A file id of purpose fine-tune (JSONL tasks); omit (null) to use the environment's generator.")
-    validation_file: str | None = Field(None, min_length=1, max_length=128, description="Held-out tasks, a file id.")
+    validation_file: str | None = Field(None, pattern=FILE_ID, description="Held-out tasks, a file id.")
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(None, min_length=1, max_length=64, description="Becomes the job's name.")
     metadata: Metadata | None = None
@@ -185,7 +186,10 @@ def job_spec_of(request: FineTuningJobCreate) -> JobSpec:
     if request.metadata is not None:
         blocks["metadata"] = request.metadata
     if request.method is not None:
-        _apply_hyperparameters(blocks, request.method.reinforcement.hyperparameters)
+        try:  # n_epochs reads the tasks block, which may be invalid itself
+            _apply_hyperparameters(blocks, request.method.reinforcement.hyperparameters)
+        except ValidationError as exc:
+            raise invalid_from(exc, "tasks") from None
     for integration in request.integrations or []:
         _set(blocks, "tracking.wandb", integration.wandb.model_dump(), "integrations")
     try:
