@@ -21,8 +21,9 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.openapi import install_openapi
-from api.routers import admin, environments, files, jobs, system
+from api.routers import admin, checkpoints, environments, files, fine_tuning, jobs, system
 from api.schemas import error_responses
+from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
 from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field
 from rl_service.control.settings import TaperSettings, get_settings
@@ -240,6 +241,7 @@ def create_app(
                                     detached_scheduler=settings.embedded_scheduler)
             app.state.service = runtime.service
             registry.register(_JobsByState(runtime.service))
+            registry.register(TrainingMetrics(runtime.service))
         try:
             yield
         finally:
@@ -257,13 +259,15 @@ def create_app(
     app.state.prometheus = registry
     if service is not None:
         registry.register(_JobsByState(service))
+        registry.register(TrainingMetrics(service))
     upload_bytes = settings.task_files.max_bytes + 1024 * 1024  # the file and its multipart framing
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
                        path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes)})
     app.add_middleware(RequestMetrics, registry=registry)
     _install_errors(app)
-    for r in (jobs.router, environments.router, files.router, admin.router, system.router):
+    for r in (jobs.router, checkpoints.router, environments.router, files.router, admin.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
+    app.include_router(fine_tuning.router)  # documents its own (OpenAI-shaped) errors
     app.include_router(ui_router)
     install_openapi(app)
     return app

@@ -20,6 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 CREATED_RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("post", "/v1/jobs"): ("job_id", "id"),
     ("post", "/v1/environments"): ("name", "name"),
+    ("post", "/v1/fine_tuning/jobs"): ("fine_tuning_job_id", "id"),
 }
 
 

@@ -25,6 +25,13 @@ BASE_MODEL_NAME = r"[A-Za-z0-9_.-]{1,64}"
 CHECKPOINT_REF = rf"^(job-[0-9a-f]{{16}}(:[0-9]{{1,9}})?|base:{BASE_MODEL_NAME})$"
 
 
+# At most 16 string pairs, keys up to 64 characters, values up to 512 (OpenAI's `metadata` limits).
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+    Field(max_length=16),
+]
+
+
 class ModelOverrides(_Strict):
     """The TaperConfig fields a tenant may change: architecture sizes (the operator caps some further)."""
 
@@ -182,6 +189,35 @@ class WatchdogSpec(_Strict):
                                     "more failure fails the job.")
 
 
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/ -]+$")]
+
+
+class MLflowTracking(_Strict):
+    """Log the job's metrics to MLflow, at the tracking server the operator configured (MLFLOW_TRACKING_URI on
+    the cluster; a tenant never chooses where the cluster connects)."""
+
+    experiment: Name = "taper"
+    run_name: Name | None = Field(None, description="Default: the job id.")
+
+
+class WandbTracking(_Strict):
+    """Log the job's metrics to Weights & Biases with the operator's credentials (WANDB_API_KEY on the cluster)."""
+
+    project: Name
+    entity: Name | None = None
+    name: Name | None = Field(None, description="The run's name; default: the job id.")
+    tags: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(default_factory=list,
+                                                                                         max_length=16)
+
+
+class TrackingSpec(_Strict):
+    """Where the job's metrics go besides the service: TensorBoard event files in the job's work dir always;
+    MLflow and W&B when asked and installed on the cluster (the `tracking` extra), else a warning event."""
+
+    mlflow: MLflowTracking | None = None
+    wandb: WandbTracking | None = None
+
+
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 # What _check_custom enforces, declared for the JSON Schema too; bounded in number and size.
 CustomResources = Annotated[
@@ -250,6 +286,8 @@ class JobSpec(_Strict):
     keep_last_checkpoints: int = Field(3, ge=1, le=1000)
     seed: int = 0
     priority: int = Field(0, ge=-100, le=100, description="Higher runs first; at most the tenant's max_priority.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    metadata: Metadata = Field(default_factory=dict, description="The tenant's own labels (as OpenAI's `metadata`).")
 
     @property
     def rollout_chunk_deadline_s(self) -> float:

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from api.cli import demo
+from api.cli import checkpoints, demo
 from rl_service.control.settings import TaperSettings, get_settings
 from rl_service.spec import read_spec_file
 
@@ -612,6 +612,7 @@ def quota_reset(tenant: str) -> None:
 
 
 demo.register(app)
+checkpoints.register(app, _api, _check, console)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Layout of one checkpoint `<root>/step_00000003/`:
   config.json, model.safetensors   the policy (HF `save_pretrained`; MoE balancing biases are buffers in it),
                                    loadable by `AutoModelForCausalLM` and by the rollout engines
+  configuration_taper.py, ...      the model's code (model.portable): with `trust_remote_code=True` the
+                                   folder loads where this project is not installed
   tokenizer files                  when a tokenizer is given
   learner.pt                       optimizer + LR scheduler state, optimizer step count
   rng.pt                           Python / NumPy / torch (CPU and CUDA) RNG states
@@ -31,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from model.portable import write_portable_code
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_PREFIX = ".tmp-step_"
@@ -115,6 +119,8 @@ def save_weights(model: nn.Module, path: Path, tokenizer: Any = None,
     if state_dict is not None:
         kwargs["state_dict"] = state_dict
     model.save_pretrained(path, **kwargs)
+    if getattr(model.config, "model_type", None) == "taper":  # our model's code goes with it: loads anywhere
+        write_portable_code(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
 

@@ -54,6 +54,7 @@ from rl_service.training.checkpoint import (
 from rl_service.training.distributed import DistributedLearner
 from rl_service.training.learner import Learner, LearnerConfig
 from rl_service.training.run_state import RunState
+from rl_service.training.tracking import TrackedHooks
 from rl_service.training.warm_start import WARM_START_SEED_OFFSET, run_warm_start
 from rollout_workers.engine import EngineConfig, VLLMEngine
 from rollout_workers.environments.registry import (
@@ -99,8 +100,8 @@ class JobRunner:
                  pool_factory: PoolFactory | None = None, device: str | None = None) -> None:
         self.job_id = job_id
         self.spec = spec
-        self.hooks = hooks
         self.work_dir = Path(work_dir)
+        self.hooks = TrackedHooks(hooks, job_id, spec, self.work_dir)
         self.pool_factory = pool_factory or default_pool_factory
         if device is None:
             device = "cuda" if spec.resources.learner_gpus > 0 and torch.cuda.is_available() else "cpu"
@@ -160,6 +161,7 @@ class JobRunner:
             if getattr(self, "dp", None) is not None:
                 self.dp.shutdown()
                 self.dp = None
+            self.hooks.close()
             if self.pool is not None:
                 try:
                     self.pool.shutdown()

@@ -42,12 +42,24 @@ def token_stats(name: str, values: Sequence[float]) -> dict[str, float]:
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float, async_mode: bool) -> dict[str, float]:
-    """Tokens sampled, and their rate when the rollout was not overlapped with training."""
+    """Tokens sampled, their rate when the rollout was not overlapped with training, and the tool calls."""
     sampled = sum(len(s.action_ids) for tj in trajs for s in tj.steps)
     metrics = {"rollout/sampled_tokens": float(sampled)}
     if rollout_s > 0 and not async_mode:
         metrics["rollout/tokens_per_s"] = sampled / rollout_s
+    metrics.update(tool_metrics(trajs))
     return metrics
+
+
+def tool_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Tool calls of a step's trajectories: how many, their mean latency and error rate."""
+    calls = [c for tj in trajs for step in tj.steps for c in step.tool_calls]
+    if not calls:
+        return {"tools/calls": 0.0}
+    return {"tools/calls": float(len(calls)),
+            "tools/latency_mean_s": sum(c.latency_s for c in calls) / len(calls),
+            "tools/latency_max_s": max(c.latency_s for c in calls),
+            "tools/error_rate": sum(c.error is not None for c in calls) / len(calls)}
 
 
 def score(trajs: Sequence[Trajectory], env: Any) -> None:

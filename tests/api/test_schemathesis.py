@@ -57,8 +57,9 @@ def test_no_server_errors(fuzz_target: dict) -> None:
                   suppress_health_check=list(HealthCheck))
         def run(case) -> None:
             # Half the cases address the real job, so the fuzzer reaches past the 404 of a random id.
-            if case.path_parameters and len(str(case.path_parameters.get("job_id", ""))) % 2:
-                case.path_parameters["job_id"] = fuzz_target["job_id"]
+            for name in ("job_id", "fine_tuning_job_id"):
+                if case.path_parameters and len(str(case.path_parameters.get(name, ""))) % 2:
+                    case.path_parameters[name] = fuzz_target["job_id"]
             headers = dict(case.headers or {})
             headers["Authorization"] = f"Bearer {fuzz_target['key']}"  # the generated one is random
             if case.path.endswith("/events"):
@@ -84,6 +85,7 @@ def test_every_schemathesis_check_passes_against_a_live_server(redis_url: str, t
     service = TaperService(store, tmp_path, submit_rate_per_minute=10_000)
     app = create_app(service, TaperSettings(max_request_bytes=64_000, data_dir=tmp_path))
     key = store.create_api_key("conformance")
+    app.openapi()  # build the (cached) document now: on a loaded machine it took most of the 10 s load timeout
     with ThreadedServer(app) as server:
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFORMANCE_CONFIG), "run",

@@ -17,6 +17,7 @@ import torch
 
 from model.config import TaperConfig
 from model.modeling import TaperForCausalLM
+from model.portable import write_portable_code
 
 pytestmark = pytest.mark.usefixtures("vllm_env")
 
@@ -54,6 +55,7 @@ def _save_model(seed: int, out: Path, tokenizer_dir: Path) -> Path:
     model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tok)))
     _random_weights(model, seed)
     model.save_pretrained(out)
+    write_portable_code(out)  # as checkpoints are saved: auto_map and the model's code beside the weights
     tok.save_pretrained(out)
     return out
 

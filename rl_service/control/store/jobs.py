@@ -345,6 +345,18 @@ class JobsPart(StoreBase):
             raws = pipe.execute()
         return [_record(r) for r in raws if r], int(total)
 
+    def list_jobs_after(self, tenant: str, after: str | None, limit: int) -> tuple[list[JobRecord], bool] | None:
+        """Up to ``limit`` of the tenant's jobs, newest first, older than the job ``after`` (None: from the
+        newest); and whether more follow. None when ``after`` is not one of the tenant's jobs."""
+        start = 0
+        if after is not None:
+            rank = self.r.zrevrank(self.k_jobs(tenant), after)
+            if rank is None:
+                return None
+            start = rank + 1
+        jobs, total = self.list_jobs(tenant, None, start, limit)
+        return jobs, start + limit < total
+
     def job_ids_in(self, state: JobState | str) -> list[str]:
         return list(self.r.zrange(self.k_state(state), 0, -1))
 

@@ -45,6 +45,12 @@ class StreamsPart(StoreBase):
         rows = self.r.xrange(self.k_events(job_id), min=self._exclusive(after), max="+", count=limit)
         return [self._event(eid, f) for eid, f in rows]
 
+    def events_newest_first(self, job_id: str, before: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Events before the stream id ``before`` (exclusive), newest first."""
+        rows = self.r.xrevrange(self.k_events(job_id), max=self._exclusive(before) if before else "+", min="-",
+                                count=limit)
+        return [self._event(eid, f) for eid, f in rows]
+
     @staticmethod
     def _event(eid: str, f: dict[str, str]) -> dict[str, Any]:
         return {"id": eid, "kind": f["kind"], "ts": float(f["ts"]), "data": json.loads(f["data"])}

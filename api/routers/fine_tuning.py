@@ -1,0 +1,138 @@
+"""/v1/fine_tuning/jobs: OpenAI's fine-tuning API over Taper jobs, so the official `openai` client drives them
+(same keys: the API key is the client's `api_key`). Errors on these routes come in OpenAI's shape. Thin: the
+translation lives in rl_service.control.openai_compat, every rule in rl_service.control.service."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.openai_schemas import (
+    FineTuningJob,
+    FineTuningJobCheckpointPage,
+    FineTuningJobEventPage,
+    FineTuningJobPage,
+    openai_error_responses,
+)
+from api.openapi import SchemaCheckedRoute
+from api.routers.params import JobId, Svc, Who
+from api.schemas import error_responses
+from rl_service.control.openai_compat import (
+    CHECKPOINT_ID,
+    EVENT_ID,
+    FineTuningJobCreate,
+    FineTuningJobs,
+    openai_error,
+    openai_error_of,
+)
+from rl_service.control.service import RateLimited, ServiceError, error_field
+
+# Parts of a pydantic error location that name a branch of a union, not a field ("literal['auto']", "int")
+_UNION_BRANCH = re.compile(r"^(int|float|str|bool|none|dict\[.*|list\[.*|literal\[.*|constrained-.*|function-.*)$")
+
+
+def _param(loc: tuple[Any, ...], message: str) -> str:
+    parts = [p for p in loc if not (isinstance(p, str) and _UNION_BRANCH.match(p))]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:] or parts
+    return error_field(parts, message) or "body"
+
+
+class OpenAIRoute(SchemaCheckedRoute):
+    """A route whose errors (auth, validation, service rules) answer in OpenAI's error shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def openai_errors(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ServiceError as exc:
+                status, body = openai_error_of(exc)
+                headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, RateLimited) else None
+                if exc.status == 401:
+                    headers = {"WWW-Authenticate": "Bearer"}
+                return JSONResponse(body, status_code=status, headers=headers)
+            except RequestValidationError as exc:
+                first = (exc.errors() or [{"loc": ("body",), "msg": "invalid request"}])[0]
+                msg = str(first.get("msg", "invalid request"))
+                param = "body" if first.get("type") == "json_invalid" else _param(tuple(first.get("loc", ())), msg)
+                # a request that does not match the schema: OpenAI's 400 (a schema-valid one the service refuses
+                # keeps the service's 422)
+                status, body = openai_error(400, f"{param}: {msg}", "invalid", param)
+                return JSONResponse(body, status_code=status)
+            except StarletteHTTPException as exc:
+                status, body = openai_error(exc.status_code, str(exc.detail), None, None)
+                return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
+
+        return openai_errors
+
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning (OpenAI-compatible)"], route_class=OpenAIRoute)
+
+JobAfter = Annotated[str | None, Query(pattern=r"^job-[0-9a-f]{16}$", description="The last id of the previous page.")]
+EventAfter = Annotated[str | None, Query(pattern=EVENT_ID, description="The last id of the previous page.")]
+CheckpointAfter = Annotated[str | None, Query(pattern=CHECKPOINT_ID, description="The last id of the previous page.")]
+Limit = Annotated[int, Query(ge=1, le=100)]
+_CONTROL = openai_error_responses(400, 401, 404, 409, 422)
+
+
+def _jobs(svc: Svc) -> FineTuningJobs:
+    return FineTuningJobs(svc)
+
+
+@router.post("", response_model=FineTuningJob, summary="Create a fine-tuning job (reinforcement)",
+             responses={**openai_error_responses(400, 401, 422, 429), **error_responses(413)})
+def create_job(request: FineTuningJobCreate, svc: Svc, who: Who) -> dict[str, Any]:
+    """OpenAI's fields; Taper's job blocks (environment, tasks, rollout, algorithm, reward_schedule, resources,
+    total_steps, ...) as extra top-level fields (the client's `extra_body`)."""
+    return _jobs(svc).create(who, request)
+
+
+@router.get("", response_model=FineTuningJobPage, summary="List fine-tuning jobs, newest first",
+            responses=openai_error_responses(400, 401, 404, 422))
+def list_jobs(svc: Svc, who: Who, after: JobAfter = None, limit: Limit = 20) -> dict[str, Any]:
+    return _jobs(svc).list(who, after, limit)
+
+
+@router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, summary="Retrieve a fine-tuning job",
+            responses=openai_error_responses(400, 401, 404, 422))
+def retrieve_job(fine_tuning_job_id: JobId, svc: Svc, who: Who) -> dict[str, Any]:
+    return _jobs(svc).retrieve(who, fine_tuning_job_id)
+
+
+@router.post("/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, summary="Cancel a fine-tuning job",
+             responses=_CONTROL)
+def cancel_job(fine_tuning_job_id: JobId, svc: Svc, who: Who) -> dict[str, Any]:
+    return _jobs(svc).cancel(who, fine_tuning_job_id)
+
+
+@router.post("/{fine_tuning_job_id}/pause", response_model=FineTuningJob, summary="Pause a fine-tuning job",
+             responses=_CONTROL)
+def pause_job(fine_tuning_job_id: JobId, svc: Svc, who: Who) -> dict[str, Any]:
+    return _jobs(svc).pause(who, fine_tuning_job_id)
+
+
+@router.post("/{fine_tuning_job_id}/resume", response_model=FineTuningJob, summary="Resume a paused fine-tuning job",
+             responses=_CONTROL)
+def resume_job(fine_tuning_job_id: JobId, svc: Svc, who: Who) -> dict[str, Any]:
+    return _jobs(svc).resume(who, fine_tuning_job_id)
+
+
+@router.get("/{fine_tuning_job_id}/events", response_model=FineTuningJobEventPage,
+            summary="A fine-tuning job's events, newest first", responses=openai_error_responses(400, 401, 404, 422))
+def list_events(fine_tuning_job_id: JobId, svc: Svc, who: Who, after: EventAfter = None, limit: Limit = 20) -> dict[str, Any]:
+    return _jobs(svc).events(who, fine_tuning_job_id, after, limit)
+
+
+@router.get("/{fine_tuning_job_id}/checkpoints", response_model=FineTuningJobCheckpointPage,
+            summary="A fine-tuning job's checkpoints, newest first", responses=openai_error_responses(400, 401, 404, 422))
+def list_checkpoints(fine_tuning_job_id: JobId, svc: Svc, who: Who, after: CheckpointAfter = None,
+                     limit: Limit = 10) -> dict[str, Any]:
+    return _jobs(svc).checkpoints(who, fine_tuning_job_id, after, limit)

@@ -1,0 +1,64 @@
+"""Training metrics on the API's /metrics (Prometheus), read from the job store at scrape time: each running
+job's latest step (tokens/s, step time, tool latency, success rate, process weight), its driver restarts, and
+the queue per tenant. Every job series carries `tenant`, `environment` and `job` labels, so an operator sums
+or averages by tenant or environment (`sum by (tenant) (taper_job_tokens_per_second)`)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from rl_service.control.service import TaperService
+from rl_service.job_states import JobState
+
+log = logging.getLogger(__name__)
+
+MAX_JOBS = 1000  # per state, per scrape
+LABELS = ["tenant", "environment", "job"]
+# metric name, help, key in the job's latest metrics
+FROM_LAST_STEP = [
+    ("taper_job_tokens_per_second", "Sampled tokens per second of rollout, latest step", "rollout/tokens_per_s"),
+    ("taper_job_step_seconds", "Wall time of the latest training step", "time/step"),
+    ("taper_job_tool_latency_seconds", "Mean tool-call latency, latest step", "tools/latency_mean_s"),
+    ("taper_job_tool_error_rate", "Share of tool calls that failed, latest step", "tools/error_rate"),
+    ("taper_job_success_rate", "Outcome success rate of the latest step's rollouts", "success_rate"),
+    ("taper_job_process_weight", "Process-reward weight w(t) of the latest step", "schedule/weight"),
+    ("taper_job_schedule_version", "Reward-schedule version of the latest step", "schedule/version"),
+]
+
+
+class TrainingMetrics:
+    """A Prometheus collector over the service's job store."""
+
+    def __init__(self, service: TaperService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            running = self.service.store.list_jobs(None, JobState.RUNNING, 0, MAX_JOBS)[0]
+            queued = self.service.store.list_jobs(None, JobState.QUEUED, 0, MAX_JOBS)[0]
+        except Exception:  # a scrape must not fail because Redis blinked
+            log.debug("training metrics skipped: the store is unreachable", exc_info=True)
+            return
+        families = {key: GaugeMetricFamily(name, text, labels=LABELS) for name, text, key in FROM_LAST_STEP}
+        step = GaugeMetricFamily("taper_job_step", "Training steps done", labels=LABELS)
+        restarts = GaugeMetricFamily("taper_job_driver_restarts", "Driver starts after the first (resumes, "
+                                     "restarts after a lost driver)", labels=LABELS)
+        for job in running:
+            labels = [job.tenant, job.spec.environment.name, job.id]
+            step.add_metric(labels, job.step)
+            restarts.add_metric(labels, max(job.attempts - 1, 0))
+            for key, family in families.items():
+                value = (job.last_metrics or {}).get(key)
+                if isinstance(value, int | float):
+                    family.add_metric(labels, float(value))
+        yield from families.values()
+        yield step
+        yield restarts
+        depth = GaugeMetricFamily("taper_queue_depth", "Jobs waiting to be placed", labels=["tenant"])
+        for tenant, n in sorted(Counter(job.tenant for job in queued).items()):
+            depth.add_metric([tenant], n)
+        yield depth

@@ -1,0 +1,188 @@
+"""The official `openai` client drives Taper jobs through /v1/fine_tuning/jobs on a live server: create (with
+Taper's own blocks in extra_body), list with paging, retrieve, events, pause, resume, cancel, checkpoints, and
+4xx answers surfacing as the client's typed exceptions. The job's driver is played through the store (the
+calls a driver makes: state transitions, checkpoints), as the native API's control tests do."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from api_helpers import ThreadedServer
+
+from api.app import create_app
+from rl_service.control.service import TaperService
+from rl_service.control.settings import TaperSettings
+from rl_service.control.store import Store
+
+RL = {"type": "reinforcement", "reinforcement": {"hyperparameters": {"batch_size": 2, "n_epochs": 1}}}
+
+
+@pytest.fixture
+def live(redis_url: str, tmp_path: Path) -> Iterator[tuple[openai.OpenAI, openai.OpenAI, Store]]:
+    store = Store(redis_url)
+    service = TaperService(store, tmp_path, submit_rate_per_minute=1000)
+    app = create_app(service, TaperSettings(max_request_bytes=64_000, data_dir=tmp_path))
+    with ThreadedServer(app) as server:
+        base = f"{server.url}/v1"
+        yield (openai.OpenAI(api_key=store.create_api_key("alpha"), base_url=base, max_retries=0),
+               openai.OpenAI(api_key=store.create_api_key("beta"), base_url=base, max_retries=0), store)
+
+
+def create(client: openai.OpenAI, **extra):
+    return client.fine_tuning.jobs.create(
+        model="tiny", training_file=None, seed=7, suffix="calc", metadata={"team": "rl"}, method=RL,
+        integrations=[{"type": "wandb", "wandb": {"project": "taper-rl", "tags": ["calc"]}}],
+        extra_body={"environment": {"name": "calculator"}, "tasks": {"num_train": 8, "num_eval": 2},
+                    "reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 4}, **extra})
+
+
+def test_create_retrieve_and_list_with_paging(live) -> None:
+    client, other, store = live
+    job = create(client)
+    assert (job.object, job.status, job.model, job.seed, job.metadata) == ("fine_tuning.job", "queued", "tiny", 7,
+                                                                          {"team": "rl"})
+    assert isinstance(job.created_at, int) and job.fine_tuned_model is None and job.error is None
+    assert job.method.type == "reinforcement" and job.method.reinforcement.hyperparameters.batch_size == 2
+    assert job.training_file is None  # the environment generates the tasks
+    spec = store.get_job(job.id).spec  # the OpenAI fields and extra_body landed in the native spec
+    assert (spec.name, spec.seed, spec.rollout.prompts_per_step, spec.total_steps, spec.tasks.num_train) == \
+        ("calc", 7, 2, 4, 8)  # n_epochs 1 over 8 tasks at 2 per step
+    assert (spec.reward_schedule.kind, spec.reward_schedule.horizon) == ("linear", 4)
+    assert (spec.tracking.wandb.project, spec.tracking.wandb.tags) == ("taper-rl", ["calc"])
+    assert job.integrations[0].wandb.project == "taper-rl"
+    assert client.fine_tuning.jobs.retrieve(job.id).id == job.id
+
+    ids = [job.id] + [create(client).id for _ in range(4)]
+    first = client.fine_tuning.jobs.list(limit=2)
+    assert [j.id for j in first.data] == ids[::-1][:2] and first.has_more
+    walked = [j.id for j in client.fine_tuning.jobs.list(limit=2)]  # auto-paging follows `after`
+    assert walked == ids[::-1]
+    last = client.fine_tuning.jobs.list(limit=2, after=ids[1])
+    assert [j.id for j in last.data] == [ids[0]] and not last.has_more
+    assert [j.id for j in other.fine_tuning.jobs.list()] == []  # tenants see only their own jobs
+    with pytest.raises(openai.NotFoundError):
+        other.fine_tuning.jobs.retrieve(job.id)
+
+
+def test_control_events_and_checkpoints(live) -> None:
+    client, _, store = live
+    job = create(client)
+    with pytest.raises(openai.ConflictError) as exc:  # a queued job has no driver to pause
+        client.fine_tuning.jobs.pause(job.id)
+    assert exc.value.body["param"] == "state"
+    store.transition(job.id, "starting")
+    store.transition(job.id, "running")
+    assert client.fine_tuning.jobs.pause(job.id).status == "pausing"
+    store.transition(job.id, "paused", reason="paused by the driver")
+    assert client.fine_tuning.jobs.retrieve(job.id).status == "paused"
+    assert client.fine_tuning.jobs.resume(job.id).status == "queued"
+
+    for step in (2, 4, 6):
+        step_dir = Path(store.get_job(job.id).work_dir) / "checkpoints" / f"step_{step:08d}"
+        step_dir.mkdir(parents=True)
+        store.add_checkpoint(job.id, step, step_dir.resolve().as_uri())
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id, limit=2)
+    assert [c.step_number for c in checkpoints.data] == [6, 4] and checkpoints.has_more
+    assert checkpoints.data[0].fine_tuned_model_checkpoint == f"{job.id}:6"
+    assert [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id, limit=2)] == [6, 4, 2]
+
+    assert client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=2))  # newest first, paged by `after`
+    assert len(events) >= 6 and all(e.object == "fine_tuning.job.event" for e in events)
+    assert events[0].message.endswith("-> cancelled: cancelled by user")
+    assert [e.data["to"] for e in events if e.data["kind"] == "state"] == \
+        ["cancelled", "queued", "paused", "running", "starting"]
+    assert len({e.id for e in events}) == len(events)
+    with pytest.raises(openai.ConflictError):
+        client.fine_tuning.jobs.cancel(job.id)
+
+
+GRADER = {"type": "string_check", "name": "x", "input": "{{sample.output_text}}", "reference": "4", "operation": "eq"}
+
+
+# Requests off the schema are OpenAI's 400; schema-valid ones the service refuses keep its 422. Both name the field.
+@pytest.mark.parametrize(("change", "param", "error"), [
+    ({"model": "gpt-4o-mini"}, "model", openai.BadRequestError),
+    ({"method": {"type": "supervised"}}, "method.type", openai.BadRequestError),
+    ({"method": {"type": "reinforcement", "reinforcement": {"grader": GRADER}}}, "method.reinforcement.grader",
+     openai.BadRequestError),
+    ({"method": {"type": "reinforcement", "reinforcement": {"hyperparameters": {"batch_size": 0}}}},
+     "method.reinforcement.hyperparameters.batch_size", openai.BadRequestError),
+    ({"extra_body": {"rollout": {"num_generations": 0}}}, "rollout.num_generations", openai.BadRequestError),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field", openai.BadRequestError),
+    ({"extra_body": {"environment": {"name": "nope"}}}, "environment.name", openai.UnprocessableEntityError),
+    ({"extra_body": {"total_steps": 5}, "method": RL}, "method.reinforcement.hyperparameters.n_epochs",
+     openai.UnprocessableEntityError),
+    ({"model": "job-0123456789abcdef"}, "model.checkpoint", openai.UnprocessableEntityError),
+])
+def test_bad_requests_are_typed_client_errors_naming_the_field(live, change: dict, param: str, error: type) -> None:
+    client, _, store = live
+    kwargs = {"model": "tiny", "training_file": None, **change}
+    with pytest.raises(error) as exc:
+        client.fine_tuning.jobs.create(**kwargs)
+    body = exc.value.body
+    assert body["param"] == param and body["type"] == "invalid_request_error", body
+    assert body["message"] and body["code"]
+    assert store.list_jobs(None)[1] == 0  # nothing half-written
+
+
+def test_paging_cursors_of_other_jobs_are_not_found(live) -> None:
+    client, other, _ = live
+    job = create(client)
+    with pytest.raises(openai.NotFoundError) as exc:
+        other.fine_tuning.jobs.list(after=job.id)
+    assert exc.value.body["param"] == "after"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.fine_tuning.jobs.list_events(job.id, after="not-an-id")
+    assert exc.value.body["param"] == "after"
+
+
+def test_a_bad_key_is_an_authentication_error(live) -> None:
+    client, _, _ = live
+    bad = client.with_options(api_key="tpr_not-a-key")
+    with pytest.raises(openai.AuthenticationError) as exc:
+        bad.fine_tuning.jobs.list()
+    assert exc.value.body["type"] == "authentication_error" and exc.value.body["param"] == "Authorization"
+
+
+def test_finished_jobs_and_fine_tuned_model_as_the_next_model(live) -> None:
+    client, _, store = live
+    job = create(client)
+    for state in ("starting", "running", "succeeded"):
+        store.transition(job.id, state)
+    step_dir = Path(store.get_job(job.id).work_dir) / "checkpoints" / "step_00000004"
+    step_dir.mkdir(parents=True)
+    store.add_checkpoint(job.id, 4, step_dir.resolve().as_uri())
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert (done.status, done.fine_tuned_model, done.error) == ("succeeded", job.id, None)
+    assert isinstance(done.finished_at, int) and done.finished_at >= done.created_at
+    following = client.fine_tuning.jobs.create(model=done.fine_tuned_model, training_file=None)
+    assert following.model == job.id
+    assert store.get_job(following.id).spec.model.checkpoint_dir == str(step_dir.resolve())
+
+    failing = create(client)
+    store.transition(failing.id, "starting")
+    store.transition(failing.id, "failed", fields={"error": "learner rank 0 died"})
+    failed = client.fine_tuning.jobs.retrieve(failing.id)
+    assert failed.status == "failed" and failed.fine_tuned_model is None
+    assert (failed.error.code, failed.error.message) == ("job_failed", "learner rank 0 died")
+
+
+def test_training_and_validation_files_uploaded_with_the_client(live) -> None:
+    client, other, store = live
+    lines = [{"question": f"What is {a} + {a}?", "answer": str(2 * a)} for a in range(1, 5)]
+    content = "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
+    train = client.files.create(file=("train.jsonl", content), purpose="fine-tune")
+    valid = client.files.create(file=("valid.jsonl", content[: content.index(b"\n") + 1]), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, validation_file=valid.id,
+                                         extra_body={"environment": {"name": "calculator"}})
+    assert (job.training_file, job.validation_file) == (train.id, valid.id)
+    tasks = store.get_job(job.id).spec.tasks
+    assert (tasks.train_file, tasks.eval_file) == (train.id, valid.id)
+    with pytest.raises(openai.APIStatusError) as exc:  # another tenant's file is not theirs to train on
+        other.fine_tuning.jobs.create(model="tiny", training_file=train.id)
+    assert exc.value.status_code in (404, 422) and "train_file" in (exc.value.body.get("param") or "")
