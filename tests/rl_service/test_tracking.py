@@ -53,7 +53,7 @@ def test_event_file_has_the_training_series(pool, tiny_llama_dir, tmp_path: Path
                      reward_schedule={"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 3})
 
     def steer(step, metrics):
-        if step == 1 and "loss" in metrics:
+        if step == 0 and "loss" in metrics:
             hooks.set_schedule(RewardSchedule(kind="constant", w_start=0.25))
 
     hooks = InMemoryHooks(schedule=spec.reward_schedule, on_metrics=steer)
@@ -63,8 +63,8 @@ def test_event_file_has_the_training_series(pool, tiny_llama_dir, tmp_path: Path
     expected = {"loss", "success_rate", "schedule/weight", "schedule/version", "time/step", "rollout/tokens_per_s",
                 "reward/outcome_mean", "tools/calls", "learner_idle_fraction"}
     assert expected <= set(scalars), expected - set(scalars)
-    assert scalars["schedule/version"] == {1: 1.0, 2: 2.0, 3: 2.0}
-    assert scalars["schedule/weight"] == {1: 1.0, 2: 0.25, 3: 0.25}
+    assert scalars["schedule/version"] == {0: 1.0, 1: 2.0, 2: 2.0}
+    assert scalars["schedule/weight"] == {0: 1.0, 1: 0.25, 2: 0.25}
     train = {step: m for step, m in hooks.metrics if "loss" in m}  # the same values the service recorded
     assert scalars["loss"] == pytest.approx({s: m["loss"] for s, m in train.items()}, rel=1e-6)
     warnings = [e["message"] for e in hooks.events_of("warning")]
