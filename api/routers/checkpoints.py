@@ -11,7 +11,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 
 from api.openapi import SchemaCheckedRoute
-from api.routers.params import JobId, Svc, Who
+from api.routers.dependencies import JobId, Svc, Who
 from api.schemas import error_responses
 from rl_service.control.checkpoint_export import checkpoint_dir, tar_stream
 

@@ -21,7 +21,7 @@ from api.openai_schemas import (
     openai_error_responses,
 )
 from api.openapi import SchemaCheckedRoute
-from api.routers.params import JobId, Svc, Who
+from api.routers.dependencies import JobId, Svc, Who
 from api.schemas import error_responses
 from rl_service.control.openai_compat import (
     CHECKPOINT_ID,

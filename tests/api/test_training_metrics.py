@@ -25,8 +25,9 @@ def test_running_jobs_and_queues_by_tenant(api: Api) -> None:
     api.store.transition(running, "starting")
     api.store.transition(running, "running")
     api.store.update_job(running, allowed=["running"], fields={"attempts": 3})
-    api.store.add_metrics(running, 2, {"rollout/tokens_per_s": 1234.5, "time/step": 2.5, "success_rate": 0.75,
-                                       "tools/latency_mean_s": 0.012, "schedule/weight": 0.5, "loss": 0.1})
+    api.store.add_metrics(running, 1, {"rollout/tokens_per_s": 1234.5, "time/step": 2.5, "success_rate": 0.75,
+                                       "tools/latency_mean_s": 0.012, "schedule/weight": 0.5, "loss": 0.1},
+                          steps_done=2)  # step 1 trained: two steps done
     metrics = scrape(api)
     labels = (("environment", "calculator"), ("job", running), ("tenant", "alpha"))
     assert metrics["taper_job_tokens_per_second"] == {labels: 1234.5}
