@@ -39,7 +39,8 @@ run_lane() {
 }
 pytest_args=("$@")
 run_lane 1 "tests/ui tests/test_demo.py" "tests/kernels tests/reward_models tests/deploy" \
-  "tests/test_foundation.py tests/rollout_workers" >"$logs/lane2.log" 2>&1 &
+  "tests/test_foundation.py tests/test_docs.py tests/test_curriculum_protocol.py tests/rollout_workers" \
+  "tests/test_guide.py" >"$logs/lane2.log" 2>&1 &
 lane2=$!
 run_lane 0 "tests/rl_service tests/api" "tests/model"
 wait $lane2 || true
