@@ -214,8 +214,9 @@ def run_protocol_one(k: int, variant: str, seed: int, steps: int, work: Path, ch
     import shutil
 
     from reward_models.monitor import WARNING_KIND
+    from rl_service.hooks import InMemoryHooks
     from rl_service.spec import JobSpec
-    from rl_service.training.runner import InMemoryHooks, JobRunner
+    from rl_service.training.runner import JobRunner
 
     class Runner(JobRunner):
         def _evaluate(self, step: int) -> None:

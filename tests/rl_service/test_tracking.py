@@ -13,7 +13,8 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from reward_models.schedule import RewardSchedule
-from rl_service.training.runner import InMemoryHooks, JobRunner, seeded_vllm_engine
+from rl_service.hooks import InMemoryHooks
+from rl_service.training.runner import JobRunner, seeded_vllm_engine
 from rl_service.training.tracking import TENSORBOARD_DIR, installed
 from tests.rl_service.learner_helpers import ReusedPool
 from tests.rl_service.test_job import make_spec

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from rl_service.hooks import InMemoryHooks
 from rl_service.spec import JobSpec
-from rl_service.training.runner import InMemoryHooks
 from rl_service.training.tracking import TrackedHooks
 
 mlflow = pytest.importorskip("mlflow")
