@@ -25,14 +25,15 @@ def start_job(service: TaperService, tenant: str, name: str = "ui-demo", total_s
     return service.store.get_job(job.id)
 
 
-def step_metrics(step: int, history: ScheduleHistory) -> dict[str, float]:
-    """Metrics of training step ``step`` (1-based, as the job runner reports them), with its key names."""
-    t = step - 1
+def step_metrics(t: int, history: ScheduleHistory) -> dict[str, float]:
+    """Metrics of training step ``t`` (counted from 0, as the job runner reports them), with its key names;
+    the values grow with the number of steps done, ``t + 1``."""
+    step = t + 1
     version, schedule = history.at(t)
     w = schedule.weight(t)
     raw = 0.5 + 0.4 * math.sin(step / 3)
     return {
-        "step": float(step),
+        "step": float(t),
         "reward/outcome_mean": 0.1 * step,
         "reward/process/tool_use/raw": raw,
         "reward/process/tool_use/weighted": w * raw,
@@ -55,7 +56,9 @@ def step_metrics(step: int, history: ScheduleHistory) -> dict[str, float]:
 
 def report_steps(service: TaperService, job_id: str, steps: range) -> None:
     for s in steps:
-        service.store.add_metrics(job_id, s, step_metrics(s, service.store.schedule_history(job_id)), steps_done=s + 1)
+        # `steps` counts steps done: the row of the s-th step is step s - 1
+        service.store.add_metrics(job_id, s - 1, step_metrics(s - 1, service.store.schedule_history(job_id)),
+                                  steps_done=s)
 
 
 def _step(text: str, ids: list[int], logprobs: list[float], obs_ids: list[int], obs_text: str,

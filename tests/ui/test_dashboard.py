@@ -78,7 +78,7 @@ def test_job_page_live_curves_schedule_edit_and_trajectory(ui_server: UiServer, 
     wait_js(page, "document.getElementById('chart-rewards-raw')?.dataset.points === '3'")
     raw = {t["meta"]: t for t in chart_data(page, "chart-rewards-raw")}
     assert set(raw) == {"reward/outcome_mean", "reward/process/tool_use/raw"}
-    assert raw["reward/outcome_mean"]["x"] == [1, 2, 3]
+    assert raw["reward/outcome_mean"]["x"] == [0, 1, 2]
     assert raw["reward/outcome_mean"]["y"] == pytest.approx([0.1, 0.2, 0.3])
     weighted = {t["meta"] for t in chart_data(page, "chart-rewards-weighted")}
     assert weighted == {"reward/process/tool_use/weighted"}
@@ -94,7 +94,7 @@ def test_job_page_live_curves_schedule_edit_and_trajectory(ui_server: UiServer, 
     page.wait_for_selector("#events li[data-kind=checkpoint_hint]")
     report_steps(svc, job.id, range(4, 6))
     wait_js(page, "document.getElementById('chart-rewards-raw').dataset.points === '5'")
-    assert chart_data(page, "chart-rewards-raw")[0]["x"] == [1, 2, 3, 4, 5]
+    assert chart_data(page, "chart-rewards-raw")[0]["x"] == [0, 1, 2, 3, 4]
     store.r.hset(store.k_job(job.id), "step", "5")
 
     # ---- schedule editor: the curve in force, a previewed edit, then the PATCH
@@ -138,7 +138,7 @@ def test_job_page_live_curves_schedule_edit_and_trajectory(ui_server: UiServer, 
     report_steps(svc, job.id, range(6, 9))
     wait_js(page, "document.getElementById('chart-schedule').dataset.points === '8'")
     shapes = page.evaluate("document.getElementById('chart-schedule').layout.shapes.map(s => s.x0)")
-    assert shapes == [7]  # metrics step 7 is training step 6, the first under version 2
+    assert shapes == [6]  # training step 6 (rows count from 0) is the first under version 2
     screenshot(page, "job-curves")
 
     # ---- trajectories: filter, open one, see the tool call, hover a token
