@@ -328,7 +328,7 @@ def main() -> None:
             print(f"seed {seed}: {args.faults} faults over {args.steps} steps", flush=True)
             results.append(run(seed, args.faults, args.steps, args.recovery_timeout, Path(work)))
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
+            args.out.write_text(json.dumps({"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
                                             "runs": [asdict(r) for r in results]}, indent=1))
     print(f"machine: {describe(machine_info())}")
     print_tables(results)
