@@ -246,33 +246,30 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def stop_process(pid: int, timeout: float) -> None:
-    """SIGTERM `pid`; SIGKILL it if it still runs after `timeout` seconds."""
+def _terminate(pid: int, timeout: float) -> bool:
+    """SIGTERM `pid` and wait up to `timeout` seconds for it to exit; False if there was no such process."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
-        return
+        return False
     deadline = time.monotonic() + timeout
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if pid_alive(pid):
+    return True
+
+
+def stop_process(pid: int, timeout: float) -> None:
+    """SIGTERM `pid`; SIGKILL it if it still runs after `timeout` seconds."""
+    if _terminate(pid, timeout) and pid_alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
 
 def stop_process_group(pid: int, timeout: float) -> None:
     """SIGTERM the process that leads its own session; SIGKILL its group once it exits or after `timeout`."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # what the leader left behind, or the leader itself
-    except (ProcessLookupError, PermissionError):
-        pass
+    if _terminate(pid, timeout):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # what the leader left behind, or the leader itself
 
 
 def join_embedded_head(head: RayHead) -> None:
