@@ -184,23 +184,27 @@ class JobRunner:
             raise _Stop(result)
 
     def _run(self) -> str:
-        start, engine_dir = self.setup()
+        start = self.setup()
         spec = self.spec
         if start >= spec.total_steps:
             return "succeeded"
         self._check_control(start)
         t0 = time.perf_counter()
         self._progress()
+        # The engines always start from the initial weights, which stay for the job's life: a worker replaced
+        # later starts from them too (a checkpoint folder may be pruned by then) and loads the pushed weights.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-pool-start") as starter:
-            self.pool = self._await(starter.submit(self.pool_factory, spec, engine_dir))
-        self.hooks.emit_event("rollout_pool_ready", {"seconds": time.perf_counter() - t0, "weights": str(engine_dir)})
+            self.pool = self._await(starter.submit(self.pool_factory, spec, self.initial_dir))
+        if start > 0:  # resumed: the engines get the checkpoint's policy, as the version it is
+            pipeline.push_weights(self.pool, self.model, start, bf16=spec.resources.rollout_gpus > 0)
+        self.hooks.emit_event("rollout_pool_ready", {"seconds": time.perf_counter() - t0, "weight_version": start})
         if start == 0 and self.eval_tasks:
             self._evaluate(0)
         return self._loop(start)
 
-    def setup(self) -> tuple[int, Path]:
+    def setup(self) -> int:
         """Tasks, model, learner, and the state of the newest checkpoint if there is one.
-        Returns (first step to run, directory the rollout engines load)."""
+        Returns the first step to run."""
         spec = self.spec
         self.env = environment_of(spec)
         self.train_tasks, self.eval_tasks = job_tasks(spec, self.env, self.env_policy)
@@ -249,13 +253,11 @@ class JobRunner:
             if rng is not None:
                 restore_rng_state(rng)
             drop_trajectories_after(self.trajectory_dir, start, spec.total_steps)
-            engine_dir = ckpt.path
             self.hooks.emit_event("resumed", {"step": start, "checkpoint": str(ckpt.path)})
         else:
             self.run_state = RunState.fresh(spec, len(self.train_tasks), self.hooks.current_schedule())
-            engine_dir = self.initial_dir
             self.hooks.emit_event("started", {"step": 0, "total_steps": spec.total_steps})
-        return start, engine_dir
+        return start
 
     def _warm_start(self) -> None:
         """Fine-tune the fresh model on the environment's demonstrations (spec.warm_start), reported as the

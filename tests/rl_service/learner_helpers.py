@@ -76,26 +76,20 @@ class HangOnceCalculator(GradedCalculator):
 
 class ReusedPool:
     """A real RolloutPool shared by several JobRunner runs of one test module (engine start-up dominates a
-    short job). `factory` loads the run's starting weights into the running engines, as a fresh pool would."""
+    short job). `factory` loads the job's initial weights into the running engines, as a fresh pool would."""
 
     def __init__(self, pool) -> None:
         self.pool = pool
-        self.factory_calls = 0
 
     def factory(self, spec, weights_dir):
-        import json
         from pathlib import Path
 
         from safetensors.torch import load_file
 
-        weights_dir = Path(weights_dir)
         state = {}
-        for f in sorted(weights_dir.glob("*.safetensors")):
+        for f in sorted(Path(weights_dir).glob("*.safetensors")):
             state.update(load_file(str(f)))
-        meta = weights_dir / "state.json"
-        version = int(json.loads(meta.read_text())["step"]) if meta.exists() else 0
-        self.pool.push_weights(state, version)
-        self.factory_calls += 1
+        self.pool.push_weights(state, 0)
         return self
 
     def generate(self, *a, **k):

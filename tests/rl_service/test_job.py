@@ -296,3 +296,42 @@ def test_a_warm_start_runs_once_before_step_0_and_is_reported(shared_pool, tiny_
     resumed = InMemoryHooks()
     assert JobRunner("w", spec, resumed, tmp_path / "w", pool_factory=shared_pool.factory).run() == "succeeded"
     assert not resumed.events_of("warm_start_started") and resumed.events_of("resumed")
+
+
+class KillWorkerAfter(InMemoryHooks):
+    """Kills the job's rollout worker once `step` steps are trained (after their checkpoint was written)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.kill_step = step
+        self.runner: JobRunner | None = None
+        self.pool = None
+
+    def emit_metrics(self, step, metrics):
+        super().emit_metrics(step, metrics)
+        if step + 1 == self.kill_step and "loss" in metrics:
+            import ray
+
+            assert self.runner is not None and self.runner.pool is not None
+            self.pool = self.runner.pool
+            ray.kill(self.pool.workers[0], no_restart=True)
+
+
+def test_a_worker_lost_after_a_resume_is_replaced_though_the_resumed_checkpoint_was_pruned(
+        shared_pool, tiny_llama_dir, tmp_path) -> None:
+    """The engines start from the job's initial weights and get a resumed policy pushed: a worker replaced
+    later must not need the checkpoint the job resumed from, which `keep_last_checkpoints` may have deleted."""
+    spec = make_spec(tiny_llama_dir, checkpoint_every=1, keep_last_checkpoints=1,
+                     rollout={"kv_cache_gib": 0.25}, resources={"rollout_cpus": 0.5})
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        JobRunner("k", spec, CrashAfter(3), tmp_path, pool_factory=shared_pool.factory).run()
+    resumed_from = latest_checkpoint(tmp_path / "checkpoints").path
+
+    hooks = KillWorkerAfter(4)  # by then checkpoint 4 replaced the resumed-from checkpoint 3
+    runner = JobRunner("k", spec, hooks, tmp_path)  # the real pool factory: Ray actors with their own engine
+    hooks.runner = runner
+    assert runner.run() == "succeeded"
+    assert not resumed_from.exists() and hooks.pool is not None and hooks.pool.restarts == 1
+    for t in range(3, 6):  # each step sampled by the policy it resumed with or was pushed, also after the loss
+        versions = {v for tj in iter_trajectories(step_file(tmp_path / "trajectories", t)) for v in tj.weight_versions()}
+        assert versions == {t}, (t, versions)
