@@ -34,8 +34,9 @@ class JobHooks(Protocol):
     def add_checkpoint(self, step: int, uri: str) -> None:
         """A checkpoint was written (and older ones may have been pruned)."""
 
-    # Optional: `heartbeat()`, the sign of progress the runner gives between phases (the scheduler kills a
-    # driver that stops beating); hooks without it are not watched.
+    # Optional: `heartbeat(deadline_s=None)`, the sign of progress the runner gives (between phases, per
+    # rollout chunk and learner micro-batch), with the current phase's own deadline for the next one; the
+    # scheduler kills a driver whose progress stops for longer. Hooks without it are not watched.
 
 
 class InMemoryHooks:
@@ -51,11 +52,13 @@ class InMemoryHooks:
         self._lock = threading.Lock()
         self.on_metrics = on_metrics
         self.heartbeats = 0
+        self.deadlines: set[float | None] = set()  # the phase deadlines the heartbeats carried
         self.warning: str | None = None
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, deadline_s: float | None = None) -> None:
         with self._lock:
             self.heartbeats += 1
+            self.deadlines.add(deadline_s)
 
     def emit_event(self, kind: str, data: dict[str, Any]) -> None:
         with self._lock:

@@ -94,6 +94,7 @@ class RolloutPool:
         self.chunk_timeout_s = chunk_timeout_s
         self.restarts = 0
         self.stalls = 0  # workers replaced because a chunk outlived chunk_timeout_s
+        self.chunks_done = 0
         self._placement = (placement_group, list(bundle_indices or []))
         self._weights: tuple[ray.ObjectRef, int] | None = None
         self._workers = [self._spawn(slot) for slot in range(num_workers)]
@@ -103,6 +104,11 @@ class RolloutPool:
     @property
     def workers(self) -> list[Any]:
         return list(self._workers)
+
+    @property
+    def progress_count(self) -> int:
+        """Grows whenever a chunk of rollouts comes back or a worker is replaced: the pool is not stuck."""
+        return self.chunks_done + self.restarts
 
     def _spawn(self, slot: int) -> Any:
         options = dict(self._options)
@@ -201,6 +207,7 @@ class RolloutPool:
                     continue
                 for i, group in enumerate(out):
                     batch.results[chunk[0] + i] = group
+                self.chunks_done += 1
             for ref in self._stalled(batch):
                 slot, worker, chunk = batch.in_flight.pop(ref)
                 del batch.sent_at[ref]

@@ -17,25 +17,27 @@ log = logging.getLogger(__name__)
 
 
 class RedisHooks:
-    """A job driver's hooks; `heartbeat` writes at most every `heartbeat_every_s` seconds."""
+    """A job driver's hooks; `heartbeat` writes at most every `heartbeat_every_s` seconds (at once when the
+    phase's deadline changes)."""
 
     def __init__(self, store: Store, job_id: str, heartbeat_every_s: float = 10.0) -> None:
         self.store = store
         self.job_id = job_id
         self.every_s = heartbeat_every_s
         self._last = -float("inf")
+        self._deadline_s: float | None = None
 
     @classmethod
     def connect(cls, redis_url: str, job_id: str, prefix: str = "taper") -> RedisHooks:
         return cls(Store(redis_url, prefix=prefix), job_id)
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, deadline_s: float | None = None) -> None:
         now = time.monotonic()
-        if now - self._last < self.every_s:
+        if now - self._last < self.every_s and deadline_s == self._deadline_s:
             return
         try:
-            self.store.write_heartbeat(self.job_id)
-            self._last = now
+            self.store.write_heartbeat(self.job_id, deadline_s)
+            self._last, self._deadline_s = now, deadline_s
         except Exception:  # Redis briefly away: the job goes on; the next call retries
             log.warning("job %s: heartbeat not written", self.job_id, exc_info=True)
 

@@ -14,16 +14,20 @@ and fixes the difference, so a crash at any point of placing a job is repaired o
 - starting jobs get their placement group and, once it is ready, a driver actor.
 - running jobs whose driver is gone (killed, node lost, crashed) go back to starting and get a new driver,
   which resumes from the newest checkpoint in the job's work dir; after ``max_attempts`` they fail.
-- a running job whose driver is alive but silent (no heartbeat for ``heartbeat_timeout_s``: the runner is
-  stuck in one call) is treated the same way: a ``driver_hung`` event, the driver is killed and replaced.
+- a running job whose driver is alive but makes no progress (none for ``heartbeat_timeout_s`` plus its phase's
+  own deadline: the runner is stuck in one call, or waits on rollouts that never come) is treated the same
+  way: a ``driver_hung`` event, the driver is killed and replaced.
 - jobs that no longer need resources (paused, finished) have their driver and placement group removed.
 
 Only one process runs the loop at a time (a Redis lock with a TTL), so several API replicas are safe.
 
 Heartbeat: the runner reports progress through its hooks (`RedisHooks.heartbeat`: between phases, per
-learner micro-batch, while it waits on rollouts or learner ranks), which write Redis's own clock to
-``P:job:{id}:heartbeat`` (STRING, expires after a day) at most every ``heartbeat_every_s``; the scheduler
-compares it with Redis's clock, so the hosts' clocks never matter.
+rollout chunk finished, per learner micro-batch; waiting alone is not progress), with the deadline its current
+phase derives from the job's sizes (rollouts: the chunk deadline; training: the learner-rank deadline). The
+hooks write Redis's own clock and that deadline to ``P:job:{id}:heartbeat`` (STRING, expires after a day) at
+most every ``heartbeat_every_s``; the scheduler compares it with Redis's clock, so the hosts' clocks never
+matter. ``heartbeat_timeout_s`` is the operator's allowance for one call without progress (an engine start, a
+checkpoint write) on top of the phase's deadline.
 """
 
 from __future__ import annotations
@@ -363,15 +367,20 @@ class Scheduler:
         return False
 
     def _driver_hung(self, job: JobRecord, driver: Any) -> bool:
-        """A running job whose heartbeat is older than ``heartbeat_timeout_s``: its driver is alive but stuck.
-        It is killed (with the actors it owns: learner ranks, rollout workers) and replaced like a lost one."""
+        """A running job whose last progress is older than ``heartbeat_timeout_s`` plus its phase's deadline: its
+        driver is alive but stuck. It is killed (with the actors it owns: learner ranks, rollout workers) and
+        replaced like a lost one."""
         if job.state != JobState.RUNNING:
             return False
-        age = self.store.heartbeat_age(job.id)
-        if age is None or age <= self.heartbeat_timeout_s:
+        beat = self.store.heartbeat(job.id)
+        if beat is None:
             return False  # no heartbeat at all: a driver from before heartbeats, judged by liveness only
-        log.warning("driver of %s silent for %.1f s; killing it", job.id, age)
-        self.store.add_event(job.id, "driver_hung", {"silent_s": round(age, 3), "timeout_s": self.heartbeat_timeout_s,
+        allowed_s = self.heartbeat_timeout_s + (beat.deadline_s or 0.0)
+        if beat.age_s <= allowed_s:
+            return False
+        log.warning("driver of %s made no progress for %.1f s; killing it", job.id, beat.age_s)
+        self.store.add_event(job.id, "driver_hung", {"silent_s": round(beat.age_s, 3), "allowed_s": allowed_s,
+                                                     "phase_deadline_s": beat.deadline_s,
                                                      "attempt": job.attempts, "step": job.step})
         ray.kill(driver, no_restart=True)
         self.store.clear_heartbeat(job.id)

@@ -50,9 +50,11 @@ class TaperSettings(EnvironmentSettings):
     )
     driver_heartbeat_timeout_s: float = Field(
         900.0, gt=0.0,
-        description="A running job whose driver has not beaten for this long is hung: killed and resumed from its "
-                    "last checkpoint. Must exceed driver_heartbeat_every_s and the longest single call a job makes "
-                    "without progress (engine start, one weight push, one checkpoint write).",
+        description="A running job whose driver has made no progress for this long, on top of its current phase's "
+                    "own deadline (rollouts: the chunk deadline; training: the learner-rank deadline), is hung: "
+                    "killed and resumed from its last checkpoint. Must exceed driver_heartbeat_every_s and the "
+                    "longest single call a job makes without progress (engine start, one weight push, one "
+                    "checkpoint write).",
     )
     limits: JobLimits = Field(
         default_factory=JobLimits,

@@ -86,6 +86,10 @@ class RolloutPoolLike(Protocol):
 
     def shutdown(self) -> None: ...
 
+    @property
+    def progress_count(self) -> int:
+        """Grows whenever the pool finishes a chunk of rollouts or replaces a worker."""
+
 
 PoolFactory = Callable[[JobSpec, Path], RolloutPoolLike]  # (spec, weights dir) -> pool
 
@@ -112,7 +116,8 @@ class JobRunner:
         self.warm_start_metrics: dict[str, float] = {}
         self.pool: RolloutPoolLike | None = None
         self.pause_cause: str | None = None  # why the job paused itself, when it did
-        self._heartbeat: Callable[[], None] | None = getattr(hooks, "heartbeat", None)
+        self._heartbeat: Callable[[float | None], None] | None = getattr(hooks, "heartbeat", None)
+        self._phase_deadline_s: float | None = None  # the current phase's deadline for its next progress
 
     def preload(self) -> None:
         """Import the code `run` needs before it starts (the job driver calls this before its first heartbeat:
@@ -127,19 +132,32 @@ class JobRunner:
 
     # ------------------------------------------------------------------ progress
     def _progress(self) -> None:
-        """Tell the control plane the job is making progress (its driver's heartbeat; hooks rate-limit it).
-        Called between phases, per learner micro-batch, and while waiting on rollouts or the learner ranks,
-        so only a runner stuck in one call (a hung tool scorer, a deadlock) stops the beat."""
+        """Tell the control plane the job is making progress (its driver's heartbeat; hooks rate-limit it),
+        with the current phase's deadline. Called between phases, per rollout chunk finished, per learner
+        micro-batch (the data-parallel ranks: while they answer within their own deadline), so a runner stuck in
+        one call or waiting on rollouts that never finish stops the beat."""
         if self._heartbeat is not None:
-            self._heartbeat()
+            self._heartbeat(self._phase_deadline_s)
+
+    def _phase(self, deadline_s: float | None) -> None:
+        """Enter a phase whose progress may take up to `deadline_s` (None: the operator's allowance only)."""
+        self._phase_deadline_s = deadline_s
+        self._progress()
 
     def _await(self, future: Any, every_s: float = 1.0) -> Any:
-        """`future.result()`, beating while it waits."""
+        """`future.result()`, beating whenever the rollout pool finishes a chunk meanwhile."""
+        seen = self._pool_progress()
         while True:
             try:
                 return future.result(timeout=every_s)
             except concurrent.futures.TimeoutError:
-                self._progress()
+                now = self._pool_progress()
+                if now != seen:
+                    seen = now
+                    self._progress()
+
+    def _pool_progress(self) -> int:
+        return self.pool.progress_count if self.pool is not None else 0
 
     def _generate(self, tasks: list[dict[str, Any]], n: int, sampling: Any, train_step: int | None) -> list[list[Trajectory]]:
         assert self.pool is not None
@@ -190,7 +208,7 @@ class JobRunner:
             return "succeeded"
         self._check_control(start)
         t0 = time.perf_counter()
-        self._progress()
+        self._phase(spec.rollout_chunk_deadline_s)  # engines start: bounded like a worker's chunk
         # The engines always start from the initial weights, which stay for the job's life: a worker replaced
         # later starts from them too (a checkpoint folder may be pruned by then) and loads the pushed weights.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-pool-start") as starter:
@@ -292,9 +310,10 @@ class JobRunner:
             self._check_control(t, rollouts.saved_cursor())
             step_start = time.perf_counter()
             self._pick_up_schedule(t)
+            self._phase(spec.rollout_chunk_deadline_s)
             groups, times = rollouts.collect(t)
             trajs = [tj for g in groups for tj in g]
-            self._progress()
+            self._phase(None)  # scoring: the environment's code, within the operator's allowance
 
             metrics = self._train_step(t, trajs, times)
             health = self.run_state.infra_guard.observe(t, groups, trained="learner_skipped" not in metrics)
@@ -303,7 +322,6 @@ class JobRunner:
             if health.warning:
                 self.hooks.warn("infrastructure_failures", health.warning,
                                 {"step": t, "infra_failure_rate": health.infra_failure_rate})
-            self._progress()
             pushed = pipeline.push_weights(self.pool, self.model, t + 1, bf16=spec.resources.rollout_gpus > 0)
             times["time/sync"] = pushed.pop("time/sync")
             metrics.update(pushed)
@@ -363,7 +381,9 @@ class JobRunner:
         samples, advantage_stats = pipeline.policy_samples(batch)
         metrics.update(advantage_stats)
         tl = time.perf_counter()
+        self._phase(spec.learner_rank_deadline_s)
         metrics.update(pipeline.learn(samples, self.learner, self.model, self.dp))
+        self._phase(None)
         times["time/learn"] = time.perf_counter() - tl
         return metrics
 
@@ -389,7 +409,9 @@ class JobRunner:
     def _evaluate(self, at_step: int) -> None:
         """Greedy rollouts on the held-out tasks; outcome success rate."""
         t0 = time.perf_counter()
+        self._phase(self.spec.rollout_chunk_deadline_s)
         groups = self._generate(self.eval_tasks, 1, sampling_config(self.spec, greedy=True), None)
+        self._phase(None)
         result = pipeline.evaluate(groups, self._new_env(), self.credit.success_threshold)
         result["eval/time_s"] = time.perf_counter() - t0
         self.hooks.emit_metrics(at_step, result)

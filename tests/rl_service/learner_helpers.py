@@ -104,6 +104,10 @@ class ReusedPool:
     def stats(self):
         return self.pool.stats()
 
+    @property
+    def progress_count(self):
+        return self.pool.progress_count
+
     def shutdown(self) -> None:  # the module fixture shuts the real pool down
         pass
 

@@ -24,7 +24,7 @@ class StandInRunner:
         start = self._resume_step()
         self.hooks.emit_event("runner_started", {"from_step": start})
         for step in range(start, self.spec.total_steps):
-            self.hooks.heartbeat()
+            self.hooks.heartbeat(2.0 if self.spec.name == "hang" else None)  # the phase's own deadline
             if self.spec.name == "hang" and step == 2 and self.hooks.store.get_job(self.job_id).attempts == 1:
                 while True:  # the first driver gets stuck for good (alive, no progress, no heartbeat)
                     time.sleep(1)

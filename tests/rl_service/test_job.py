@@ -335,3 +335,45 @@ def test_a_worker_lost_after_a_resume_is_replaced_though_the_resumed_checkpoint_
     for t in range(3, 6):  # each step sampled by the policy it resumed with or was pushed, also after the loss
         versions = {v for tj in iter_trajectories(step_file(tmp_path / "trajectories", t)) for v in tj.weight_versions()}
         assert versions == {t}, (t, versions)
+
+
+def test_waiting_on_rollouts_is_progress_only_when_the_pool_finishes_chunks(tmp_path) -> None:
+    """The driver's heartbeat carries its phase's deadline, and waiting alone does not beat: a pool that
+    finishes nothing lets the heartbeat go stale, so the scheduler can judge the driver by its progress."""
+    import concurrent.futures
+    import threading
+    import time
+
+    hooks = InMemoryHooks()
+    runner = JobRunner("p", make_spec(tmp_path), hooks, tmp_path)
+
+    class Pool:
+        def __init__(self) -> None:
+            self.count, self.read = 0, threading.Event()
+
+        @property
+        def progress_count(self) -> int:
+            self.read.set()
+            return self.count
+
+    pool = runner.pool = Pool()  # type: ignore[assignment]
+    runner._phase(120.0)
+    assert hooks.heartbeats == 1 and hooks.deadlines == {120.0}
+
+    stuck: concurrent.futures.Future = concurrent.futures.Future()
+    threading.Timer(0.5, stuck.set_result, ["late"]).start()
+    assert runner._await(stuck, every_s=0.05) == "late"
+    assert hooks.heartbeats == 1  # ten polls, nothing finished: no beat
+
+    moving: concurrent.futures.Future = concurrent.futures.Future()
+
+    def one_chunk_then_done() -> None:
+        pool.read.clear()
+        pool.read.wait()  # `_await` has read the count it compares with
+        pool.count += 1
+        time.sleep(1.0)
+        moving.set_result("done")
+
+    threading.Thread(target=one_chunk_then_done).start()
+    assert runner._await(moving, every_s=0.05) == "done"
+    assert hooks.heartbeats == 2 and hooks.deadlines == {120.0}

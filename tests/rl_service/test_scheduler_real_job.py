@@ -51,6 +51,7 @@ def test_data_parallel_job_survives_a_hung_driver(redis_url, ray_local, tiny_lla
     hung = [e["data"] for e in events if e["kind"] == "driver_hung"]
     # silent_s is rounded to the millisecond: a kill just past the 20 s timeout can read 20.0
     assert len(hung) == 1 and hung[0]["step"] == 1 and hung[0]["silent_s"] >= 20.0
+    assert hung[0]["phase_deadline_s"] is None  # stuck in scoring: the operator's allowance alone
     assert [e["data"]["step"] for e in events if e["kind"] == "resumed"] == [1]
     assert [m["step"] for m in store.metrics(job.id) if "loss" in m["metrics"]] == [0, 1]
     ckpts = list_checkpoints(Path(got.work_dir) / "checkpoints")

@@ -3,7 +3,7 @@ resources (the placed set), and the drivers' heartbeats (by Redis's clock, so th
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from rl_service.control.store.base import StoreBase
 
@@ -13,22 +13,30 @@ return 0
 """
 
 
+class Heartbeat(NamedTuple):
+    age_s: float
+    deadline_s: float | None  # the phase's own deadline for the next progress (None: none was given)
+
+
 class CoordinationPart(StoreBase):
     """The scheduler's lock, the placed set and the drivers' heartbeats."""
 
     LUA: ClassVar[dict[str, str]] = {"_renew": _RENEW_LOCK}
 
-    def write_heartbeat(self, job_id: str, ttl_s: int = 24 * 3600) -> None:
+    def write_heartbeat(self, job_id: str, deadline_s: float | None = None, ttl_s: int = 24 * 3600) -> None:
+        """The driver made progress now; `deadline_s`: how long its current phase may take to make more."""
         sec, usec = self.r.time()
-        self.r.set(self.k_heartbeat(job_id), f"{sec}.{usec:06d}", ex=ttl_s)
+        value = f"{sec}.{usec:06d}" if deadline_s is None else f"{sec}.{usec:06d} {deadline_s:.3f}"
+        self.r.set(self.k_heartbeat(job_id), value, ex=ttl_s)
 
-    def heartbeat_age(self, job_id: str) -> float | None:
-        """Seconds since the job's driver last beat (by Redis's clock); None when it never did."""
+    def heartbeat(self, job_id: str) -> Heartbeat | None:
+        """The job driver's last sign of progress (its age by Redis's clock); None when it never gave one."""
         raw = self.r.get(self.k_heartbeat(job_id))
         if raw is None:
             return None
         sec, usec = self.r.time()
-        return sec + usec / 1e6 - float(raw)
+        at, _, deadline = raw.partition(" ")
+        return Heartbeat(sec + usec / 1e6 - float(at), float(deadline) if deadline else None)
 
     def acquire_lock(self, token: str, ttl_ms: int) -> bool:
         if self.r.set(self.k_lock(), token, nx=True, px=ttl_ms):

@@ -5,7 +5,8 @@
     P:job:{id}:metrics           STREAM  per-step metrics: step, data (JSON), ts
     P:job:{id}:schedule          STRING  the job's ScheduleHistory (JSON)
     P:job:{id}:checkpoints       ZSET    score = step, member = {"step", "uri", "ts"} (JSON)
-    P:job:{id}:heartbeat         STRING  the driver's last sign of progress, Redis time "sec.usec" (expires)
+    P:job:{id}:heartbeat         STRING  the driver's last sign of progress, Redis time "sec.usec" and the phase's
+                                         deadline for the next "sec.usec DEADLINE" (expires)
     P:jobs                       ZSET    every job id, score = creation time (ms)
     P:state:{state}              ZSET    job ids in that state, score = creation time (ms)
     P:tenant:{t}:jobs            ZSET    the tenant's job ids, score = creation time (ms)
