@@ -233,7 +233,9 @@ def time_decode(N: int) -> dict:
     return res
 
 
-DECODE_SWEEP = [(16, 1), (32, 1), (64, 1), (32, 2), (64, 2), (128, 2), (128, 4), (16, 2)]  # (block_v, warps)
+# (block_v, warps, L2 evict-first hint on the state slots); earlier rounds swept block_v 16-128 at 1-8 warps
+DECODE_SWEEP = [(32, 1, False), (32, 1, True), (16, 1, False), (16, 1, True), (64, 4, False), (64, 4, True),
+                (8, 1, False), (8, 1, True)]
 
 
 def decode_sweep(N: int = 256) -> dict:
@@ -258,8 +260,8 @@ def decode_sweep(N: int = 256) -> dict:
     ref_pool = pool0.clone()
     ref_o = call(ref_pool, KDAKernelConfig())
     out = {}
-    for bv, warps in DECODE_SWEEP:
-        cfg = KDAKernelConfig(decode_block_v=bv, decode_num_warps=warps)
+    for bv, warps, evict in DECODE_SWEEP:
+        cfg = KDAKernelConfig(decode_block_v=bv, decode_num_warps=warps, decode_evict_first=evict)
         try:
             pool = pool0.clone()
             o = call(pool, cfg)
@@ -269,8 +271,8 @@ def decode_sweep(N: int = 256) -> dict:
             r["state_TBps"] = 2 * N * H * K * V * 4 / (r["us"] * 1e-6) / 1e12
         except Exception as exc:  # noqa: BLE001 - the other variants still run
             r = {"error": repr(exc)[:300]}
-        out[f"bv{bv}_w{warps}"] = r
-        print(f"  decode N={N} block_v={bv} warps={warps}: " + " ".join(
+        out[f"bv{bv}_w{warps}" + ("_evict" if evict else "")] = r
+        print(f"  decode N={N} block_v={bv} warps={warps} evict_first={evict}: " + " ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     return out
 

@@ -281,7 +281,9 @@ def chunk_kda_bwd_op(
     kn: torch.Tensor, k_rstd: torch.Tensor, saved: list[torch.Tensor], batch: int, scale: float, use_gate: bool,
     lower_bound: float | None, config: str,
 ) -> list[torch.Tensor]:
-    """Returns [dq, dk, dv, df, dbeta, dA_log, ddt_bias, dh0] (the last three empty when absent)."""
+    """Returns [dq, dk (in q's dtype), dv, dgate, dbeta (fp32), dh0 (empty when absent)]. dgate is the
+    gradient of the log-decay g; `_backward` turns it into those of f, A_log and dt_bias outside the op,
+    where torch.compile fuses that elementwise work and the casts with their neighbours."""
     cfg = _config(config)
     use_l2norm = qn.numel() > 0
     q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
@@ -298,8 +300,29 @@ def chunk_kda_bwd_op(
     )
     if HV != H:
         dq, dk = dq.view(T, H, HV // H, K).sum(2), dk.view(T, H, HV // H, K).sum(2)
-    dA_log = ddt_bias = None
-    df = dgate
+    if use_l2norm:  # through the l2norm, straight from the fp32 gradients
+        dq, dk = l2norm_bwd(qn, q_rstd, dq, q.dtype), l2norm_bwd(kn, k_rstd, dk, k.dtype)
+    return [dq.to(q.dtype), dk.to(k.dtype), dv, dgate, dbeta, _none(dh0, q)]
+
+
+@chunk_kda_bwd_op.register_fake
+def _(do, dht, q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, saved, batch,
+      scale, use_gate, lower_bound, config):
+    f32 = torch.float32
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f, dtype=f32),
+            torch.empty_like(beta, dtype=f32),
+            q.new_empty(0) if initial_state is None else q.new_empty(initial_state.shape, dtype=f32)]
+
+
+def _gate_grads(
+    dgate: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+    use_gate: bool, lower_bound: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(df, dA_log, ddt_bias) from the kernels' dgate [T, HV, K] fp32: for the bounded gate and a precomputed
+    g it already is df (bwd_gate applies the bounded gate's derivative); the unbounded gate's derivative is
+    applied here."""
+    HV, K = f.shape[1:]
+    df, dA_log, ddt_bias = dgate, None, None
     if use_gate and lower_bound is None:
         x = f.float() + (dt_bias.float().view(HV, K) if dt_bias is not None else 0.0)
         e_a = A_log.float().exp().view(HV, 1)
@@ -307,22 +330,7 @@ def chunk_kda_bwd_op(
         dA_log = (dgate * (-e_a * torch.nn.functional.softplus(x))).sum((0, 2)).to(A_log.dtype)
     if use_gate and dt_bias is not None:
         ddt_bias = df.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
-    if use_l2norm:  # through the l2norm, straight from the fp32 gradients
-        dq, dk = l2norm_bwd(qn, q_rstd, dq, q.dtype), l2norm_bwd(kn, k_rstd, dk, k.dtype)
-    return [dq.to(q.dtype), dk.to(k.dtype), dv, df.to(f.dtype), dbeta.to(beta.dtype), _none(dA_log, q),
-            _none(ddt_bias, q), _none(dh0, q)]
-
-
-@chunk_kda_bwd_op.register_fake
-def _(do, dht, q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, saved, batch,
-      scale, use_gate, lower_bound, config):
-    def maybe(cond, like):
-        return torch.empty_like(like) if cond else q.new_empty(0)
-
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(f),
-            torch.empty_like(beta), maybe(use_gate and lower_bound is None and A_log is not None, A_log),
-            maybe(use_gate and dt_bias is not None, dt_bias),
-            q.new_empty(0) if initial_state is None else q.new_empty(initial_state.shape, dtype=torch.float32)]
+    return df, dA_log, ddt_bias
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -339,12 +347,14 @@ def _backward(ctx, grads):
     do, dht = grads[0], grads[1].contiguous() if ctx.has_final and grads[1] is not None else None
     if do is None:
         do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-    dq, dk, dv, df, dbeta, dA_log, ddt_bias, dh0 = chunk_kda_bwd_op(
+    dq, dk, dv, dgate, dbeta, dh0 = chunk_kda_bwd_op(
         do, dht, q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, qn, q_rstd, kn, k_rstd, saved,
         *ctx.args,
     )
-    return (dq, dk, dv, df, dbeta, _some(dA_log), _some(ddt_bias), _some(dh0), None, None, None, None, None, None,
-            None, None)
+    _, _, use_gate, lower_bound, _ = ctx.args
+    df, dA_log, ddt_bias = _gate_grads(dgate, f, A_log, dt_bias, use_gate, lower_bound)
+    return (dq, dk, dv, df.to(f.dtype), dbeta.to(beta.dtype), dA_log, ddt_bias, _some(dh0), None, None, None,
+            None, None, None, None, None)
 
 
 chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)

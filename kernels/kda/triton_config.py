@@ -38,6 +38,7 @@ class KDAKernelConfig:
     fp32_dot_precision: str = "ieee"
     decode_block_v: int = 32
     decode_num_warps: int = 1  # H200, 256 sequences: 423 us at 4 warps, 355 at 1 (fla-core 0.6.0: 375)
+    decode_evict_first: bool = False  # L2 eviction hint on the state slots' load and store (read once, written once)
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:

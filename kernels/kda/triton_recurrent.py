@@ -18,7 +18,7 @@ def recurrent_kda_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SLOTS: tl.constexpr, STORE_FINAL: tl.constexpr, INPLACE: tl.constexpr,
     USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, EVICT: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -43,7 +43,12 @@ def recurrent_kda_kernel(
         s_off = o_k[:, None] * V + o_v[None, :]
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_H0:
-            b_h += tl.load(h0 + (slot * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+            # each state tile is read once and written once: EVICT keeps it from displacing what is reused in L2
+            if EVICT:
+                b_h += tl.load(h0 + (slot * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0,
+                               eviction_policy="evict_first").to(tl.float32)
+            else:
+                b_h += tl.load(h0 + (slot * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
         bias = tl.zeros([BK], dtype=tl.float32)
         if HAS_BIAS:
             bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -69,7 +74,11 @@ def recurrent_kda_kernel(
             b_o = tl.sum(b_h * (b_q * scale)[:, None], 0)
             tl.store(o + t * (HV * V) + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if INPLACE:
-            tl.store(h0 + (slot * HV + i_hv) * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv)
+            if EVICT:
+                tl.store(h0 + (slot * HV + i_hv) * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv,
+                         eviction_policy="evict_first")
+            else:
+                tl.store(h0 + (slot * HV + i_hv) * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv)
         if STORE_FINAL:
             tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
 
@@ -103,7 +112,8 @@ def fused_recurrent_kda_triton(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_H0=initial_state is not None,
         HAS_SLOTS=ssm_state_indices is not None, STORE_FINAL=store_final, INPLACE=inplace,
         USE_GATE=use_gate_in_kernel, BOUNDED=lower_bound is not None, HAS_BIAS=dt_bias is not None,
-        L2NORM=use_qk_l2norm_in_kernel, BETA_SIGMOID=use_beta_sigmoid_in_kernel, num_warps=cfg.decode_num_warps,
+        L2NORM=use_qk_l2norm_in_kernel, BETA_SIGMOID=use_beta_sigmoid_in_kernel, EVICT=cfg.decode_evict_first,
+        num_warps=cfg.decode_num_warps,
     )
     if inplace:
         return o, initial_state

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from kda_inputs import make_inputs, rel_err  # noqa: E402
 
+from kernels.attn_res import attn_res_mix, attn_res_mix_op  # noqa: E402
 from kernels.kda import naive_recurrent_kda  # noqa: E402
 from kernels.kda.triton_chunk import chunk_kda_fwd_op, chunk_kda_triton, config_key  # noqa: E402
 from kernels.kda.triton_config import KDAKernelConfig  # noqa: E402
@@ -143,6 +144,38 @@ def expanded_grads_case(seed):
                                                         strict=True)}
 
 
+def attn_res_reference(candidates, key, eps):
+    """Block AttnRes as model/layers/attn_res.py computes it on CPU, in fp64."""
+    stacked = torch.stack(candidates).double()
+    normed = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + eps)
+    weights = torch.softmax((normed * key.double()).sum(-1), dim=0)
+    return (weights.unsqueeze(-1) * stacked).sum(0)
+
+
+def attn_res_case(seed):
+    """The fused AttnRes mix and its backward against the fp64 reference: token counts that leave a partial
+    block, widths that leave a partial chunk (d=300: 256 + 44) or fit one (d=96), 1 to 8 candidates."""
+    torch.manual_seed(seed)
+    checks = {}
+    for n, shape, d in ((1, (2, 37), 96), (3, (2, 37), 300), (5, (70,), 96), (8, (1, 33), 40)):
+        cands = [torch.randn(*shape, d) * (0.5 + i) for i in range(n)]
+        key = torch.randn(d) * 0.3
+        weight = torch.randn(*shape, d)
+        leaves = [t.clone().requires_grad_(True) for t in (*cands, key)]
+        out = attn_res_mix(leaves[:-1], leaves[-1], 1e-6)
+        got = torch.autograd.grad((out * weight).sum(), leaves)
+        ref_leaves = [t.double().requires_grad_(True) for t in (*cands, key)]
+        ref = attn_res_reference(ref_leaves[:-1], ref_leaves[-1], 1e-6)
+        want = torch.autograd.grad((ref * weight.double()).sum(), ref_leaves)
+        checks[f"n{n}_d{d}_out"] = rel_err(out, ref)
+        checks[f"n{n}_d{d}_grads"] = max(rel_err(a, b) for a, b in zip(got, want, strict=True))
+    cands = [torch.randn(3, 5, 40) for _ in range(3)]
+    torch.library.opcheck(attn_res_mix_op, ([c.requires_grad_(True) for c in cands], torch.randn(40), 1e-6),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    checks["opcheck"] = True
+    return checks
+
+
 def main() -> None:
     results = {
         "bounded": chunk_case(2, 45, 1, 2, 32, 16, 32, 1, gate="bounded", beta_logits=True),
@@ -162,6 +195,7 @@ def main() -> None:
         "decode_varlen": decode_varlen_case(6),
         "custom_op": custom_op_case(9),
         "expanded_grads": expanded_grads_case(10),
+        "attn_res": attn_res_case(11),
     }
     print(json.dumps(results))
 
