@@ -2,7 +2,8 @@
 
 1. Training throughput. CPU: tokens/s of forward+backward of the tiny preset (fp32). CUDA: whole training
    steps (forward + backward + fused AdamW, bf16) side by side: ours eager, per-part compiled
-   (`TaperModel.compile_layers`) and compiled with the step captured as one CUDA graph, the dense variant,
+   (`TaperModel.compile_layers`), the whole layer stack compiled, each with the step captured as one CUDA graph
+   (modes graph, stack_graph), the dense variant,
    flash-linear-attention's KDA model and a Llama of matching size (SDPA); tokens/s, MFU against the bf16
    matmul rate measured in the same run (6 x active non-embedding params + lm_head per token, plus KDA and
    attention FLOPs), kernels per step and host syncs in forward+backward. fla's first step autotunes its
@@ -116,7 +117,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def cuda_checks(preset: str, device: str = "cuda") -> dict:
+def cuda_checks(preset: str, device: str = "cuda", compile_scopes: tuple[str, ...] = ("parts", "stack")) -> dict:
     """On CUDA: one KDA layer through the Triton kernels vs the torch path, exactly as the model calls it
     (output and every gradient, bf16 and fp32); the grouped-GEMM experts vs the per-expert loop (bf16); the
     whole model (fp32) Triton vs torch and cached decode vs the full forward. Random-init models route
@@ -160,6 +161,31 @@ def cuda_checks(preset: str, device: str = "cuda") -> dict:
         x = torch.randn(2, 1024, config.hidden_size, device=device, dtype=dtype)
         guarded(f"kda_layer_{str(dtype)[6:]}_triton_vs_torch",
                 lambda layer=layer, x=x: compare(run(layer, x, "kernels", False), run(layer, x, "torch", False)))
+    def attn_res_fused_vs_torch(dtype: torch.dtype) -> dict:
+        """The fused AttnRes kernels (CUDA path) against the torch path, 4 candidates [2, 2048, d], random query
+        and gamma (the zero init would give uniform weights), output and every gradient."""
+        from model.layers.attn_res import BlockAttnRes
+
+        mix = BlockAttnRes(config.hidden_size).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            mix.query.normal_(0.0, 0.5)
+            mix.norm.weight.uniform_(0.5, 1.5)
+        cands = [torch.randn(2, 2048, config.hidden_size, device=device, dtype=dtype) * (0.5 + i) for i in range(4)]
+        weight = torch.randn_like(cands[0], dtype=torch.float32)
+        results = []
+        for fused in (True, False):
+            BlockAttnRes.use_fused = fused
+            leaves = [c.detach().clone().requires_grad_(True) for c in cands]
+            mix.zero_grad(set_to_none=True)
+            out = mix(leaves)
+            (out.float() * weight).sum().backward()
+            results.append({"out": out.detach(), **{f"d_cand{i}": c.grad for i, c in enumerate(leaves)},
+                            "d_query": mix.query.grad, "d_gamma": mix.norm.weight.grad})
+        BlockAttnRes.use_fused = True
+        return compare(*results)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        guarded(f"attn_res_{str(dtype)[6:]}_fused_vs_torch", lambda dtype=dtype: attn_res_fused_vs_torch(dtype))
     moe = StableLatentMoE(config).to(device)
     with torch.no_grad():
         for p in moe.parameters():
@@ -214,13 +240,14 @@ def cuda_checks(preset: str, device: str = "cuda") -> dict:
     dense = TaperConfig.preset(preset, first_k_dense=config.num_hidden_layers)
     guarded("model_fp32_dense", lambda: whole_model(dense))
 
-    def compiled_vs_eager(model_config: TaperConfig, dtype: torch.dtype) -> dict:
-        """One training forward+backward of the per-part compiled model against the same weights eager."""
+    def compiled_vs_eager(model_config: TaperConfig, dtype: torch.dtype, scope: str) -> dict:
+        """One training forward+backward of the compiled model (`compile_layers(scope)`) against the same weights
+        eager."""
         torch.manual_seed(2)
         eager = TaperForCausalLM(model_config).to(device=device, dtype=dtype).train()
         compiled = TaperForCausalLM(model_config).to(device=device, dtype=dtype).train()
         compiled.load_state_dict(eager.state_dict())
-        compiled.model.compile_layers()
+        compiled.model.compile_layers(scope)
         ids = torch.randint(0, model_config.vocab_size, (2, 1024), device=device)
         losses, grads = [], []
         for lm in (eager, compiled):
@@ -233,13 +260,72 @@ def cuda_checks(preset: str, device: str = "cuda") -> dict:
         return {"loss_rel": _rel(losses[1], losses[0]), "worst_grad": worst, "worst_grad_rel": errors[worst],
                 "grads": len(errors), "same_grad_set": grads[0].keys() == grads[1].keys()}
 
+    def bf16_vs_fp32(model_config: TaperConfig, scope: str) -> dict:
+        """bf16 eager and bf16 compiled (`scope`), each against the fp32 eager model on the same bf16-rounded
+        weights: which of the two bf16 paths is closer to the exact computation."""
+        torch.manual_seed(2)
+        ref = TaperForCausalLM(model_config).to(device=device, dtype=torch.bfloat16).float().train()
+        ids = torch.randint(0, model_config.vocab_size, (2, 1024), device=device)
+
+        def loss_and_grads(lm: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = lm(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            return loss.detach(), {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}
+
+        ref_loss, ref_grads = loss_and_grads(ref)
+        out = {}
+        for name in ("eager", scope):
+            lm = TaperForCausalLM(model_config).to(device=device, dtype=torch.bfloat16).train()
+            lm.load_state_dict(ref.state_dict())
+            if name != "eager":
+                lm.model.compile_layers(scope)
+            loss, grads = loss_and_grads(lm)
+            errors = sorted((_rel(grads[n], g), n) for n, g in ref_grads.items())
+            out[name] = {"loss_rel": _rel(loss, ref_loss), "worst_grad": errors[-1][1], "worst_grad_rel": errors[-1][0],
+                         "median_grad_rel": errors[len(errors) // 2][0]}
+        return out
+
     # dense: no routed layers, so rounding cannot flip a top-k choice and the difference is the fusion's own
-    guarded("compiled_vs_eager_fp32_dense", lambda: compiled_vs_eager(dense, torch.float32))
-    guarded("compiled_vs_eager_bf16_dense", lambda: compiled_vs_eager(dense, torch.bfloat16))
+    for scope in compile_scopes:
+        suffix = "" if scope == "parts" else f"_{scope}"
+        guarded(f"compiled_vs_eager_fp32_dense{suffix}",
+                lambda scope=scope: compiled_vs_eager(dense, torch.float32, scope))
+        if scope == "parts":
+            guarded("compiled_vs_eager_bf16_dense", lambda: compiled_vs_eager(dense, torch.bfloat16, "parts"))
+        else:
+            guarded(f"bf16_vs_fp32_dense_{scope}", lambda scope=scope: bf16_vs_fp32(dense, scope))
     from kernels.kda.triton_config import DEFAULT_CONFIG
 
     results["kda_fp32_dot_precision"] = DEFAULT_CONFIG.fp32_dot_precision
     return results
+
+
+def attn_res_sweep(hidden: int, tokens: int = 32768, candidates: int = 4) -> dict:
+    """The fused AttnRes kernels' launch shapes (tokens per program, warps) at the model's width: forward and
+    backward ms each (bf16, `candidates` inputs of [tokens, hidden]); sets the fastest of each in
+    kernels.attn_res and returns every timing."""
+    import triton
+
+    import kernels.attn_res as ar
+
+    cands = [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(candidates)]
+    key = torch.randn(hidden, device="cuda") * 0.05
+    grad = torch.randn_like(cands[0])
+    launches = [(bt, w) for bt in (8, 16, 32) for w in (2, 4, 8)]
+    out: dict = {"fwd": {}, "bwd": {}}
+    for launch in launches:
+        ar.FWD_LAUNCH = ar.BWD_LAUNCH = launch
+        name = f"{launch[0]}x{launch[1]}"
+        try:
+            out["fwd"][name] = triton.testing.do_bench(lambda: ar.attn_res_mix_op(cands, key, 1e-6), return_mode="median")
+            out["bwd"][name] = triton.testing.do_bench(lambda: ar.attn_res_mix_bwd_op(grad, cands, key, 1e-6),
+                                                       return_mode="median")
+        except Exception as exc:  # noqa: BLE001 - e.g. out of resources; the others still run
+            out["fwd"].setdefault(name, repr(exc)[:200])
+    best = {part: min((v, k) for k, v in out[part].items() if isinstance(v, float))[1] for part in ("fwd", "bwd")}
+    ar.FWD_LAUNCH, ar.BWD_LAUNCH = (tuple(int(n) for n in best[part].split("x")) for part in ("fwd", "bwd"))
+    out["chosen"] = best
+    return out
 
 
 # ---- 1. training throughput ------------------------------------------------------------------------
@@ -383,12 +469,13 @@ def train_step_cuda(name: str, preset: str, batch: int, seq_len: int, mode: str,
                     profile_dir: Path | None) -> dict:
     """mode: "eager"; "compiled" (ours: per-part torch.compile); "graph" (compiled, and the whole step, forward
     + backward + AdamW + balancing update, captured once as a CUDA graph and replayed: what a learner with a
-    fixed batch shape can do once the step has no host syncs)."""
+    fixed batch shape can do once the step has no host syncs); "stack" and "stack_graph": the same with the
+    whole layer stack compiled as one graph (`compile_layers("stack")`)."""
     torch.manual_seed(0)
     model, active, flops = build_model(name, preset, batch, seq_len)
-    if mode in ("compiled", "graph"):
-        model.model.compile_layers()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=mode == "graph")
+    if mode != "eager":
+        model.model.compile_layers("stack" if mode.startswith("stack") else "parts")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=mode.endswith("graph"))
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), device="cuda")
     moe = model.model.moe_layers() if hasattr(model.model, "moe_layers") else []
@@ -419,7 +506,7 @@ def train_step_cuda(name: str, preset: str, batch: int, seq_len: int, mode: str,
     opt.zero_grad(set_to_none=True)
     for layer in moe:
         layer.clear_recorded_scores()
-    if mode == "graph":
+    if mode in ("graph", "stack_graph"):
         with torch.cuda.stream(side):
             step()
             step()
@@ -521,14 +608,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--checks-only", action="store_true", help="CUDA: run the correctness checks only")
     parser.add_argument("--no-checks", action="store_true", help="CUDA: skip the correctness checks")
+    parser.add_argument("--compile-checks", default="parts,stack",
+                        help="CUDA: compile_layers scopes checked against eager (each compiles the dense model; "
+                             "'' for none)")
     parser.add_argument("--runs", default="taper:eager,taper:compiled,taper:graph,taper_dense:graph,llama:eager,"
                                           "fla_kda:eager",
                         help="CUDA: model:mode pairs (models taper, taper_dense, fla_kda, llama; modes eager, "
-                             "compiled = per-part torch.compile, graph = compiled + the step as one CUDA graph; "
-                             "compiled and graph for ours only)")
+                             "compiled = per-part torch.compile, graph = compiled + the step as one CUDA graph, "
+                             "stack / stack_graph = the same with the whole layer stack as one compiled graph; "
+                             "all but eager for ours only)")
     parser.add_argument("--shapes", default="1x8192,4x8192", help="CUDA: batch x sequence length list")
     parser.add_argument("--profile-dir", type=Path, default=None, help="CUDA: write one profiled step's table per run")
     parser.add_argument("--no-decode", action="store_true", help="CUDA: skip the decode-memory part")
+    parser.add_argument("--attn-res", default="fused", choices=["fused", "torch"],
+                        help="CUDA training rows: the fused AttnRes kernels or the torch path")
+    parser.add_argument("--attn-res-sweep", action="store_true",
+                        help="CUDA: time the fused AttnRes kernels' launch shapes first and use the fastest")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
     if args.threads:
@@ -544,11 +639,18 @@ def main() -> None:
 
     if cuda:
         if not args.no_checks:
-            report["checks"] = cuda_checks(preset)
+            report["checks"] = cuda_checks(preset, compile_scopes=tuple(filter(None, args.compile_checks.split(","))))
             print(json.dumps(report["checks"], indent=2))
         if args.checks_only:
             return
         report["bf16_matmul_tflops"] = matmul_tflops(device, torch.bfloat16)
+        from model.layers.attn_res import BlockAttnRes
+
+        BlockAttnRes.use_fused = args.attn_res == "fused"
+        report["attn_res"] = args.attn_res
+        if args.attn_res_sweep:
+            report["attn_res_sweep"] = attn_res_sweep(TaperConfig.preset(preset).hidden_size)
+            print(json.dumps(report["attn_res_sweep"]), flush=True)
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
         train = []
         for batch, seq_len in shapes:

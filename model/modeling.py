@@ -8,13 +8,15 @@ Parameter names are documented in model/PARAMETERS.md (the vLLM plugin uses the 
 Decoding: the model creates a `TaperCache` (KDA conv + recurrent states, MLA keys/values) on the first
 forward with use_cache and returns it; `generate()` threads it through (greedy, sampling, beams).
 Training: call `update_balancing()` after each optimizer step; `gradient_checkpointing_enable()` works. On a
-GPU, `model.model.compile_layers()` fuses the layers' elementwise work; forward+backward then has no host sync
-(without an attention_mask), so a learner with fixed batch shapes can also capture the whole step as a CUDA
-graph (benchmarks/model.py, mode "graph").
+GPU, `model.model.compile_layers()` fuses the layers' elementwise work (`compile_layers("stack")`: the whole layer
+stack as one graph, a faster step for a longer first compile); forward+backward then has no host sync (without an
+attention_mask), so a learner with fixed batch shapes can also capture the whole step as a CUDA graph
+(benchmarks/model.py, modes "graph" and "stack_graph").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +145,7 @@ class TaperModel(TaperPreTrainedModel):
         self.layers = nn.ModuleList(TaperDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.final_res = BlockAttnRes(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._compiled_stack: Callable[..., torch.Tensor] | None = None  # compile_layers(scope="stack")
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -154,20 +157,40 @@ class TaperModel(TaperPreTrainedModel):
     def moe_layers(self) -> list[StableLatentMoE]:
         return [layer.mlp for layer in self.layers if layer.is_moe]
 
-    def compile_layers(self, **compile_kwargs: Any) -> None:
-        """torch.compile the layers' parts: each token mixer, channel mixer, AttnRes mix and RMSNorm (the GPU
-        training path: norms, AttnRes, SiTU-GLU, the short conv and the MoE's routing arithmetic fuse; the KDA
-        op stays one opaque custom op). Parts of one kind share compiled graphs across layers (AttnRes: one per
-        candidate count), so compile time does not grow with depth; the recompile limit is raised to cover
-        the candidate counts and input shapes. Not for CPU (compile time there outweighs the gain)."""
+    def compile_layers(self, scope: str = "parts", **compile_kwargs: Any) -> None:
+        """torch.compile for the GPU training path (norms, AttnRes, SiTU-GLU, the short conv and the MoE's routing
+        arithmetic fuse; the KDA op stays one opaque custom op). Not for CPU (compile time there outweighs the
+        gain).
+
+        scope "parts": each layer's token mixer, channel mixer, AttnRes mix and RMSNorm; parts of one kind share
+        graphs across layers (AttnRes: one per candidate count), so compile time does not grow with depth.
+        scope "stack": every layer, the final mix and norm as one graph (one per input shape): the residual sums
+        between the parts, and in the backward the gradient sums of tensors that many layers read (the AttnRes
+        block summaries), fuse into the surrounding kernels instead of running as separate adds. Forwards with a
+        cache (decoding) run the layers eagerly."""
+        if scope not in ("parts", "stack"):
+            raise ValueError(f"scope must be 'parts' or 'stack', got {scope!r}")
         dynamo = torch._dynamo.config
         name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
         setattr(dynamo, name, max(getattr(dynamo, name), 64))
+        if scope == "stack":
+            self._compiled_stack = torch.compile(self._layer_stack, **compile_kwargs)
+            return
         for layer in self.layers:
             for part in (layer.mixer_res, layer.mixer_norm, layer.mixer, layer.mlp_res, layer.mlp_norm, layer.mlp):
                 part.compile(**compile_kwargs)
         self.final_res.compile(**compile_kwargs)
         self.norm.compile(**compile_kwargs)
+
+    def _layer_stack(
+        self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, cache: TaperCache | None
+    ) -> torch.Tensor:
+        """All decoder layers, the final AttnRes mix and the last norm: embeddings -> final hidden states."""
+        res = AttnResState.start(inputs_embeds)
+        for layer in self.layers:
+            res.partial = layer(res.partial, *res.blocks, attention_mask=attention_mask, past_key_values=cache)
+            res.end_layer(self.config.attn_res_block_size)
+        return self.norm(self.final_res(res.candidates()))
 
     def forward(
         self,
@@ -203,11 +226,9 @@ class TaperModel(TaperPreTrainedModel):
                 )
             if bool(attention_mask.all()):
                 attention_mask = None
-        res = AttnResState.start(inputs_embeds)
-        for layer in self.layers:
-            res.partial = layer(res.partial, *res.blocks, attention_mask=attention_mask, past_key_values=cache)
-            res.end_layer(self.config.attn_res_block_size)
-        hidden = self.norm(self.final_res(res.candidates()))
+        compiled = self._compiled_stack
+        stack = compiled if compiled is not None and cache is None else self._layer_stack
+        hidden = stack(inputs_embeds, attention_mask, cache)
         if cache is not None:
             cache.seen_tokens += T
         loads = tuple(moe.last_load for moe in self.moe_layers()) if output_router_loads else None

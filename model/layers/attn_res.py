@@ -45,6 +45,10 @@ class AttnResState:
 class BlockAttnRes(nn.Module):
     """The depth mix in front of one sub-layer. Parameters: `query` (w) and `norm.weight` (gamma)."""
 
+    # On CUDA: one fused Triton kernel each way (kernels/attn_res.py), the same math as `weights` and the mix
+    # below; False: this torch path everywhere (the benchmarks compare the two)
+    use_fused = True
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         # Zero query: a uniform average over the candidates at initialisation.
@@ -61,6 +65,11 @@ class BlockAttnRes(nn.Module):
 
     def forward(self, candidates: list[torch.Tensor]) -> torch.Tensor:
         # Also with a single candidate (weight 1), so the parameters always take part in autograd.
+        if self.use_fused and candidates[0].is_cuda:
+            from kernels.attn_res import MAX_CANDIDATES, attn_res_mix
+
+            if len(candidates) <= MAX_CANDIDATES:
+                return attn_res_mix(candidates, self.norm.weight.float() * self.query.float(), self.eps)
         weights = self.weights(candidates)
         mixed = (weights.unsqueeze(-1) * torch.stack(candidates).float()).sum(0)
         return mixed.to(candidates[0].dtype)

@@ -214,7 +214,8 @@ def test_unsupported_outputs_raise_instead_of_returning_nothing():
     assert model(ids, use_cache=False, output_hidden_states=False, output_attentions=False).logits.shape[1] == 3
 
 
-def test_compiled_layers_give_the_same_loss_and_gradients(monkeypatch):
+@pytest.mark.parametrize("scope", ["parts", "stack"])
+def test_compiled_layers_give_the_same_loss_and_gradients(monkeypatch, scope):
     """compile_layers (the GPU training path) computes what the eager model computes. aot_eager: Dynamo and
     AOTAutograd as on the GPU, without inductor's code generation (CPU compile time); the GPU run checks the
     generated kernels (benchmarks/model.py, compiled_vs_eager). The CPU KDA path is plain torch (with graph
@@ -228,7 +229,7 @@ def test_compiled_layers_give_the_same_loss_and_gradients(monkeypatch):
     eager = TaperForCausalLM(config).train()
     compiled = TaperForCausalLM(config).train()
     compiled.load_state_dict(eager.state_dict())
-    compiled.model.compile_layers(backend="aot_eager")
+    compiled.model.compile_layers(scope, backend="aot_eager")
     ids = torch.randint(0, config.vocab_size, (2, 24))
     results = []
     for model in (eager, compiled):
@@ -238,6 +239,8 @@ def test_compiled_layers_give_the_same_loss_and_gradients(monkeypatch):
     (loss, grads), (loss_c, grads_c) = results
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
     assert grads_c.keys() == grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    # relative to each gradient's norm: one compiled stack sums the gradients of tensors that many layers read
+    # (the embeddings' block summary) in another order than autograd does, which moves near-zero elements
+    errors = {name: float((grads_c[name] - grad).norm() / grad.norm().clamp_min(1e-30)) for name, grad in grads.items()}
+    assert max(errors.values()) < 1e-5, {name: err for name, err in errors.items() if err >= 1e-5}
     torch._dynamo.reset()
