@@ -42,7 +42,7 @@ import psutil
 from api.cli.launcher import ApiServerProcess
 from benchmarks.machine import describe, machine_info
 from rl_service.control.local_services import EMBEDDED_RECORD
-from rl_service.control.scheduler import JobDriver
+from rl_service.control.scheduler.driver import JobDriver
 from rl_service.training.distributed import RankLearner
 from rollout_workers.worker import RolloutEngineHost
 

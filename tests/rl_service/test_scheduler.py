@@ -35,7 +35,7 @@ def running_scheduler(store: Store, runner: str | type) -> Iterator[Scheduler]:
     finally:
         sched.stop()
         for job_id in store.r.smembers(store.k_placed()):
-            sched._release(job_id)
+            sched.ray_jobs.release(job_id)
 
 
 @pytest.fixture
