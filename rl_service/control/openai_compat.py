@@ -295,37 +295,36 @@ class FineTuningJobs:
         self.service = service
 
     def create(self, p: Principal, request: FineTuningJobCreate) -> dict[str, Any]:
-        job, _ = self.service.submit(p, job_spec_of(request))
+        job, _ = self.service.jobs.submit(p, job_spec_of(request))
         return job_object(job)
 
     def list(self, p: Principal, after: str | None, limit: int) -> dict[str, Any]:
-        found = self.service.store.list_jobs_after(p.tenant, after, limit)
+        found = self.service.jobs.list_after(p, after, limit)
         if found is None:
             raise NotFound(f"after: no job {after!r} to list after", field="after")
         jobs, has_more = found
         return page([job_object(j) for j in jobs], has_more)
 
     def retrieve(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.get_job(p, job_id))
+        return job_object(self.service.jobs.get(p, job_id))
 
     def cancel(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.cancel(p, job_id))
+        return job_object(self.service.jobs.cancel(p, job_id))
 
     def pause(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.pause(p, job_id))
+        return job_object(self.service.jobs.pause(p, job_id))
 
     def resume(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.resume(p, job_id))
+        return job_object(self.service.jobs.resume(p, job_id))
 
     def events(self, p: Principal, job_id: str, after: str | None, limit: int) -> dict[str, Any]:
         """Newest first; ``after`` is the id of the last event of the previous page."""
-        self.service.get_job(p, job_id)
-        rows = self.service.store.events_newest_first(job_id, before=after, limit=limit + 1)
+        rows = self.service.jobs.events_newest_first(p, job_id, before=after, limit=limit + 1)
         return page([event_object(e) for e in rows[:limit]], len(rows) > limit)
 
     def checkpoints(self, p: Principal, job_id: str, after: str | None, limit: int) -> dict[str, Any]:
         """Newest first; ``after`` is the id of the last checkpoint of the previous page (`JOB_ID:STEP`)."""
-        found = sorted(self.service.checkpoints(p, job_id), key=lambda c: c["step"], reverse=True)
+        found = sorted(self.service.jobs.checkpoints(p, job_id), key=lambda c: c["step"], reverse=True)
         if after is not None:
             job, _, step = after.partition(":")
             if job != job_id:
