@@ -8,9 +8,9 @@ ref_model=None, pad_token_id=0)` with `step(samples) -> metrics` and `logprobs(s
 from rl_service.training.learner.batch import LossNorm, MicroBatch, PolicySample, collate, pack_micro_batches
 from rl_service.training.learner.config import LOSS_TYPES, LearnerConfig
 from rl_service.training.learner.learner import Learner, completion_logits, token_logprobs_and_entropy
-from rl_service.training.learner.loss import policy_loss, truncated_is_ratio
+from rl_service.training.learner.loss import importance_sampling_ratio, policy_loss
 
 __all__ = [
     "LOSS_TYPES", "Learner", "LearnerConfig", "LossNorm", "MicroBatch", "PolicySample", "collate",
-    "completion_logits", "pack_micro_batches", "policy_loss", "token_logprobs_and_entropy", "truncated_is_ratio",
+    "completion_logits", "pack_micro_batches", "policy_loss", "token_logprobs_and_entropy", "importance_sampling_ratio",
 ]
