@@ -3,13 +3,9 @@ GRPOConfig names) plus what the rest of the job spec fixes for the learner."""
 
 from __future__ import annotations
 
-from typing import get_args
-
 from pydantic import Field
 
-from rl_service.spec import AlgorithmSpec, JobSpec, LossType
-
-LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+from rl_service.spec import AlgorithmSpec, JobSpec
 
 
 class LearnerConfig(AlgorithmSpec):
