@@ -108,6 +108,7 @@ def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[s
             weight_decay=weight_decay, max_grad_norm=max_grad_norm, optim="adamw_torch",
             warmup_steps=max(1, min(warmup_steps, steps // 2)), lr_scheduler_type="cosine_with_min_lr",
             lr_scheduler_kwargs={"min_lr_rate": 0.05}, completion_only_loss=True, max_length=None,
+            gradient_checkpointing=False,  # SFTConfig turns it on; it recomputes every forward
             seed=seed, data_seed=seed, bf16=cuda, use_cpu=not cuda, logging_steps=1, save_strategy="no",
             report_to="none", disable_tqdm=True, dataloader_num_workers=0, dataset_num_proc=None,
         )
