@@ -11,18 +11,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+from trl.trainer.utils import disable_dropout_in_model, entropy_from_logits, selective_log_softmax
 
 from rl_service.training.learner.batch import LossNorm, MicroBatch, PolicySample, collate, pack_micro_batches
 from rl_service.training.learner.config import LearnerConfig
 from rl_service.training.learner.loss import importance_sampling_ratio, policy_loss
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Dropout would make the learner's logprobs differ from the sampler's and between passes."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
 
 
 def completion_logits(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -74,7 +67,7 @@ class Learner:
         self.balancing_model = balancing_model if balancing_model is not None else model
         self.loss_scale = 1.0
         self.progress: Callable[[], None] | None = None  # called after each micro-batch (a job's heartbeat)
-        disable_dropout(model)
+        disable_dropout_in_model(model)  # dropout would make logprobs differ from the sampler's and between passes
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
