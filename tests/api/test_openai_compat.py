@@ -131,6 +131,9 @@ def _reinforcement(grader: dict | None = None, **hyperparameters) -> dict:
      "method.reinforcement.hyperparameters.batch_size", openai.BadRequestError),
     ({"extra_body": {"rollout": {"num_generations": 0}}}, "rollout.num_generations", openai.BadRequestError),
     ({"extra_body": {"no_such_field": 1}}, "no_such_field", openai.BadRequestError),
+    ({"extra_body": {"algorithm": {"per_device_train_batch_size": 4}}}, "algorithm.per_device_train_batch_size",
+     openai.BadRequestError),  # a GRPOConfig name the algorithm block does not take
+    ({"extra_body": {"algorithm": {"beta": 100.0}}}, "algorithm.beta", openai.BadRequestError),
     ({"extra_body": {"environment": {"name": "nope"}}}, "environment.name", openai.UnprocessableEntityError),
     ({"extra_body": {"total_steps": 5}, "method": RL}, "method.reinforcement.hyperparameters.n_epochs",
      openai.UnprocessableEntityError),
