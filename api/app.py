@@ -105,7 +105,7 @@ class _JobsByState:
     def collect(self):
         gauge = GaugeMetricFamily("taper_jobs", "Jobs by state", labels=["state"])
         try:
-            for state, n in self.service.jobs_by_state().items():
+            for state, n in self.service.jobs.count_by_state().items():
                 gauge.add_metric([state], n)
         except Exception:  # a scrape must not fail because Redis blinked
             pass
@@ -235,7 +235,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = None
         if app.state.service is None:
-            from rl_service.control.service import start_runtime
+            from rl_service.control.service.runtime import start_runtime
 
             runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner,
                                     detached_scheduler=settings.embedded_scheduler)

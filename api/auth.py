@@ -23,4 +23,4 @@ async def principal(
 ) -> Principal:
     if creds is None or creds.scheme.lower() != "bearer":
         raise Unauthorized("missing bearer API key (Authorization: Bearer <key>)", field="Authorization")
-    return await request.app.state.service.aauthenticate(creds.credentials)
+    return await request.app.state.service.tenants.aauthenticate(creds.credentials)

@@ -31,15 +31,15 @@ FROM_LAST_STEP = [
 
 
 class TrainingMetrics:
-    """A Prometheus collector over the service's job store."""
+    """A Prometheus collector over the service's jobs (every tenant's)."""
 
     def __init__(self, service: TaperService) -> None:
         self.service = service
 
     def collect(self) -> Iterator[Metric]:
         try:
-            running = self.service.store.list_jobs(None, JobState.RUNNING, 0, MAX_JOBS)[0]
-            queued = self.service.store.list_jobs(None, JobState.QUEUED, 0, MAX_JOBS)[0]
+            running = self.service.jobs.all_in_state(JobState.RUNNING, MAX_JOBS)
+            queued = self.service.jobs.all_in_state(JobState.QUEUED, MAX_JOBS)
         except Exception:  # a scrape must not fail because Redis blinked
             log.debug("training metrics skipped: the store is unreachable", exc_info=True)
             return

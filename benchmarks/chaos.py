@@ -42,10 +42,14 @@ import psutil
 from api.cli.launcher import ApiServerProcess
 from benchmarks.machine import describe, machine_info
 from rl_service.control.local_services import EMBEDDED_RECORD
+from rl_service.control.scheduler.driver import JobDriver
+from rl_service.training.distributed import RankLearner
+from rollout_workers.worker import RolloutEngineHost
 
 FAULT_KINDS = ("api", "scheduler", "driver", "rollout_worker", "learner_rank", "redis")
 # Ray names an actor's process after its class
-ACTOR_TITLES = {"driver": "ray::JobDriver", "rollout_worker": "ray::RolloutWorker", "learner_rank": "ray::RankLearner"}
+ACTOR_TITLES = {"driver": f"ray::{JobDriver.__name__}", "rollout_worker": f"ray::{RolloutEngineHost.__name__}",
+                "learner_rank": f"ray::{RankLearner.__name__}"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from api.cli.demo import MEASURED_ALGORITHM
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "outcome_only": {"reward_schedule": {"kind": "constant", "w_start": 0.0, "w_end": 0.0},
                      "algorithm": {"credit_assignment": "decoupled"}},
@@ -73,7 +75,7 @@ def job_spec(env: str, variant: str, seed: int, steps: int, checkpoint: Path) ->
         "model": {"preset": "tiny", "checkpoint_dir": str(checkpoint)},  # the runner directly: no control plane
         "environment": {"name": env},
         "tasks": {"seed": seed, "num_train": 5000, "num_eval": 50, "options": ENV_TASKS[env]},
-        "algorithm": {"loss_type": "dapo", "learning_rate": 5e-4, **v["algorithm"]},
+        "algorithm": {"loss_type": "dapo", "learning_rate": 5e-4, **MEASURED_ALGORITHM, **v["algorithm"]},
         "rollout": {"prompts_per_step": 4, "num_generations": 8, "temperature": 0.6, **ENV_ROLLOUT[env]},
         "reward_schedule": schedule,
         "total_steps": steps,
@@ -137,7 +139,8 @@ def protocol_spec(k: int, variant: str, seed: int, checkpoint: Path, steps: int)
         "model": {"preset": "tiny", "checkpoint_dir": str(checkpoint)},
         "environment": {"name": PROTOCOL["env"]},
         "tasks": {"seed": seed, "num_train": 5000, "num_eval": PROTOCOL["num_eval"], "options": {"k": k}},
-        "algorithm": {"loss_type": PROTOCOL["loss_type"], "learning_rate": PROTOCOL["learning_rate"], **v["algorithm"]},
+        "algorithm": {"loss_type": PROTOCOL["loss_type"], "learning_rate": PROTOCOL["learning_rate"],
+                      **MEASURED_ALGORITHM, **v["algorithm"]},
         "rollout": {"prompts_per_step": PROTOCOL["prompts_per_step"], "num_generations": PROTOCOL["num_generations"],
                     "temperature": PROTOCOL["temperature"], "max_turns": k + 2,
                     "max_tokens_per_turn": PROTOCOL["max_tokens_per_turn"],

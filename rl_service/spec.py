@@ -107,26 +107,100 @@ class RolloutSpec(_Strict):
     max_staleness: int = Field(1, ge=0, le=16, description="Max policy-version lag of a trajectory used in training.")
 
 
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
+# Fields of TRL's GRPOConfig that the job spec keeps in `rollout` (sampling is the rollout workers' business):
+# given in `algorithm` they move there, so a GRPOConfig mapping can be pasted whole.
+ROLLOUT_FIELDS_OF_GRPO_CONFIG = ("num_generations", "temperature", "top_p")
+
+
 class AlgorithmSpec(_Strict):
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo"] = "dapo"
-    learning_rate: float = Field(1e-3, gt=0.0, le=1.0)
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    epsilon: float = Field(0.2, gt=0.0, le=10.0)
-    epsilon_high: float | None = Field(None, gt=0.0, le=10.0)
-    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the frozen reference policy.")
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    num_iterations: int = Field(1, ge=1, le=16, description="Optimizer passes over each batch.")
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    micro_batch_tokens: int = Field(8192, ge=64, description="Token budget of one micro-batch (gradient accumulation).")
-    vllm_importance_sampling_cap: float = Field(2.0, gt=0.0, description="Truncated IS correction cap.")
+    """The learning algorithm: TRL 1.16's `GRPOConfig` field names and defaults wherever the concept is the same
+    (the learner's one configuration; `rl_service.training.learner.LearnerConfig` adds only what the rest of the
+    job spec fixes). Taper's own fields (credit assignment, micro-batching) are marked as such."""
+
+    loss_type: LossType = Field(
+        "dapo", description="How token losses aggregate (TRL's names). grpo: mean over sequences of each "
+        "sequence's token mean; dapo: token mean over the global batch; dr_grpo: token sum / (sequences x "
+        "max_completion_length); bnpo: token mean of each micro-batch, averaged over micro-batches.")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="token: one ratio per token; sequence: exp(mean log-ratio) per sequence (GSPO).")
+    learning_rate: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW's initial learning rate.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup"] = Field(
+        "linear", description="The learning-rate schedule over total_steps x num_iterations optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, le=1_000_000)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_epsilon: float = Field(1e-8, gt=0.0, le=1.0)
+    max_grad_norm: float = Field(1.0, gt=0.0, le=1e6)
+    epsilon: float = Field(0.2, gt=0.0, le=10.0, description="Lower clip: ratio >= 1 - epsilon.")
+    epsilon_high: float | None = Field(
+        None, gt=0.0, le=10.0, description="Upper clip: ratio <= 1 + epsilon_high (null: epsilon; DAPO uses 0.28).")
+    beta: float = Field(0.0, ge=0.0, le=10.0, description="KL coefficient to the frozen reference policy (k3).")
+    num_iterations: int = Field(1, ge=1, le=16, description="Optimizer passes over each batch (TRL's mu).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide the centred outcome by the group's std, the batch's, or nothing.")
+    max_completion_length: int | None = Field(
+        None, ge=1, le=1_048_576, description="dr_grpo's normaliser (null: rollout.max_total_tokens).")
+    vllm_importance_sampling_correction: bool = Field(
+        True, description="Weight each token by the learner/rollout probability ratio (vllm_importance_sampling_mode).")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        Field("sequence_mask", description="truncate: clip the ratio to [clip_min, clip_max]; mask: zero the "
+                                           "tokens (or sequences) outside it; per token or per sequence."))
+    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0.0, le=1e6)
+    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=0.0, le=1e6)
+    num_generations: int | None = Field(
+        None, ge=1, le=256, description="Accepted as in GRPOConfig; stored as rollout.num_generations.")
+    temperature: float | None = Field(
+        None, ge=0.0, le=10.0, description="Accepted as in GRPOConfig; stored as rollout.temperature.")
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, description="Accepted as in GRPOConfig; stored as rollout.top_p.")
+    # Taper's own
+    micro_batch_tokens: int = Field(
+        8192, ge=1, le=16_777_216, description="Taper: padded-token budget of one micro-batch (gradient "
+                                                "accumulation; the loss is exact whatever its size).")
     credit_assignment: Literal["decoupled", "summed"] = Field(
         "decoupled",
-        description="decoupled: A = A_outcome + w(t)*A_process (DESIGN §6). summed: the naive baseline.",
+        description="Taper: decoupled: A = A_outcome + w(t)*A_process (DESIGN §6). summed: the naive baseline.",
     )
-    process_scale: Literal["batch", "fixed"] = "batch"
-    gamma: float | None = Field(None, ge=0.0, le=1.0, description="Discount for process returns-to-go; None = step only.")
+    process_scale: Literal["batch", "fixed"] = Field("batch", description="Taper: how process advantages scale.")
+    gamma: float | None = Field(
+        None, ge=0.0, le=1.0, description="Taper: discount for process returns-to-go; null = the step only.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_names(cls, data: Any) -> Any:
+        """Names of earlier Taper releases, kept for stored jobs: loss_type "gspo" is grpo with sequence-level
+        importance sampling; vllm_importance_sampling_cap is TRL's deprecated name of ..._clip_max (truncating
+        per token)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("loss_type") == "gspo":
+            data["loss_type"] = "grpo"
+            data.setdefault("importance_sampling_level", "sequence")
+        if "vllm_importance_sampling_cap" in data:
+            data.setdefault("vllm_importance_sampling_clip_max", data.pop("vllm_importance_sampling_cap"))
+            data.setdefault("vllm_importance_sampling_mode", "token_truncate")
+        return data
+
+    @model_validator(mode="after")
+    def _check_clip_range(self) -> AlgorithmSpec:
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be less than "
+                             f"vllm_importance_sampling_clip_max ({high})")
+        if self.vllm_importance_sampling_mode.endswith("truncate") and low is None and high is None:
+            raise ValueError("vllm_importance_sampling_clip_max: a *_truncate mode needs clip_min or clip_max")
+        return self
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def epsilon_up(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 class MixedPhaseSpec(_Strict):
@@ -288,6 +362,20 @@ class JobSpec(_Strict):
     priority: int = Field(0, ge=-100, le=100, description="Higher runs first; at most the tenant's max_priority.")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     metadata: Metadata = Field(default_factory=dict, description="The tenant's own labels (as OpenAI's `metadata`).")
+
+    @model_validator(mode="after")
+    def _sampling_fields_live_in_rollout(self) -> JobSpec:
+        """GRPOConfig's sampling fields given in `algorithm` move to `rollout` (their one home)."""
+        for name in ROLLOUT_FIELDS_OF_GRPO_CONFIG:
+            value = getattr(self.algorithm, name)
+            if value is None:
+                continue
+            if name in self.rollout.model_fields_set and getattr(self.rollout, name) != value:
+                raise ValueError(f"algorithm.{name}: differs from rollout.{name}; give it in one place")
+            setattr(self.rollout, name, value)
+            self.rollout.model_fields_set.add(name)
+            setattr(self.algorithm, name, None)
+        return self
 
     @property
     def rollout_chunk_deadline_s(self) -> float:

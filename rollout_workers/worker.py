@@ -1,6 +1,7 @@
 """The rollout worker: one engine, many concurrent agent loops, weight pushes, stats.
 
-`RolloutWorkerImpl` is the plain class (usable in-process); `RolloutWorker` is the Ray actor. The actor
+`RolloutEngineHost` holds one engine and the environment its agent loops run (usable in-process);
+`RolloutWorker` is the same class as a Ray actor (its processes are titled `ray::RolloutEngineHost`). The actor
 is threaded (max_concurrency > 1) so `stats()` and `load_weights()` answer while a batch runs; the
 engine puts a weight push between two engine steps, after the live turns end (continuous batching:
 rollout calls that overlap share the engine's running batch).
@@ -38,7 +39,9 @@ def build_engine(engine: EngineConfig | EngineFactory) -> Engine:
     return engine()
 
 
-class RolloutWorkerImpl:
+class RolloutEngineHost:
+    """One inference engine, the environment factory its agent loops use, their stats and tool runner."""
+
     def __init__(
         self,
         engine: EngineConfig | EngineFactory,
@@ -110,4 +113,4 @@ class RolloutWorkerImpl:
         return out
 
 
-RolloutWorker = ray.remote(RolloutWorkerImpl)
+RolloutWorker = ray.remote(RolloutEngineHost)

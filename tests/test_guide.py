@@ -65,9 +65,9 @@ def service(installed_example: None, tmp_path_factory: pytest.TempPathFactory) -
     env = {"TAPER_DATA_DIR": str(data_dir), "RAY_ADDRESS": "", "TAPER_HTTP_ALLOW": "127.0.0.1"}
     server = ApiServerProcess(data_dir / "api.log", env=env)
     server.env.pop("TAPER_REDIS_URL", None)
-    server.start()
-    key = (data_dir / "api-key").read_text().strip()
-    try:
+    try:  # a server that does not answer in time has already started the embedded services: stop them too
+        server.start()
+        key = (data_dir / "api-key").read_text().strip()
         with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
             yield client
     finally:

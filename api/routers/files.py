@@ -50,20 +50,20 @@ def upload_file(
     purpose: Annotated[Literal["tasks", "fine-tune"], Form()] = "tasks",
 ) -> FileObject:
     """Every line is checked before the file is kept; a bad line is a 422 naming its number."""
-    return FileObject(**svc.create_file(who, file.filename or "", purpose, file.file))
+    return FileObject(**svc.files.create(who, file.filename or "", purpose, file.file))
 
 
 @router.get("", response_model=FileList, summary="The tenant's task files, newest first")
 def list_files(svc: Svc, who: Who) -> FileList:
-    return FileList(data=[FileObject(**m) for m in svc.list_files(who)])
+    return FileList(data=[FileObject(**m) for m in svc.files.list_all(who)])
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=error_responses(404, 422))
 def get_file(file_id: FileId, svc: Svc, who: Who) -> FileObject:
-    return FileObject(**svc.get_file(who, file_id))
+    return FileObject(**svc.files.get(who, file_id))
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409, 422))
 def delete_file(file_id: FileId, svc: Svc, who: Who) -> FileDeleted:
-    svc.delete_file(who, file_id)
+    svc.files.delete(who, file_id)
     return FileDeleted(id=file_id)

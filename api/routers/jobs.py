@@ -54,7 +54,7 @@ def submit_job(
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255, pattern=r"^[!-~]([ -~]*[!-~])?$",
                                                   description="Printable ASCII: a repeat answers the first job")] = None,
 ) -> JobOut:
-    job, created = svc.submit(who, spec, idempotency_key)
+    job, created = svc.jobs.submit(who, spec, idempotency_key)
     if not created:
         response.status_code = 200
     response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -70,13 +70,13 @@ def list_jobs(
     offset: Offset = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> JobPage:
-    jobs, total = svc.list_jobs(who, state, offset, limit)
+    jobs, total = svc.jobs.list_jobs(who, state, offset, limit)
     return JobPage(items=[JobOut.of(j) for j in jobs], total=total, offset=offset, limit=limit)
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=error_responses(404, 422))
 async def get_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
-    return JobOut.of(await svc.aget_job(who, job_id))
+    return JobOut.of(await svc.jobs.aget(who, job_id))
 
 
 @router.delete("/{job_id}", status_code=204, response_class=Response,
@@ -86,7 +86,7 @@ def delete_job(
     job_id: JobId, svc: Svc, who: Who,
     keep_checkpoints: Annotated[bool, Query(description="Keep the checkpoint files (records go either way).")] = False,
 ) -> Response:
-    svc.delete_job(who, job_id, keep_checkpoints=keep_checkpoints)
+    svc.jobs.delete(who, job_id, keep_checkpoints=keep_checkpoints)
     return Response(status_code=204)
 
 
@@ -96,19 +96,19 @@ _CONTROL = error_responses(404, 409, 422)
 @router.post("/{job_id}/cancel", response_model=JobOut, summary="Cancel a job", responses=_CONTROL)
 def cancel_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
     """A queued or paused job is cancelled at once; a starting or running one is asked to stop."""
-    return JobOut.of(svc.cancel(who, job_id))
+    return JobOut.of(svc.jobs.cancel(who, job_id))
 
 
 @router.post("/{job_id}/pause", response_model=JobOut, summary="Pause a job", responses=_CONTROL)
 def pause_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
     """A starting or running job is asked to pause after its current step (it keeps its checkpoint)."""
-    return JobOut.of(svc.pause(who, job_id))
+    return JobOut.of(svc.jobs.pause(who, job_id))
 
 
 @router.post("/{job_id}/resume", response_model=JobOut, summary="Resume a job", responses=_CONTROL)
 def resume_job(job_id: JobId, svc: Svc, who: Who) -> JobOut:
     """A paused job is queued again and resumes from its last checkpoint; a pending pause is withdrawn."""
-    return JobOut.of(svc.resume(who, job_id))
+    return JobOut.of(svc.jobs.resume(who, job_id))
 
 
 @router.get(
@@ -127,7 +127,7 @@ async def job_events(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     last_event_id: Annotated[str | None, Header(pattern=STREAM_ID)] = None,
 ) -> Any:
-    items = await asyncio.to_thread(svc.events, who, job_id, after or last_event_id, limit)
+    items = await asyncio.to_thread(svc.jobs.events, who, job_id, after or last_event_id, limit)
     if "text/event-stream" not in request.headers.get("accept", ""):
         return EventPage(items=[EventOut(**e) for e in items],
                          next=items[-1]["id"] if len(items) == limit else None)
@@ -138,14 +138,14 @@ async def _event_stream(request: Request, svc: TaperService, job_id: str, after:
     """Replays events after ``after``, then follows the stream until the job has finished."""
     cursor = after
     while not await request.is_disconnected():
-        batch = await asyncio.to_thread(svc.followed_events, job_id, cursor, 500)
+        batch = await asyncio.to_thread(svc.jobs.followed_events, job_id, cursor, 500)
         for e in batch:
             cursor = e["id"]
             yield {"id": e["id"], "event": e["kind"], "data": json.dumps({"ts": e["ts"], **e["data"]})}
         if not batch:
-            if await asyncio.to_thread(svc.job_finished, job_id):
+            if await asyncio.to_thread(svc.jobs.finished, job_id):
                 # the terminal state and its event are written together: one last read sends it
-                for e in await asyncio.to_thread(svc.followed_events, job_id, cursor, 10_000):
+                for e in await asyncio.to_thread(svc.jobs.followed_events, job_id, cursor, 10_000):
                     yield {"id": e["id"], "event": e["kind"], "data": json.dumps({"ts": e["ts"], **e["data"]})}
                 return
             await asyncio.sleep(0.25)
@@ -157,7 +157,7 @@ def job_metrics(
     job_id: JobId, svc: Svc, who: Who, after: Cursor = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
 ) -> MetricsPage:
-    rows = svc.metrics(who, job_id, after, limit)
+    rows = svc.jobs.metrics(who, job_id, after, limit)
     return MetricsPage(items=[MetricsRow(**r) for r in rows], next=rows[-1]["id"] if len(rows) == limit else None)
 
 
@@ -174,14 +174,14 @@ def job_trajectories(
     offset: Offset = 0,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
 ) -> TrajectoryPage:
-    items = svc.trajectories(who, job_id, status=status, min_reward=min_reward, max_reward=max_reward,
+    items = svc.jobs.trajectories(who, job_id, status=status, min_reward=min_reward, max_reward=max_reward,
                              step=step, offset=offset, limit=limit)
     return TrajectoryPage(items=items, offset=offset, limit=limit)
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=error_responses(404, 422))
 def job_checkpoints(job_id: JobId, svc: Svc, who: Who) -> list[CheckpointOut]:
-    return [CheckpointOut(**c) for c in svc.checkpoints(who, job_id)]
+    return [CheckpointOut(**c) for c in svc.jobs.checkpoints(who, job_id)]
 
 
 def _schedule_out(history) -> ScheduleOut:
@@ -193,7 +193,7 @@ def _schedule_out(history) -> ScheduleOut:
 @router.get("/{job_id}/reward-schedule", response_model=ScheduleOut, tags=["schedule"],
             responses=error_responses(404, 422))
 def get_reward_schedule(job_id: JobId, svc: Svc, who: Who) -> ScheduleOut:
-    return _schedule_out(svc.schedule(who, job_id))
+    return _schedule_out(svc.jobs.schedule(who, job_id))
 
 
 @router.patch(
@@ -211,5 +211,5 @@ def patch_reward_schedule(
 ) -> ScheduleOut:
     """A patch that is valid on its own but does not fit the job's schedule (e.g. `half_life` while the kind is
     linear) is a 409, as is any patch of a finished job."""
-    svc.patch_schedule(who, job_id, patch.changes())
-    return _schedule_out(svc.schedule(who, job_id))
+    svc.jobs.patch_schedule(who, job_id, patch.changes())
+    return _schedule_out(svc.jobs.schedule(who, job_id))

@@ -125,10 +125,10 @@ async def preview_schedule(
     if the patch were PATCHed now. Nothing is stored; a bad patch gets the same 422 or 409 the PATCH would."""
 
     def compute() -> dict[str, Any]:
-        job = svc.get_job(who, job_id)
+        job = svc.jobs.get(who, job_id)
         if patch and job.state.is_terminal:
             raise Conflict(f"job is already {job.state.value}; its schedule is final", field="state")
-        history = svc.schedule(who, job_id)
+        history = svc.jobs.schedule(who, job_id)
         end = last_step if last_step is not None else max(job.total_steps, job.step + 1)
         try:
             out = schedule_preview(history, at_step=job.step, last_step=end,
@@ -152,7 +152,7 @@ async def decode_tokens(job_id: JobId, svc: Svc, who: Who, body: TokenIds) -> di
     """The text of each distinct token id, decoded with the job's tokenizer (for the trajectory viewer)."""
 
     def compute() -> dict[str, dict[str, str]]:
-        job = svc.get_job(who, job_id)
+        job = svc.jobs.get(who, job_id)
         try:
             pieces = token_pieces(body.ids, job.spec.model.checkpoint_dir)
         except ValueError as exc:

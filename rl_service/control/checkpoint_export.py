@@ -17,9 +17,9 @@ CHUNK = 1 << 20
 
 def checkpoint_dir(service: TaperService, p: Principal, job_id: str, step: int) -> Path:
     """The directory of the job's checkpoint ``step``: one the store lists, lying in the job's own work dir."""
-    job = service.get_job(p, job_id)
+    job = service.jobs.get(p, job_id)
     work_dir = Path(job.work_dir).resolve()
-    for c in service.checkpoints(p, job_id):
+    for c in service.jobs.checkpoints(p, job_id):
         uri = urlparse(c["uri"])
         if c["step"] != step or uri.scheme not in ("", "file"):
             continue

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from reward_models.graders import Grader
 from reward_models.monitor import HackingMonitorConfig
 from reward_models.schedule import RewardSchedule
 from rl_service.control.service import (
@@ -66,22 +67,27 @@ class ReinforcementHyperparameters(_Strict):
 
     batch_size: Auto | Annotated[int, Field(ge=1, le=4096)] | None = Field(
         None, description="rollout.prompts_per_step")
-    learning_rate_multiplier: Auto | Annotated[float, Field(gt=0.0, le=100.0)] | None = Field(
-        None, description="algorithm.learning_rate = multiplier x the default learning rate")
+    learning_rate_multiplier: Auto | Annotated[float, Field(gt=0.0, le=1e6)] | None = Field(
+        None, description="algorithm.learning_rate = multiplier x the default learning rate (TRL's 1e-6)")
     n_epochs: Auto | Annotated[int, Field(ge=1, le=1000)] | None = Field(
         None, description="total_steps = ceil(n_epochs x tasks.num_train / batch_size)")
     eval_interval: Auto | Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
         None, description="eval_every")
     eval_samples: Auto | Annotated[int, Field(ge=1, le=100_000)] | None = Field(
         None, description="tasks.num_eval")
-    compute_multiplier: Auto | None = Field(
-        None, description="Only 'auto': set rollout.num_generations through extra_body instead.")
+    compute_multiplier: Auto | Annotated[float, Field(gt=0.0, le=32.0)] | None = Field(
+        None, description="Samples per task: rollout.num_generations = round(multiplier x its default), at least 2.")
     reasoning_effort: Literal["default"] | None = Field(
         None, description="Only 'default' (the policy is not a reasoning model).")
 
 
 class Reinforcement(_Strict):
-    grader: None = Field(None, description="Not offered yet: outcomes are graded by the environment's own verifier.")
+    grader: Grader | None = Field(
+        None, description="OpenAI's RFT grader, run as the job's outcome grader (environment.grader): string_check "
+        "(eq, ne, like, ilike), text_similarity (fuzzy_match, rouge_1), python (grade(sample, item) in Taper's "
+        "sandbox; no image_tag), multi (named graders and calculate_output); also Taper's numeric, regex, "
+        "json_match and http graders. Templates read {{item.FIELD}} and {{sample.output_text}}. score_model and "
+        "label_model are not offered. None: the environment's own verifier.")
     hyperparameters: ReinforcementHyperparameters = Field(default_factory=ReinforcementHyperparameters)
 
 
@@ -157,6 +163,10 @@ def _apply_hyperparameters(blocks: dict[str, Any], hp: ReinforcementHyperparamet
         base = AlgorithmSpec.model_fields["learning_rate"].default
         _set(blocks, "algorithm.learning_rate", base * hp.learning_rate_multiplier,
              f"{param}.learning_rate_multiplier")
+    if isinstance(hp.compute_multiplier, float | int):
+        default = RolloutSpec.model_fields["num_generations"].default
+        _set(blocks, "rollout.num_generations", max(2, round(default * hp.compute_multiplier)),
+             f"{param}.compute_multiplier")
     if isinstance(hp.eval_interval, int):
         _set(blocks, "eval_every", hp.eval_interval, f"{param}.eval_interval")
     if isinstance(hp.eval_samples, int):
@@ -185,6 +195,9 @@ def job_spec_of(request: FineTuningJobCreate) -> JobSpec:
         blocks["name"] = request.suffix
     if request.metadata is not None:
         blocks["metadata"] = request.metadata
+    if request.method is not None and request.method.reinforcement.grader is not None:
+        _set(blocks, "environment.grader", request.method.reinforcement.grader.model_dump(mode="json"),
+             "method.reinforcement.grader")
     if request.method is not None:
         try:  # n_epochs reads the tasks block, which may be invalid itself
             _apply_hyperparameters(blocks, request.method.reinforcement.hyperparameters)
@@ -220,7 +233,7 @@ def _hyperparameters(spec: JobSpec) -> dict[str, Any]:
         "n_epochs": int(epochs) if epochs == int(epochs) else None,
         "eval_interval": spec.eval_every or "auto",
         "eval_samples": spec.tasks.num_eval,
-        "compute_multiplier": "auto",
+        "compute_multiplier": spec.rollout.num_generations / RolloutSpec.model_fields["num_generations"].default,
         "reasoning_effort": "default",
     }
 
@@ -253,7 +266,7 @@ def job_object(job: JobRecord) -> dict[str, Any]:
                          if spec.tracking.wandb is not None else []),
         "metadata": spec.metadata or None,
         "method": {"type": "reinforcement",
-                   "reinforcement": {"grader": None, "hyperparameters": hyperparameters}},
+                   "reinforcement": {"grader": spec.environment.grader, "hyperparameters": hyperparameters}},
         "user_provided_suffix": spec.name,
     }
 
@@ -295,37 +308,36 @@ class FineTuningJobs:
         self.service = service
 
     def create(self, p: Principal, request: FineTuningJobCreate) -> dict[str, Any]:
-        job, _ = self.service.submit(p, job_spec_of(request))
+        job, _ = self.service.jobs.submit(p, job_spec_of(request))
         return job_object(job)
 
     def list(self, p: Principal, after: str | None, limit: int) -> dict[str, Any]:
-        found = self.service.store.list_jobs_after(p.tenant, after, limit)
+        found = self.service.jobs.list_after(p, after, limit)
         if found is None:
             raise NotFound(f"after: no job {after!r} to list after", field="after")
         jobs, has_more = found
         return page([job_object(j) for j in jobs], has_more)
 
     def retrieve(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.get_job(p, job_id))
+        return job_object(self.service.jobs.get(p, job_id))
 
     def cancel(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.cancel(p, job_id))
+        return job_object(self.service.jobs.cancel(p, job_id))
 
     def pause(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.pause(p, job_id))
+        return job_object(self.service.jobs.pause(p, job_id))
 
     def resume(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.resume(p, job_id))
+        return job_object(self.service.jobs.resume(p, job_id))
 
     def events(self, p: Principal, job_id: str, after: str | None, limit: int) -> dict[str, Any]:
         """Newest first; ``after`` is the id of the last event of the previous page."""
-        self.service.get_job(p, job_id)
-        rows = self.service.store.events_newest_first(job_id, before=after, limit=limit + 1)
+        rows = self.service.jobs.events_newest_first(p, job_id, before=after, limit=limit + 1)
         return page([event_object(e) for e in rows[:limit]], len(rows) > limit)
 
     def checkpoints(self, p: Principal, job_id: str, after: str | None, limit: int) -> dict[str, Any]:
         """Newest first; ``after`` is the id of the last checkpoint of the previous page (`JOB_ID:STEP`)."""
-        found = sorted(self.service.checkpoints(p, job_id), key=lambda c: c["step"], reverse=True)
+        found = sorted(self.service.jobs.checkpoints(p, job_id), key=lambda c: c["step"], reverse=True)
         if after is not None:
             job, _, step = after.partition(":")
             if job != job_id:

@@ -8,7 +8,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-from rl_service.control.service import start_runtime
+from rl_service.control.service.runtime import start_runtime
 from rl_service.control.settings import TaperSettings, get_settings
 
 

@@ -317,7 +317,10 @@ class DistributedLearner:
     def _plan(self, samples: Sequence[PolicySample]) -> tuple[list[list[PolicySample]], LossNorm, int]:
         shards = shard_samples(samples, self.num_ranks)
         n_mb = max(len(pack_micro_batches(s, self.config.micro_batch_tokens)) for s in shards)
-        return shards, LossNorm.of(samples), max(n_mb, 1)
+        n_mb = max(n_mb, 1)
+        norm = LossNorm.of(samples)
+        norm.num_micro_batches = n_mb * len(shards)  # every rank runs n_mb passes (bnpo's mean over all)
+        return shards, norm, n_mb
 
     def step(self, samples: Sequence[PolicySample]) -> dict[str, float]:
 

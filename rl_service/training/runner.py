@@ -3,7 +3,10 @@
 advantages, train, push weights), obey pause/cancel, checkpoint, evaluate, report.
 
 `JobRunner(job_id, spec, hooks, work_dir).run()` returns "succeeded" | "cancelled" | "paused" (or raises:
-the caller marks the job failed). It resumes from the newest checkpoint under `work_dir/checkpoints/`.
+the caller marks the job failed). It resumes from the newest checkpoint under `work_dir/checkpoints/`
+(rl_service.training.resume) and beats the driver's heartbeat as it goes (rl_service.training.progress).
+The functions after the class build what a job runs on: its environment, tasks, policy, sampling, learner
+ranks and rollout pool.
 
 Work directory:
   initial/              the starting weights + tokenizer (rollout engines and the KL reference load them)
@@ -45,15 +48,14 @@ from rl_service.task_files import load_tasks
 from rl_service.training import step as pipeline
 from rl_service.training.checkpoint import (
     latest_checkpoint,
-    load_weights,
     remove_stale_temporaries,
-    restore_rng_state,
     save_checkpoint,
     save_weights,
 )
 from rl_service.training.distributed import DistributedLearner
 from rl_service.training.learner import Learner, LearnerConfig
-from rl_service.training.run_state import RunState
+from rl_service.training.progress import Progress
+from rl_service.training.resume import resume_from
 from rl_service.training.tracking import TrackedHooks
 from rl_service.training.warm_start import WARM_START_SEED_OFFSET, run_warm_start
 from rollout_workers.engine import EngineConfig, VLLMEngine
@@ -65,7 +67,6 @@ from rollout_workers.environments.registry import (
 )
 from rollout_workers.pool import RolloutPool
 from rollout_workers.sampling import SamplingConfig
-from rollout_workers.storage import step_file
 from rollout_workers.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -116,8 +117,9 @@ class JobRunner:
         self.warm_start_metrics: dict[str, float] = {}
         self.pool: RolloutPoolLike | None = None
         self.pause_cause: str | None = None  # why the job paused itself, when it did
-        self._heartbeat: Callable[[float | None], None] | None = getattr(hooks, "heartbeat", None)
-        self._phase_deadline_s: float | None = None  # the current phase's deadline for its next progress
+        self._progress = Progress(hooks, lambda: self.pool.progress_count if self.pool is not None else 0)
+        self._await = self._progress.wait
+        self._phase = self._progress.phase
 
     def preload(self) -> None:
         """Import the code `run` needs before it starts (the job driver calls this before its first heartbeat:
@@ -130,35 +132,7 @@ class JobRunner:
             with contextlib.suppress(Exception):  # a bad checkpoint is reported by the real load in `run`
                 AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]
 
-    # ------------------------------------------------------------------ progress
-    def _progress(self) -> None:
-        """Tell the control plane the job is making progress (its driver's heartbeat; hooks rate-limit it),
-        with the current phase's deadline. Called between phases, per rollout chunk finished, per learner
-        micro-batch (the data-parallel ranks: while they answer within their own deadline), so a runner stuck in
-        one call or waiting on rollouts that never finish stops the beat."""
-        if self._heartbeat is not None:
-            self._heartbeat(self._phase_deadline_s)
-
-    def _phase(self, deadline_s: float | None) -> None:
-        """Enter a phase whose progress may take up to `deadline_s` (None: the operator's allowance only)."""
-        self._phase_deadline_s = deadline_s
-        self._progress()
-
-    def _await(self, future: Any, every_s: float = 1.0) -> Any:
-        """`future.result()`, beating whenever the rollout pool finishes a chunk meanwhile."""
-        seen = self._pool_progress()
-        while True:
-            try:
-                return future.result(timeout=every_s)
-            except concurrent.futures.TimeoutError:
-                now = self._pool_progress()
-                if now != seen:
-                    seen = now
-                    self._progress()
-
-    def _pool_progress(self) -> int:
-        return self.pool.progress_count if self.pool is not None else 0
-
+    # ------------------------------------------------------------------ rollouts
     def _generate(self, tasks: list[dict[str, Any]], n: int, sampling: Any, train_step: int | None) -> list[list[Trajectory]]:
         assert self.pool is not None
         return self._await(self.pool.submit(tasks, n, sampling, train_step=train_step, job_id=self.job_id))
@@ -253,28 +227,8 @@ class JobRunner:
             # Checkpoints hold the ranks' optimizer state gathered whole, keyed by parameter name.
             self.dp = start_data_parallel(spec, self.learner.config, ckpt.path if ckpt else self.initial_dir,
                                           self.initial_dir, self.tokenizer.pad_token_id or 0, self._progress)
-        start = 0
-        if ckpt is not None:
-            state = ckpt.state
-            load_weights(self.model, ckpt.path)
-            learner_state = ckpt.learner_state()
-            if self.dp is None:
-                self.learner.load_state_dict(learner_state)
-            elif learner_state is not None and "optimizer_by_name" in learner_state:
-                self.dp.load_state_dict(learner_state)
-            else:  # written by a single learner: its optimizer state does not map onto the ranks
-                self.hooks.emit_event("warning", {"message": "the checkpoint has no data-parallel optimizer "
-                                                  "state; AdamW restarts from zero moments", "step": ckpt.step})
-            start = int(state["step"])
-            self.run_state = RunState.from_checkpoint(spec, len(self.train_tasks), state)
-            rng = ckpt.rng_state()
-            if rng is not None:
-                restore_rng_state(rng)
-            drop_trajectories_after(self.trajectory_dir, start, spec.total_steps)
-            self.hooks.emit_event("resumed", {"step": start, "checkpoint": str(ckpt.path)})
-        else:
-            self.run_state = RunState.fresh(spec, len(self.train_tasks), self.hooks.current_schedule())
-            self.hooks.emit_event("started", {"step": 0, "total_steps": spec.total_steps})
+        start, self.run_state = resume_from(ckpt, spec, self.model, self.learner, self.dp, len(self.train_tasks),
+                                            self.trajectory_dir, self.hooks)
         return start
 
     def _warm_start(self) -> None:
@@ -388,15 +342,7 @@ class JobRunner:
         return metrics
 
     def _new_env(self) -> Any:
-        """A fresh environment instance for scoring (with the job's options and the operator's limits), judged by
-        the registration's declared grader and process components, or the job's own where it declares them."""
-        declared = self.spec.environment
-        env = make_env_factory(self.env, declared.options, self.env_policy)()
-        if declared.grader is not None:
-            env.grader_spec = declared.grader
-        if declared.process_rewards is not None:
-            env.process_specs = tuple(declared.process_rewards)
-        return env
+        return scoring_env(self.spec, self.env, self.env_policy)
 
     def _checkpoint(self, step: int, cursor: dict[str, int] | None = None) -> None:
         state = {**self.run_state.to_checkpoint(cursor), "job_id": self.job_id}
@@ -440,6 +386,18 @@ def job_tasks(spec: JobSpec, env: Any, policy: Any) -> tuple[list[dict[str, Any]
     return train, held_out
 
 
+def scoring_env(spec: JobSpec, env: Any, policy: Any) -> Any:
+    """A fresh environment instance for scoring (with the job's options and the operator's limits), judged by
+    the registration's declared grader and process components, or the job's own where it declares them."""
+    declared = spec.environment
+    instance = make_env_factory(env, declared.options, policy)()
+    if declared.grader is not None:
+        instance.grader_spec = declared.grader
+    if declared.process_rewards is not None:
+        instance.process_specs = tuple(declared.process_rewards)
+    return instance
+
+
 def build_policy(spec: JobSpec) -> tuple[torch.nn.Module, Any]:
     """The policy model (fp32) and its tokenizer: from the job's checkpoint directory, else a fresh preset."""
     ms = spec.model
@@ -480,17 +438,6 @@ def start_data_parallel(spec: JobSpec, config: LearnerConfig, model_dir: Path, i
                               actor_options={"resources": res.learner_resources}, placement_group=pg,
                               bundle_indices=learner_bundle_indices(spec) if pg is not None else None,
                               progress=progress, rank_timeout_s=spec.learner_rank_deadline_s)
-
-
-def drop_trajectories_after(directory: Path, step: int, total_steps: int) -> None:
-    """A crashed run may have written rollouts of steps after its last checkpoint; the resumed run
-    regenerates them."""
-    if not directory.is_dir():
-        return
-    for t in range(step, total_steps + 1):
-        f = step_file(directory, t)
-        if f.exists():
-            f.unlink()
 
 
 def seeded_vllm_engine(config: Any) -> Any:

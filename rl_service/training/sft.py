@@ -1,15 +1,17 @@
-"""Supervised warm-start on gold conversations (e.g. `Environment.demonstration(task)`): next-token
-cross-entropy on the assistant's tokens only, rendered with the same chat template as the rollouts."""
+"""Supervised warm-start on gold conversations (e.g. `Environment.demonstration(task)`) with TRL's `SFTTrainer`:
+next-token cross-entropy on the assistant's tokens only (TRL's completion-only loss over our masks), the
+conversations rendered and tokenised segment by segment exactly as the rollouts see them."""
 
 from __future__ import annotations
 
-import math
-import random
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
+from datasets import Dataset
 from torch import nn
+from transformers import PrinterCallback, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from trl import SFTConfig, SFTTrainer
 
 
 def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]],
@@ -53,20 +55,31 @@ def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]],
     return ids, mask
 
 
-def sft_loss(model: nn.Module, batch: Sequence[tuple[list[int], list[int]]], pad_id: int = 0) -> torch.Tensor:
-    """Mean next-token cross-entropy over the masked (assistant) tokens of a right-padded batch."""
-    device = next(model.parameters()).device
-    t = max(len(ids) for ids, _ in batch)
-    input_ids = torch.full((len(batch), t), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(batch), t), dtype=torch.long)
-    labels = torch.full((len(batch), t), -100, dtype=torch.long)
-    for r, (ids, mask) in enumerate(batch):
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        attention[r, : len(ids)] = 1
-        labels[r, : len(ids)] = torch.tensor([x if m else -100 for x, m in zip(ids, mask, strict=True)])
-    input_ids, attention, labels = input_ids.to(device), attention.to(device), labels.to(device)
-    logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits.float()
-    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+class _Progress(TrainerCallback):
+    """Per optimizer step: MoE balancing update, the step's loss to `on_step`, and the early stop on the mean
+    loss of the last `window` steps."""
+
+    def __init__(self, model: nn.Module, on_step: Callable[[float], None] | None, stop_at_loss: float | None,
+                 window: int) -> None:
+        self.model, self.on_step, self.stop_at_loss, self.window = model, on_step, stop_at_loss, window
+        self.losses: list[float] = []
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        update = getattr(self.model, "update_balancing", None)
+        if callable(update):
+            update()
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        if not logs or "loss" not in logs:  # the end-of-training summary has train_loss instead
+            return
+        self.losses.append(float(logs["loss"]))
+        if self.on_step is not None:
+            self.on_step(self.losses[-1])
+        recent = self.losses[-self.window:]
+        if self.stop_at_loss is not None and len(recent) == self.window and sum(recent) < self.stop_at_loss * self.window:
+            control.should_training_stop = True
 
 
 def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[str, Any]]], steps: int,
@@ -74,39 +87,36 @@ def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[s
                weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 10,
                on_step: Callable[[float], None] | None = None, stop_at_loss: float | None = None,
                stop_window: int = 10) -> list[float]:
-    """Train `model` in place for `steps` AdamW steps on random batches of `conversations`; returns the loss
-    of each step. The learning rate warms up linearly over `warmup_steps`, then decays to 5% of `lr` on a
-    cosine. `tools` (JSON-schema tool list) renders the same system block as the rollouts. `on_step` is
-    called with each step's loss (progress display). With `stop_at_loss`, training ends early once the mean
-    loss of the last `stop_window` steps is below it (`steps` is then the cap)."""
+    """Train `model` in place for at most `steps` AdamW steps of `batch_size` conversations (reshuffled every
+    epoch) with TRL's SFTTrainer; returns the loss of each step. The learning rate warms up linearly over
+    `warmup_steps`, then decays on a cosine to 5% of `lr`. `tools` (JSON-schema tool list) renders the same
+    system block as the rollouts. `on_step` is called with each step's loss (progress display). With
+    `stop_at_loss`, training ends early once the mean loss of the last `stop_window` steps is below it."""
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError("steps and batch_size must be >= 1 and lr > 0")
     if not conversations:
         raise ValueError("conversations must not be empty")
     encoded = [encode_conversation(tokenizer, c, tools) for c in conversations]
-    rng = random.Random(seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  weight_decay=weight_decay)
-    warmup = max(1, min(warmup_steps, steps // 2))
-    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(
-        0.05, 0.5 * (1 + math.cos(math.pi * s / steps))))
-    model.train()
-    losses = []
-    update = getattr(model, "update_balancing", None)
-    for _ in range(steps):
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        loss = sft_loss(model, batch, pad_id)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        lr_schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if callable(update):
-            update()
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(losses[-1])
-        if stop_at_loss is not None and len(losses) >= stop_window and sum(losses[-stop_window:]) < stop_at_loss * stop_window:
-            break
-    return losses
+    data = Dataset.from_list([{"input_ids": ids, "completion_mask": mask} for ids, mask in encoded])
+    if tokenizer.pad_token is None:
+        raise ValueError("the tokenizer needs a pad token")
+    cuda = next(model.parameters()).device.type == "cuda"
+    progress = _Progress(model, on_step, stop_at_loss, stop_window)
+    with tempfile.TemporaryDirectory(prefix="taper-sft-") as out:
+        config = SFTConfig(
+            output_dir=out, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm, optim="adamw_torch",
+            warmup_steps=max(1, min(warmup_steps, steps // 2)), lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": 0.05}, completion_only_loss=True, max_length=None,
+            gradient_checkpointing=False,  # SFTConfig turns it on; it recomputes every forward
+            seed=seed, data_seed=seed, bf16=cuda, use_cpu=not cuda, logging_steps=1, save_strategy="no",
+            report_to="none", disable_tqdm=True, dataloader_num_workers=0, dataset_num_proc=None,
+        )
+        trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
+                             callbacks=[progress])
+        trainer.remove_callback(PrinterCallback)  # progress goes to `on_step`, not stdout
+        try:
+            trainer.train()
+        finally:
+            model.__dict__.pop("forward", None)  # SFTTrainer patched a fused LM head onto this instance
+    return progress.losses

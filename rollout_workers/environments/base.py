@@ -31,6 +31,21 @@ class ToolError(Exception):
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
+def tool(name: str, description: str, parameters: dict[str, dict[str, Any]],
+         required: list[str] | None = None) -> dict[str, Any]:
+    """One tool description, {"name", "description", "parameters"}, the function part of an OpenAI-style tool.
+
+    `parameters` maps each argument to its JSON Schema; every argument is required unless `required` lists
+    fewer, and no other argument is allowed.
+    """
+    schema: dict[str, Any] = {"type": "object", "properties": parameters}
+    required = list(parameters) if required is None else required
+    if required:
+        schema["required"] = required
+    schema["additionalProperties"] = False
+    return {"name": name, "description": description, "parameters": schema}
+
+
 def validate_tool_schemas(tools: Any, field: str = "tools") -> list[dict[str, Any]]:
     """Check a list of tool descriptions {"name", "description", "parameters": JSON Schema}.
 
@@ -89,7 +104,8 @@ class EnvironmentOptions(BaseModel):
 
 
 class Environment(ABC):
-    """A tool environment. Subclasses set `name` and implement the abstract methods."""
+    """A tool environment. Subclasses set `name` and implement the abstract methods (`tools` usually as a
+    list of `tool(...)`); `reset` may be left as it is when a task's "question" opens the episode."""
 
     name: ClassVar[str] = ""
     Options: ClassVar[type[EnvironmentOptions]] = EnvironmentOptions
@@ -112,9 +128,11 @@ class Environment(ABC):
     def tools(self) -> list[dict[str, Any]]:
         """Tool descriptions: {"name", "description", "parameters": JSON Schema of the arguments}."""
 
-    @abstractmethod
     async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        """Start an episode; return the opening chat messages (the loop adds the tools' system prompt)."""
+        """Start an episode; return the opening chat messages (the loop adds the tools' system prompt).
+        By default: keep the task as `self.task` and open with its question as the user's message."""
+        self.task = task
+        return [{"role": "user", "content": task["question"]}]
 
     @abstractmethod
     async def call(self, tool: str, args: dict[str, Any]) -> str:

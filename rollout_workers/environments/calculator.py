@@ -20,6 +20,7 @@ from rollout_workers.environments.base import (
     extract_answer,
     final_answer_text,
     parse_int,
+    tool,
     tool_call_message,
 )
 
@@ -84,22 +85,8 @@ class CalculatorEnv(Environment):
     Options = CalculatorOptions
 
     def tools(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "name": "calculator",
-                "description": "Evaluate an integer arithmetic expression (+, -, *, //, parentheses).",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"expression": {"type": "string", "description": "e.g. 37 * 12"}},
-                    "required": ["expression"],
-                    "additionalProperties": False,
-                },
-            }
-        ]
-
-    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        self.task = task
-        return [{"role": "user", "content": task["question"]}]
+        return [tool("calculator", "Evaluate an integer arithmetic expression (+, -, *, //, parentheses).",
+                     {"expression": {"type": "string", "description": "e.g. 37 * 12"}})]
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool != "calculator":

@@ -19,6 +19,7 @@ from rollout_workers.environments.base import (
     ToolError,
     extract_answer,
     final_answer_text,
+    tool,
     tool_call_message,
 )
 
@@ -52,22 +53,8 @@ class LongHorizonEnv(Environment):
         self.filler_words: int = self.Options.model_validate(options).filler_words  # type: ignore[attr-defined]
 
     def tools(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "name": "open_box",
-                "description": "Open a numbered box; it holds a letter and names the next box.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"box": {"type": "integer", "minimum": 0}},
-                    "required": ["box"],
-                    "additionalProperties": False,
-                },
-            }
-        ]
-
-    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        self.task = task
-        return [{"role": "user", "content": task["question"]}]
+        return [tool("open_box", "Open a numbered box; it holds a letter and names the next box.",
+                     {"box": {"type": "integer", "minimum": 0}})]
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool != "open_box":

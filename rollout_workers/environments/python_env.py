@@ -14,6 +14,7 @@ from rollout_workers.environments.base import (
     extract_answer,
     final_answer_text,
     parse_int,
+    tool,
     tool_call_message,
 )
 from rollout_workers.environments.policy import context_policy
@@ -116,21 +117,8 @@ class PythonEnv(Environment):
         self.sandbox = check_sandbox()  # refuse to start where model-written code cannot be sandboxed
 
     def tools(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "name": "run_python",
-                "description": "Run a Python program (no network, limited CPU/memory/time) and return what it prints.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"code": {"type": "string", "description": "Python source; print the result."}},
-                    "required": ["code"],
-                    "additionalProperties": False,
-                },
-            }
-        ]
-
-    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"role": "user", "content": task["question"]}]
+        return [tool("run_python", "Run a Python program (no network, limited CPU/memory/time) and return what it prints.",
+                     {"code": {"type": "string", "description": "Python source; print the result."}})]
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool != "run_python":

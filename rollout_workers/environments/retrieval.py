@@ -24,6 +24,7 @@ from rollout_workers.environments.base import (
     ToolError,
     extract_answer,
     final_answer_text,
+    tool,
     tool_call_message,
 )
 from rollout_workers.environments.policy import context_policy
@@ -100,30 +101,10 @@ class RetrievalEnv(Environment):
 
     def tools(self) -> list[dict[str, Any]]:
         return [
-            {
-                "name": "search",
-                "description": "Search the document collection; returns ids and titles of the best matches.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"query": {"type": "string", "minLength": 1}},
-                    "required": ["query"],
-                    "additionalProperties": False,
-                },
-            },
-            {
-                "name": "read",
-                "description": "Read a document by id.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"doc_id": {"type": "string"}},
-                    "required": ["doc_id"],
-                    "additionalProperties": False,
-                },
-            },
+            tool("search", "Search the document collection; returns ids and titles of the best matches.",
+                 {"query": {"type": "string", "minLength": 1}}),
+            tool("read", "Read a document by id.", {"doc_id": {"type": "string"}}),
         ]
-
-    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"role": "user", "content": task["question"]}]
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool == "search":

@@ -25,6 +25,7 @@ from rollout_workers.environments.base import (
     extract_answer,
     final_answer_text,
     parse_int,
+    tool,
     tool_call_message,
 )
 from rollout_workers.environments.calculator import evaluate_expression
@@ -62,22 +63,8 @@ class ToolChainEnv(Environment):
     Options = ToolChainOptions
 
     def tools(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "name": "calculator",
-                "description": "Apply one operation to two integers: 'a + b', 'a - b' or 'a * b'.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"expression": {"type": "string", "maxLength": 40, "description": "e.g. 42 * 3"}},
-                    "required": ["expression"],
-                    "additionalProperties": False,
-                },
-            }
-        ]
-
-    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        self.task = task
-        return [{"role": "user", "content": task["question"]}]
+        return [tool("calculator", "Apply one operation to two integers: 'a + b', 'a - b' or 'a * b'.",
+                     {"expression": {"type": "string", "maxLength": 40, "description": "e.g. 42 * 3"}})]
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool != "calculator":

@@ -290,7 +290,7 @@ def test_status_reads_are_fresh_after_our_writes_and_at_most_briefly_stale_after
     url = f"/v1/jobs/{job['id']}"
     assert api.client.get(url, headers=api.h()).json()["step"] == 0
     api.store.add_metrics(job["id"], 2, {"loss": 1.0}, steps_done=3)  # as a driver would, behind the service's back
-    time.sleep(api.service.status_cache_s + 0.05)
+    time.sleep(api.service.jobs.status_cache_s + 0.05)
     assert api.client.get(url, headers=api.h()).json()["step"] == 3
     api.client.post(f"{url}/cancel", headers=api.h())
     assert api.client.get(url, headers=api.h()).json()["state"] == "cancelled"  # no wait needed

@@ -50,7 +50,7 @@ def job_with_checkpoint(redis_url: str, tmp_path: Path, monkeypatch: pytest.Monk
     store = Store(redis_url)
     service = TaperService(store, tmp_path / "data")
     key = store.create_api_key("alpha")
-    job, _ = store.submit_job("alpha", JobSpec(total_steps=2), str(service.jobs_dir))
+    job, _ = store.submit_job("alpha", JobSpec(total_steps=2), str(service.files.jobs_dir))
     torch.manual_seed(0)
     model = TaperForCausalLM(TaperConfig.preset("tiny")).eval()
     ckpt = save_checkpoint(Path(job.work_dir) / "checkpoints", 3, model, {"cursor": 0},

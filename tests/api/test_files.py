@@ -44,7 +44,7 @@ def test_upload_list_get_delete_per_tenant(api: Api) -> None:
     assert api.client.get("/v1/files", headers=api.h(api.key_b)).json()["data"] == []
     assert api.client.get(f"/v1/files/{f['id']}", headers=api.h(api.key_b)).status_code == 404
     assert api.client.delete(f"/v1/files/{f['id']}", headers=api.h(api.key_b)).status_code == 404
-    tasks = load_tasks(api.service.task_files.path("alpha", f["id"]))
+    tasks = load_tasks(api.service.files.task_files.path("alpha", f["id"]))
     assert [t["id"] for t in tasks] == ["line-1", "p"]
     assert tasks[0]["city"] == "Oslo" and tasks[1]["metadata"] == {"source": "table"}
     assert tasks[1]["messages"][0] == {"role": "system", "content": "Be brief."}  # OpenAI's developer role
@@ -83,7 +83,7 @@ def test_operator_limits(api: Api) -> None:
     from rl_service.control.task_file_store import TaskFileStore
     from rl_service.task_files import TaskFileLimits
 
-    api.service.task_files = TaskFileStore(api.service.data_dir / "task_files",
+    api.service.files.task_files = TaskFileStore(api.service.data_dir / "task_files",
                                            TaskFileLimits(max_bytes=2048, max_lines=3, max_line_bytes=512, max_files=1))
     r = upload(api, jsonl([{"question": "q" * 100}] * 30))
     assert r.status_code == 413 and "larger than 2048 bytes" in r.json()["error"]["message"]
@@ -103,7 +103,7 @@ def test_jobs_name_files_by_id(api: Api) -> None:
     r = api.client.post("/v1/jobs", json=spec, headers=api.h())
     assert r.status_code == 201, r.text
     tasks = r.json()["spec"]["tasks"]
-    assert Path(tasks["train_path"]) == api.service.task_files.path("alpha", f["id"])
+    assert Path(tasks["train_path"]) == api.service.files.task_files.path("alpha", f["id"])
     assert tasks["eval_path"] == tasks["train_path"]
     # another tenant's file, an unknown one, a path set by hand: 422 naming the field
     for body, field in [
@@ -131,6 +131,6 @@ def test_task_files_are_outside_the_data_roots_environments_read(api: Api) -> No
     from rl_service.control.settings import TaperSettings
 
     f = upload(api, jsonl(TASKS)).json()
-    path = api.service.task_files.path("alpha", f["id"])
+    path = api.service.files.task_files.path("alpha", f["id"])
     policy = TaperSettings(data_dir=api.service.data_dir).environment_policy()
     assert not any(path.is_relative_to(root.resolve()) for root in policy.data_roots)

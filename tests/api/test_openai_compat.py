@@ -102,18 +102,38 @@ def test_control_events_and_checkpoints(live) -> None:
 
 
 GRADER = {"type": "string_check", "name": "x", "input": "{{sample.output_text}}", "reference": "4", "operation": "eq"}
+SCORE_MODEL = {"type": "score_model", "name": "judge", "model": "gpt-4o", "input": []}
+
+
+def _reinforcement(grader: dict | None = None, **hyperparameters) -> dict:
+    return {"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": hyperparameters}}
 
 
 # Requests off the schema are OpenAI's 400; schema-valid ones the service refuses keep its 422. Both name the field.
 @pytest.mark.parametrize(("change", "param", "error"), [
     ({"model": "gpt-4o-mini"}, "model", openai.BadRequestError),
     ({"method": {"type": "supervised"}}, "method.type", openai.BadRequestError),
-    ({"method": {"type": "reinforcement", "reinforcement": {"grader": GRADER}}}, "method.reinforcement.grader",
+    ({"method": _reinforcement(SCORE_MODEL)}, "method.reinforcement.grader", openai.BadRequestError),
+    ({"method": _reinforcement({**GRADER, "type": "text_similarity", "evaluation_metric": "bleu"})},
+     "method.reinforcement.grader.text_similarity.evaluation_metric", openai.BadRequestError),
+    ({"method": _reinforcement({**GRADER, "operation": "regex"})},
+     "method.reinforcement.grader.string_check.operation", openai.BadRequestError),
+    ({"method": _reinforcement({"type": "python", "name": "py", "source": "def grade(s, i): return 1",
+                                "image_tag": "2025-05-08"})},
+     "method.reinforcement.grader.python.image_tag", openai.BadRequestError),
+    ({"method": _reinforcement(GRADER), "extra_body": {"environment": {"name": "calculator", "grader": GRADER}}},
+     "method.reinforcement.grader", openai.UnprocessableEntityError),
+    ({"method": _reinforcement(reasoning_effort="high")}, "method.reinforcement.hyperparameters.reasoning_effort",
+     openai.BadRequestError),
+    ({"method": _reinforcement(compute_multiplier=100)}, "method.reinforcement.hyperparameters.compute_multiplier",
      openai.BadRequestError),
     ({"method": {"type": "reinforcement", "reinforcement": {"hyperparameters": {"batch_size": 0}}}},
      "method.reinforcement.hyperparameters.batch_size", openai.BadRequestError),
     ({"extra_body": {"rollout": {"num_generations": 0}}}, "rollout.num_generations", openai.BadRequestError),
     ({"extra_body": {"no_such_field": 1}}, "no_such_field", openai.BadRequestError),
+    ({"extra_body": {"algorithm": {"per_device_train_batch_size": 4}}}, "algorithm.per_device_train_batch_size",
+     openai.BadRequestError),  # a GRPOConfig name the algorithm block does not take
+    ({"extra_body": {"algorithm": {"beta": 100.0}}}, "algorithm.beta", openai.BadRequestError),
     ({"extra_body": {"environment": {"name": "nope"}}}, "environment.name", openai.UnprocessableEntityError),
     ({"extra_body": {"total_steps": 5}, "method": RL}, "method.reinforcement.hyperparameters.n_epochs",
      openai.UnprocessableEntityError),
@@ -186,3 +206,36 @@ def test_training_and_validation_files_uploaded_with_the_client(live) -> None:
     with pytest.raises(openai.APIStatusError) as exc:  # another tenant's file is not theirs to train on
         other.fine_tuning.jobs.create(model="tiny", training_file=train.id)
     assert exc.value.status_code in (404, 422) and "train_file" in (exc.value.body.get("param") or "")
+
+
+def test_openai_graders_become_the_jobs_outcome_grader(live) -> None:
+    """string_check, text_similarity and multi as OpenAI writes them: stored as the job's environment.grader (what
+    the runner scores outcomes with), echoed in the job object, and grading as OpenAI's graders do."""
+    from reward_models.graders import GradeContext, parse_grader
+
+    client, _, store = live
+    similar = {"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}",
+               "reference": "{{item.answer}}", "evaluation_metric": "fuzzy_match"}
+    multi = {"type": "multi", "name": "both", "calculate_output": "0.5 * exact + 0.5 * close",
+             "graders": {"exact": {**GRADER, "name": "exact", "reference": "{{item.answer}}", "operation": "ilike"},
+                         "close": similar}}
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=None,
+                                         method=_reinforcement(multi, compute_multiplier=0.5),
+                                         extra_body={"environment": {"name": "calculator"}})
+    spec = store.get_job(job.id).spec
+    assert spec.environment.grader["type"] == "multi" and spec.rollout.num_generations == 4
+    echoed = job.to_dict()["method"]["reinforcement"]["grader"]
+    assert echoed["graders"]["close"]["evaluation_metric"] == "fuzzy_match"
+    assert job.method.reinforcement.hyperparameters.compute_multiplier == 0.5
+    grader = parse_grader(spec.environment.grader)
+    item = {"question": "What is 2 + 2?", "answer": "FOUR"}
+    assert grader.grade(item, {"output_text": "four"}, GradeContext()) == pytest.approx(0.5 + 0.5 * 0.0)
+    assert grader.grade(item, {"output_text": "It is FOUR"}, GradeContext()) == pytest.approx(
+        0.5 + 0.5 * (2 * 4 / (10 + 4)))  # ilike holds; difflib's ratio of the two strings
+
+    for operation, output, want in (("eq", "4", 1.0), ("eq", "4 ", 0.0), ("ne", "5", 1.0), ("like", "is 4!", 1.0),
+                                    ("ilike", "x", 0.0)):
+        check = client.fine_tuning.jobs.create(model="tiny", training_file=None,
+                                               method=_reinforcement({**GRADER, "operation": operation}))
+        stored = parse_grader(store.get_job(check.id).spec.environment.grader)
+        assert stored.grade({}, {"output_text": output}, GradeContext()) == want, operation

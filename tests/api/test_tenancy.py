@@ -77,10 +77,10 @@ def test_jobs_inside_the_bounds_are_accepted(api: Api) -> None:
 
 
 def test_operator_limits_come_from_the_service(api: Api) -> None:
-    api.service.limits = JobLimits(model_presets=["tiny"])
+    api.service.jobs.limits = JobLimits(model_presets=["tiny"])
     err = refused(api, "POST", "/v1/jobs", "model.preset", json={**SPEC, "model": {"preset": "large"}})
     assert "tiny" in err["message"]
-    api.service.limits = JobLimits(learner_cpus=2)
+    api.service.jobs.limits = JobLimits(learner_cpus=2)
     err = refused(api, "POST", "/v1/jobs", "resources.learner_cpus", json={**SPEC, "resources": {"learner_cpus": 3}})
     assert "operator" in err["message"]
 
@@ -119,7 +119,7 @@ def test_quotas_are_admin_only_and_bound_priority_resources_and_queued_jobs(api:
 
 
 def test_revoked_and_expired_keys_get_401(api: Api) -> None:
-    api.service.auth_cache_s = 0.0
+    api.service.tenants.auth_cache_s = 0.0
     key = api.store.create_api_key("alpha", name="short")
     assert api.client.get("/v1/jobs", headers=api.h(key)).status_code == 200
     key_id = next(k["id"] for k in api.store.list_api_keys("alpha") if k["name"] == "short")
@@ -130,7 +130,7 @@ def test_revoked_and_expired_keys_get_401(api: Api) -> None:
     r = api.client.get("/v1/jobs", headers=api.h(expired))
     assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
     soon = api.store.create_api_key("alpha", expires_at=time.time() + 1.0)
-    api.service.auth_cache_s = 60.0  # a cached key still stops at its expiry
+    api.service.tenants.auth_cache_s = 60.0  # a cached key still stops at its expiry
     assert api.client.get("/v1/jobs", headers=api.h(soon)).status_code == 200
     time.sleep(1.1)
     assert api.client.get("/v1/jobs", headers=api.h(soon)).status_code == 401
@@ -147,7 +147,7 @@ def _fake_checkpoint(api: Api, job_id: str, step: int) -> Path:
 
 
 def test_checkpoints_are_references_to_own_jobs_or_operator_base_models(api: Api, tmp_path: Path) -> None:
-    api.service.submit_rate_per_minute = 100
+    api.service.jobs.submit_rate_per_minute = 100
     source = submit(api).json()["id"]
     step2 = _fake_checkpoint(api, source, 2)
     step4 = _fake_checkpoint(api, source, 4)
@@ -175,7 +175,7 @@ def test_checkpoints_are_references_to_own_jobs_or_operator_base_models(api: Api
     assert (first.status_code, retry.status_code) == (201, 200) and first.json()["id"] == retry.json()["id"]
     # a base model the operator offers, by name
     base = tmp_path / "models" / "warm"
-    api.service.base_models = {"warm": base}
+    api.service.files.base_models = {"warm": base}
     refused(api, "POST", "/v1/jobs", "model.checkpoint", json={**SPEC, "model": {"checkpoint": "base:warm"}})
     base.mkdir(parents=True)
     r = submit(api, {**SPEC, "model": {"checkpoint": "base:warm"}})

@@ -26,7 +26,7 @@ def reference_loss(logps, old, adv, masks, cfg: LearnerConfig, is_ratios=None, r
         m = masks[i]
         n = sum(m)
         lr = [a - b for a, b in zip(logps[i], old[i], strict=True)]
-        if cfg.loss_type == "gspo":
+        if cfg.importance_sampling_level == "sequence":
             seq = sum(x * y for x, y in zip(lr, m, strict=True)) / max(n, 1)
             ratios = [math.exp(seq)] * len(lr)
         else:
@@ -45,17 +45,21 @@ def reference_loss(logps, old, adv, masks, cfg: LearnerConfig, is_ratios=None, r
         tok_sum += sum(terms)
         tok_count += n
     g = len(logps)
-    if cfg.loss_type in ("grpo", "gspo"):
+    if cfg.loss_type == "grpo":
         return sum(per_seq) / g
     if cfg.loss_type == "dr_grpo":
         return tok_sum / (g * cfg.max_completion_length)
-    return tok_sum / tok_count
+    return tok_sum / tok_count  # dapo, and bnpo on one micro-batch
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "gspo"])
-def test_policy_loss_matches_reference(loss_type: str) -> None:
+LOSS_VARIANTS = [("grpo", "token"), ("dr_grpo", "token"), ("dapo", "token"), ("bnpo", "token"), ("grpo", "sequence")]
+
+
+@pytest.mark.parametrize(("loss_type", "level"), LOSS_VARIANTS)
+def test_policy_loss_matches_reference(loss_type: str, level: str) -> None:
     torch.manual_seed(1)
-    cfg = LearnerConfig(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.05, max_completion_length=12)
+    cfg = LearnerConfig(loss_type=loss_type, importance_sampling_level=level, epsilon=0.2, epsilon_high=0.28,
+                        beta=0.05, max_completion_length=12)
     samples = make_samples(5, seed=3)
     norm = LossNorm.of(samples)
     c = max(len(s.completion_ids) for s in samples)
@@ -67,7 +71,7 @@ def test_policy_loss_matches_reference(loss_type: str) -> None:
         n = len(s.completion_ids)
         mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         adv[i, :n] = torch.tensor(s.advantages)
-        w[i, :n] = torch.tensor(norm.token_weights(s, cfg))
+        w[i, :n] = torch.tensor(norm.token_weights(s, cfg, norm.num_action_tokens))
     logps = -torch.rand(b, c, dtype=torch.float64).float() * 3
     old = logps + 0.4 * torch.randn(b, c)  # large enough that some ratios clip
     ref = logps + 0.3 * torch.randn(b, c)
@@ -88,12 +92,14 @@ def _grads_after_accumulate(model, samples, cfg):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "gspo"])
-def test_micro_batch_accumulation_is_exact(loss_type: str) -> None:
+@pytest.mark.parametrize(("loss_type", "level"), [v for v in LOSS_VARIANTS if v[0] != "bnpo"])
+def test_micro_batch_accumulation_is_exact(loss_type: str, level: str) -> None:
+    """bnpo is left out: its normaliser is each micro-batch's own token count (TRL's "local batch")."""
     samples = make_samples(6, seed=5)
     base = make_tiny_llama()
-    one = _grads_after_accumulate(copy.deepcopy(base), samples, LearnerConfig(loss_type=loss_type, micro_batch_tokens=10_000))
-    cfg_many = LearnerConfig(loss_type=loss_type, micro_batch_tokens=20)
+    one = _grads_after_accumulate(copy.deepcopy(base), samples, LearnerConfig(
+        loss_type=loss_type, importance_sampling_level=level, micro_batch_tokens=10_000))
+    cfg_many = LearnerConfig(loss_type=loss_type, importance_sampling_level=level, micro_batch_tokens=20)
     assert len(pack_micro_batches(samples, 20)) >= 3
     many = _grads_after_accumulate(copy.deepcopy(base), samples, cfg_many)
     for name, g in one.items():
@@ -160,7 +166,8 @@ def test_masked_tokens_and_masked_samples_never_reach_the_gradient() -> None:
 def test_importance_sampling_correction_uses_engine_logprobs_and_is_truncated() -> None:
     model = make_tiny_llama()
     samples = make_samples(3, seed=17)
-    cfg = LearnerConfig(loss_type="dapo", vllm_importance_sampling_cap=1.5)
+    cfg = LearnerConfig(loss_type="dapo", vllm_importance_sampling_mode="token_truncate",
+                        vllm_importance_sampling_clip_max=1.5)
     learner = Learner(copy.deepcopy(model), cfg)
     exact = learner.logprobs(samples)
     # engine logprobs equal to the learner's: mismatch 0 and the IS ratio is 1

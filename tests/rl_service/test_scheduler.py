@@ -35,7 +35,7 @@ def running_scheduler(store: Store, runner: str | type) -> Iterator[Scheduler]:
     finally:
         sched.stop()
         for job_id in store.r.smembers(store.k_placed()):
-            sched._release(job_id)
+            sched.ray_jobs.release(job_id)
 
 
 @pytest.fixture
@@ -169,7 +169,7 @@ def test_a_job_that_pauses_itself_keeps_its_cause_until_resumed(store: Store, sc
     warned = [e["data"] for e in store.events(job.id) if e["kind"] == "infrastructure_failures"]
     assert warned == [{"step": 2, "message": "the environment is down"}]
 
-    resumed = service.resume(Principal(tenant="t"), job.id)
+    resumed = service.jobs.resume(Principal(tenant="t"), job.id)
     assert resumed.error is None and resumed.warning is None
     wait_for(lambda: _state(store, job.id) == JobState.SUCCEEDED, what="success after the resume")
     assert store.get_job(job.id).error is None and store.get_job(job.id).step == 4

@@ -43,7 +43,7 @@ def test_data_parallel_job_survives_a_hung_driver(redis_url, ray_local, tiny_lla
     finally:
         sched.stop()
         for job_id in store.r.smembers(store.k_placed()):
-            sched._release(job_id)
+            sched.ray_jobs.release(job_id)
     got = store.get_job(job.id)
     events = store.events(job.id, limit=1000)
     assert got.state == JobState.SUCCEEDED, [e for e in events if e["kind"] == "error"]

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from rl_service.control.service import CONTROL_ATTEMPTS, Conflict, NotFound, Principal, TaperService
+from rl_service.control.service import Conflict, NotFound, Principal, TaperService
+from rl_service.control.service.jobs import CONTROL_ATTEMPTS
 from rl_service.control.store import Store
 from rl_service.job_states import CONTROL_CANCEL, CONTROL_RUN, JobState
 from rl_service.spec import JobSpec
@@ -47,7 +48,7 @@ def _service(redis_url: str, tmp_path: Path, races: list[JobState], start: list[
 
 def test_cancel_reads_again_when_the_scheduler_starts_the_job_first(redis_url: str, tmp_path: Path) -> None:
     service, job_id = _service(redis_url, tmp_path, races=[JobState.STARTING], start=[])
-    job = service.cancel(WHO, job_id)
+    job = service.jobs.cancel(WHO, job_id)
     # queued -> cancelled lost the race; the second decision asks the now-starting job's driver to stop
     assert job.state == JobState.STARTING and job.control == CONTROL_CANCEL
     assert service.store.writes == 2
@@ -58,7 +59,7 @@ def test_resume_reads_again_and_answers_the_job_as_it_now_is(redis_url: str, tmp
     # another client resumed the paused job first: nothing left to write, the queued job is the answer
     service, job_id = _service(redis_url, tmp_path, races=[JobState.QUEUED],
                                start=[JobState.STARTING, JobState.PAUSED])
-    job = service.resume(WHO, job_id)
+    job = service.jobs.resume(WHO, job_id)
     assert job.state == JobState.QUEUED and job.control == CONTROL_RUN and service.store.writes == 1
 
 
@@ -69,12 +70,12 @@ def test_control_gives_up_with_a_conflict_after_a_bounded_number_of_attempts(red
     service, job_id = _service(redis_url, tmp_path, races=races, start=[JobState.STARTING, JobState.RUNNING])
 
     async def cancel_between_status_reads() -> tuple[JobState, JobState]:
-        before = (await service.aget_job(WHO, job_id)).state
+        before = (await service.jobs.aget(WHO, job_id)).state
         with pytest.raises(Conflict, match="kept changing state") as err:
-            service.cancel(WHO, job_id)
+            service.jobs.cancel(WHO, job_id)
         assert err.value.field == "state"
         # the micro-cached status was dropped: the next read sees the job as the other writer left it
-        return before, (await service.aget_job(WHO, job_id)).state
+        return before, (await service.jobs.aget(WHO, job_id)).state
 
     before, after = asyncio.run(cancel_between_status_reads())
     assert before == JobState.RUNNING and after == races[-1]
@@ -85,7 +86,7 @@ def test_pause_of_an_already_paused_job_writes_nothing_and_other_tenants_get_not
     redis_url: str, tmp_path: Path
 ) -> None:
     service, job_id = _service(redis_url, tmp_path, races=[], start=[JobState.STARTING, JobState.PAUSED])
-    assert service.pause(WHO, job_id).state == JobState.PAUSED and service.store.writes == 0
+    assert service.jobs.pause(WHO, job_id).state == JobState.PAUSED and service.store.writes == 0
     with pytest.raises(NotFound) as err:
-        service.pause(Principal(tenant="other"), job_id)
+        service.jobs.pause(Principal(tenant="other"), job_id)
     assert err.value.field == "job_id" and job_id in err.value.message

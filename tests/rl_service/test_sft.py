@@ -1,11 +1,12 @@
-"""SFT warm-start: assistant-only masks rendered like the rollouts, and the loss goes down."""
+"""SFT warm-start (TRL's SFTTrainer): assistant-only masks rendered like the rollouts, the loss on exactly those
+tokens goes down, the early stop and the progress callback."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rl_service.training.sft import encode_conversation, sft_loss, warm_start
+from rl_service.training.sft import encode_conversation, warm_start
 from rollout_workers.environments.calculator import CalculatorEnv
 
 
@@ -33,6 +34,21 @@ def test_mask_covers_exactly_the_assistant_turns(tokenizer) -> None:
     assert want in learned
     with pytest.raises(ValueError, match="no assistant"):
         encode_conversation(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def sft_loss(model: torch.nn.Module, batch, pad_id: int = 0) -> torch.Tensor:
+    """Mean next-token cross-entropy over the masked (assistant) tokens of a right-padded batch: the quantity
+    TRL's completion-only loss must lower, written out independently."""
+    t = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), t), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), t), dtype=torch.long)
+    labels = torch.full((len(batch), t), -100, dtype=torch.long)
+    for r, (ids, mask) in enumerate(batch):
+        input_ids[r, : len(ids)] = torch.tensor(ids)
+        attention[r, : len(ids)] = 1
+        labels[r, : len(ids)] = torch.tensor([x if m else -100 for x, m in zip(ids, mask, strict=True)])
+    logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
 def _small_llama(tokenizer) -> torch.nn.Module:
@@ -66,3 +82,20 @@ def test_warm_start_stops_once_the_recent_loss_is_under_the_target(tokenizer) ->
     assert 3 < len(losses) < 200
     windows = [sum(losses[i - 3:i]) / 3 for i in range(3, len(losses) + 1)]
     assert windows[-1] < target <= min(windows[:-1])
+
+
+def test_trl_trains_on_exactly_the_assistant_tokens_and_reports_every_step(tokenizer) -> None:
+    """One batch holds all four conversations, so TRL's first logged loss is the masked loss of the untouched
+    model on them; the progress callback sees every step and the MoE balancing hook runs after each."""
+    model = _small_llama(tokenizer)
+    balanced: list[int] = []
+    model.update_balancing = lambda: balanced.append(1)
+    convs, tools = _demos(4)
+    with torch.no_grad():
+        before = float(sft_loss(model, [encode_conversation(tokenizer, c, tools) for c in convs]))
+    seen: list[float] = []
+    losses = warm_start(model, tokenizer, convs, steps=3, lr=5e-3, batch_size=4, seed=0, tools=tools,
+                        on_step=seen.append)
+    assert losses[0] == pytest.approx(before, rel=1e-4)
+    assert seen == losses and len(losses) == 3 and len(balanced) == 3
+    assert "forward" not in model.__dict__  # TRL's fused LM head is taken off the model again

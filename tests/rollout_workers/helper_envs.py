@@ -6,16 +6,7 @@ import asyncio
 import time
 from typing import Any
 
-from rollout_workers.environments.base import Environment, ToolError
-
-_INT_PAIR = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
-_NONE = {"type": "object", "properties": {}, "additionalProperties": False}
-_MS = {"type": "object", "properties": {"ms": {"type": "integer"}}, "required": ["ms"], "additionalProperties": False}
+from rollout_workers.environments.base import Environment, ToolError, tool
 
 
 class ToyEnv(Environment):
@@ -23,18 +14,18 @@ class ToyEnv(Environment):
 
     def tools(self) -> list[dict[str, Any]]:
         return [
-            {"name": "add", "description": "a + b", "parameters": _INT_PAIR},
-            {"name": "wait", "description": "answers after ms milliseconds (async)", "parameters": _MS},
-            {"name": "hang", "description": "never answers (async)", "parameters": _NONE},
-            {"name": "block", "description": "blocks its thread for 10 s", "parameters": _NONE},
-            {"name": "crash", "description": "raises", "parameters": _NONE},
-            {"name": "reject", "description": "ToolError", "parameters": _NONE},
+            tool("add", "a + b", {"a": {"type": "integer"}, "b": {"type": "integer"}}),
+            tool("wait", "answers after ms milliseconds (async)", {"ms": {"type": "integer"}}),
+            tool("hang", "never answers (async)", {}),
+            tool("block", "blocks its thread for 10 s", {}),
+            tool("crash", "raises", {}),
+            tool("reject", "ToolError", {}),
         ]
 
     async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         if task.get("crash_on_reset"):
             raise RuntimeError("reset exploded")
-        return [{"role": "user", "content": task["question"]}]
+        return await super().reset(task)
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool == "add":
@@ -65,11 +56,11 @@ class ProbeEnv(Environment):
     cooperative = True
 
     def tools(self) -> list[dict[str, Any]]:
-        return [{"name": "probe", "description": "answers 42, or never", "parameters": _NONE}]
+        return [tool("probe", "answers 42, or never", {})]
 
     async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         self.mode, self.wait_s = task.get("probe", "answer"), float(task.get("wait_s", 0.0))
-        return [{"role": "user", "content": task["question"]}]
+        return await super().reset(task)
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         await asyncio.sleep(3600 if self.mode == "hang" else self.wait_s)

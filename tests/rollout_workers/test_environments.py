@@ -128,3 +128,31 @@ def test_tool_chain_needs_k_dependent_calls(k: int) -> None:
     asyncio.run(env.reset(tasks[0]))
     with pytest.raises(ToolError, match="one operation"):  # the whole chain in one call is refused
         asyncio.run(env.call("calculator", {"expression": "(37 + 5) * 3"}))
+
+
+def test_tool_builds_a_strict_schema_and_reset_opens_with_the_question() -> None:
+    from rollout_workers.environments.base import Environment, check_arguments, tool, validate_tool_schemas
+
+    convert = tool("convert", "Convert units.", {"value": {"type": "integer"}, "unit": {"type": "string"}},
+                   required=["value"])
+    assert validate_tool_schemas([convert, tool("ping", "No arguments.", {})]) is not None
+    assert check_arguments(convert, {"value": 3}) is None
+    assert "unit" in str(check_arguments(convert, {"value": 3, "unit": 5}))
+    assert "additional" in str(check_arguments(convert, {"value": 3, "extra": 1})).lower()
+    assert "required" in str(check_arguments(tool("t", "", {"a": {"type": "string"}}), {})).lower()
+
+    class Minimal(Environment):
+        name = "minimal"
+
+        def tools(self) -> list[dict[str, Any]]:
+            return [convert]
+
+        async def call(self, tool: str, args: dict[str, Any]) -> str:
+            return ""
+
+        def outcome(self, trajectory: Any) -> float:
+            return 0.0
+
+    env, task = Minimal(), {"id": "t-0", "question": "How many m are in 3 km?"}
+    assert asyncio.run(env.reset(task)) == [{"role": "user", "content": "How many m are in 3 km?"}]
+    assert env.task is task

@@ -19,7 +19,7 @@ from rollout_workers.trajectory import Step, ToolCall, Trajectory, TrajectorySta
 def start_job(service: TaperService, tenant: str, name: str = "ui-demo", total_steps: int = 20) -> JobRecord:
     spec = JobSpec(name=name, total_steps=total_steps, rollout=RolloutSpec(prompts_per_step=2, num_generations=2),
                    reward_schedule=RewardSchedule(kind="linear", w_start=1.0, w_end=0.0, horizon=10))
-    job, _ = service.submit(Principal(tenant), spec)
+    job, _ = service.jobs.submit(Principal(tenant), spec)
     service.store.transition(job.id, JobState.STARTING, reason="placed")
     service.store.transition(job.id, JobState.RUNNING, reason="driver up")
     return service.store.get_job(job.id)

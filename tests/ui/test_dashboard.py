@@ -50,7 +50,7 @@ def test_login_rejects_a_bad_key_then_lists_jobs(ui_server: UiServer, page) -> N
     assert registered.status_code == 201, registered.text
     page.click("a[data-nav=environments]")
     page.wait_for_selector("tr[data-env=calculator]")
-    listed = ui_server.service.list_environments(Principal("ui"))  # the built-ins and my-calc
+    listed = ui_server.service.environments.list_all(Principal("ui"))  # the built-ins and my-calc
     assert page.locator("tr[data-env]").count() == len(listed) >= 3
     row = page.locator("tr[data-env=my-calc]")
     assert "python" in row.inner_text() and "calculator:CalculatorEnv" in row.inner_text()

@@ -1,7 +1,8 @@
 """Unit conversion: "How many m are in 37 km?" -> one `convert` call -> "The answer is 37000."
 
-The guide's complete example of a Python environment (docs/environments.md): tools, reset, call,
-the outcome verifier, process components, a seeded task generator and demonstrations.
+The guide's complete example of a Python environment (docs/environments.md): tools, call, the outcome
+verifier, process components, a seeded task generator and demonstrations (`reset` is the default one: the
+task's question opens the episode).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rollout_workers.environments.base import (
     extract_answer,
     final_answer_text,
     parse_int,
+    tool,
     tool_call_message,
 )
 
@@ -59,23 +61,11 @@ class UnitConvertEnv(Environment):
     cooperative = True  # no method blocks: the agent loop may run them on its own event loop
 
     def tools(self) -> list[dict[str, Any]]:
-        return [{
-            "name": "convert",
-            "description": "Convert a whole-number quantity between units (mm, cm, m, km, g, kg, s, min, h).",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "value": {"type": "integer"},
-                    "from_unit": {"type": "string", "enum": list(UNITS)},
-                    "to_unit": {"type": "string", "enum": list(UNITS)},
-                },
-                "required": ["value", "from_unit", "to_unit"],
-                "additionalProperties": False,
-            },
-        }]
-
-    async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"role": "user", "content": task["question"]}]
+        return [tool("convert", "Convert a whole-number quantity between units (mm, cm, m, km, g, kg, s, min, h).", {
+            "value": {"type": "integer"},
+            "from_unit": {"type": "string", "enum": list(UNITS)},
+            "to_unit": {"type": "string", "enum": list(UNITS)},
+        })]
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         if tool != "convert":

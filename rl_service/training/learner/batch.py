@@ -54,22 +54,26 @@ class PolicySample:
 @dataclass
 class LossNorm:
     """Global-batch counts that fix each token's loss weight, so that accumulation over micro-batches and
-    data-parallel ranks gives exactly the full-batch loss."""
+    data-parallel ranks gives exactly the full-batch loss. `num_micro_batches` (bnpo only) counts the
+    micro-batches of all ranks; unset, the learner counts its own."""
 
     num_sequences: int
     num_action_tokens: int
+    num_micro_batches: int | None = None
 
     @classmethod
     def of(cls, samples: Sequence[PolicySample]) -> LossNorm:
         return cls(len(samples), sum(s.num_action_tokens for s in samples))
 
-    def token_weights(self, sample: PolicySample, config: LearnerConfig) -> list[float]:
+    def token_weights(self, sample: PolicySample, config: LearnerConfig, micro_batch_action_tokens: int = 0) -> list[float]:
         m = sample.loss_mask
-        if config.loss_type in ("grpo", "gspo"):
+        if config.loss_type == "grpo":
             n = sum(m)
             w = 1.0 / (self.num_sequences * n) if n else 0.0
         elif config.loss_type == "dr_grpo":
             w = 1.0 / (self.num_sequences * config.max_completion_length)
+        elif config.loss_type == "bnpo":
+            w = 1.0 / (max(micro_batch_action_tokens, 1) * (self.num_micro_batches or 1))
         else:  # dapo
             w = 1.0 / max(self.num_action_tokens, 1)
         return [w * x for x in m]
@@ -133,6 +137,7 @@ def collate(samples: Sequence[PolicySample], indices: Sequence[int], norm: LossN
     eng = torch.zeros((b, c))
     weights = torch.zeros((b, c))
     prompt_lens = torch.zeros(b, dtype=torch.long)
+    action_tokens = sum(s.num_action_tokens for s in chosen)
     for r, s in enumerate(chosen):
         ids = s.prompt_ids + s.completion_ids
         input_ids[r, : len(ids)] = torch.tensor(ids)
@@ -144,5 +149,5 @@ def collate(samples: Sequence[PolicySample], indices: Sequence[int], norm: LossN
             mask[r, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
             adv[r, :n] = torch.tensor(s.advantages, dtype=torch.float32)
             eng[r, :n] = torch.tensor(s.engine_logprobs, dtype=torch.float32)
-            weights[r, :n] = torch.tensor(norm.token_weights(s, config), dtype=torch.float32)
+            weights[r, :n] = torch.tensor(norm.token_weights(s, config, action_tokens), dtype=torch.float32)
     return MicroBatch(input_ids, attention, prompt_lens, comp, mask, adv, eng, weights, list(indices))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -10,17 +11,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from trl.trainer.utils import disable_dropout_in_model, entropy_from_logits, selective_log_softmax
 
 from rl_service.training.learner.batch import LossNorm, MicroBatch, PolicySample, collate, pack_micro_batches
 from rl_service.training.learner.config import LearnerConfig
-from rl_service.training.learner.loss import policy_loss, truncated_is_ratio
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Dropout would make the learner's logprobs differ from the sampler's and between passes."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
+from rl_service.training.learner.loss import importance_sampling_ratio, policy_loss
 
 
 def completion_logits(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -38,14 +33,13 @@ def completion_logits(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
 
 def token_logprobs_and_entropy(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
                                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logps = logp_all.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    """Per-token logprobs of `index` under `logits / temperature`, and (no grad) the entropy: TRL's own
+    `selective_log_softmax` and `entropy_from_logits` (fused Triton kernels on CUDA, chunked torch elsewhere)."""
+    logps = selective_log_softmax(logits, index, temperature)
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = entropy_from_logits(logits / temperature if temperature != 1.0 else logits)
     return logps, entropy
 
 
@@ -73,7 +67,7 @@ class Learner:
         self.balancing_model = balancing_model if balancing_model is not None else model
         self.loss_scale = 1.0
         self.progress: Callable[[], None] | None = None  # called after each micro-batch (a job's heartbeat)
-        disable_dropout(model)
+        disable_dropout_in_model(model)  # dropout would make logprobs differ from the sampler's and between passes
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
@@ -104,6 +98,8 @@ class Learner:
     def micro_batches(self, samples: Sequence[PolicySample], norm: LossNorm,
                       min_micro_batches: int = 0) -> list[MicroBatch]:
         groups = pack_micro_batches(samples, self.config.micro_batch_tokens)
+        if norm.num_micro_batches is None:
+            norm = dataclasses.replace(norm, num_micro_batches=max(len(groups), min_micro_batches, 1))
         mbs = [collate(samples, g, norm, self.config, self.pad_token_id).to(self.device) for g in groups]
         while len(mbs) < min_micro_batches:  # data-parallel ranks must run the same number of passes
             mbs.append(_empty_like(mbs[0] if mbs else None, self.device))
@@ -155,8 +151,7 @@ class Learner:
                 if k not in old:
                     old[k] = logps.detach()
                     if cfg.vllm_importance_sampling_correction:
-                        is_ratios[k] = truncated_is_ratio(old[k], mb.engine_logprobs, mb.mask,
-                                                          cfg.vllm_importance_sampling_cap)
+                        is_ratios[k] = importance_sampling_ratio(old[k], mb.engine_logprobs, mb.mask, cfg)
                     if cfg.beta > 0:
                         with torch.no_grad():
                             ref_logits = completion_logits(self.ref_model, mb)

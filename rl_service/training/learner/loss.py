@@ -3,16 +3,30 @@ advantages and normalisation folded into per-token weights so accumulation is ex
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rl_service.training.learner.config import LearnerConfig
 
 
-def truncated_is_ratio(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor,
-                       cap: float) -> torch.Tensor:
-    """`min(π_learner / π_engine, cap)` per token (TRL's `token_truncate`); 1 where the mask is 0."""
+def importance_sampling_ratio(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor,
+                              config: LearnerConfig) -> torch.Tensor:
+    """The rollout/learner mismatch correction `π_learner / π_engine` per token (`[B, C]`), as TRL's
+    `vllm_importance_sampling_mode`: per token or per sequence (the product over its tokens), clipped to
+    `[clip_min, clip_max]` (truncate) or zeroed outside it (mask). 1 where the mask is 0 (token modes)."""
     diff = torch.nan_to_num((old_logps - engine_logps) * mask, nan=0.0)
-    return torch.exp(diff).clamp(max=cap)
+    mode = config.vllm_importance_sampling_mode
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        outside = (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high))
+        ratio = ratio.masked_fill(outside, 0.0)
+    return ratio.expand_as(mask)
 
 
 def policy_loss(
@@ -31,7 +45,7 @@ def policy_loss(
     weighted loss parts.
     """
     log_ratio = logps - old_logps
-    if config.loss_type == "gspo":
+    if config.importance_sampling_level == "sequence":
         log_iw = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     else:
         log_iw = log_ratio

@@ -1,0 +1,162 @@
+"""What tenants keep on disk: uploaded task files, their jobs' checkpoints, trajectories and work dirs; and
+how a job's references to them (file ids, checkpoint refs) become paths the service chose, never the tenant."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from rl_service.control.service.errors import Conflict, InvalidInput, NotFound, TooLarge
+from rl_service.control.service.tenants import Principal
+from rl_service.control.store import JobNotFound, JobRecord, Store
+from rl_service.control.task_file_store import TaskFileStore
+from rl_service.job_states import JobState
+from rl_service.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+def _checkpoint_exists(uri: str) -> bool:
+    parts = urlparse(uri)
+    return parts.scheme != "file" or Path(unquote(parts.path)).is_dir()
+
+
+class JobFiles:
+    """Task files (upload, list, delete), job checkpoints and trajectories, and job work dirs under ``jobs_dir``."""
+
+    def __init__(self, store: Store, data_dir: Path, task_file_limits: Any = None,
+                 base_models: dict[str, Path] | None = None) -> None:
+        """``base_models``: name -> model directory tenants may start from (the operator's)."""
+        self.store = store
+        self.jobs_dir = (Path(data_dir) / "jobs").resolve()
+        # not under data_dir/files: that is the default data root environments' file options may read
+        self.task_files = TaskFileStore(Path(data_dir) / "task_files", task_file_limits)
+        self.base_models = {name: Path(path) for name, path in (base_models or {}).items()}
+
+    # ---- task files ----
+    def create(self, p: Principal, filename: str, purpose: str, stream: Any) -> dict[str, Any]:
+        from rl_service.task_files import TaskFileError
+
+        try:
+            return self.task_files.create(p.tenant, filename, purpose, stream)
+        except TaskFileError as exc:
+            field = str(exc).split(":", 1)[0]
+            error = {413: TooLarge, 409: Conflict}.get(exc.status, InvalidInput)
+            raise error(str(exc), field=field if field in ("file", "purpose") else "file") from None
+
+    def list_all(self, p: Principal) -> list[dict[str, Any]]:
+        return self.task_files.list(p.tenant)
+
+    def get(self, p: Principal, file_id: str) -> dict[str, Any]:
+        meta = self.task_files.get(p.tenant, file_id)
+        if meta is None:
+            raise NotFound(f"file {file_id!r} not found", field="file_id")
+        return meta
+
+    def delete(self, p: Principal, file_id: str) -> None:
+        """Refused (409) while a job that has not finished names the file."""
+        for state in JobState:
+            if state.is_terminal:
+                continue
+            offset = 0
+            while True:
+                jobs, total = self.store.list_jobs(p.tenant, state, offset, 200)
+                for job in jobs:
+                    if file_id in (job.spec.tasks.train_file, job.spec.tasks.eval_file):
+                        raise Conflict(f"file {file_id!r} is used by job {job.id} ({state.value}); delete it once the "
+                                       "job has finished", field="file_id")
+                offset += len(jobs)
+                if not jobs or offset >= total:
+                    break
+        if not self.task_files.delete(p.tenant, file_id):
+            raise NotFound(f"file {file_id!r} not found", field="file_id")
+
+    def resolve_task_files(self, p: Principal, spec: JobSpec, registration: dict[str, Any] | None) -> JobSpec:
+        """The stored paths of the job's task files (422 naming the field for a file the tenant does not have);
+        an environment without a task generator needs a train_file."""
+        tasks = spec.tasks
+        for name in ("train_path", "eval_path"):
+            if getattr(tasks, name) is not None:
+                raise InvalidInput("set by the service from the file id; name the file instead", field=f"tasks.{name}")
+        update: dict[str, str] = {}
+        for name in ("train_file", "eval_file"):
+            file_id = getattr(tasks, name)
+            if file_id is None:
+                continue
+            path = self.task_files.path(p.tenant, file_id)
+            if path is None:
+                raise InvalidInput(f"no task file {file_id!r} (upload one with POST /v1/files)", field=f"tasks.{name}")
+            update[name.replace("_file", "_path")] = str(path)
+        if tasks.train_file is None and registration is not None and registration.get("kind") == "mcp":
+            raise InvalidInput("an mcp environment has no task generator: upload a task file and name it here",
+                               field="tasks.train_file")
+        return spec.model_copy(update={"tasks": tasks.model_copy(update=update)}) if update else spec
+
+    # ---- checkpoints ----
+    def resolve_checkpoint(self, p: Principal, ref: str) -> str:
+        """The directory of a checkpoint reference (rl_service.spec.CHECKPOINT_REF): a base model the operator
+        registered, or a checkpoint the store lists for one of the tenant's own jobs that lies in that job's
+        work dir. Never a path the tenant wrote."""
+        field = "model.checkpoint"
+        if ref.startswith("base:"):
+            name = ref.removeprefix("base:")
+            path = self.base_models.get(name)
+            if path is None:
+                offered = ", ".join(sorted(self.base_models)) or "none"
+                raise InvalidInput(f"{field}: no base model {name!r} (the operator offers: {offered})", field=field)
+            if not path.is_dir():
+                raise InvalidInput(f"{field}: base model {name!r} is not available now", field=field)
+            return str(path.resolve())
+        job_id, _, step = ref.partition(":")
+        try:
+            source = self.store.get_job(job_id, tenant=p.tenant)
+        except JobNotFound:
+            raise InvalidInput(f"{field}: job {job_id!r} not found", field=field) from None
+        work_dir = Path(source.work_dir).resolve()
+        found = [c for c in self.store.checkpoints(job_id) if not step or c["step"] == int(step)]
+        for c in sorted(found, key=lambda c: c["step"], reverse=True):
+            uri = urlparse(c["uri"])
+            if uri.scheme not in ("", "file"):
+                continue
+            path = Path(unquote(uri.path)).resolve()
+            if path.is_relative_to(work_dir) and path.is_dir():
+                return str(path)
+        which = f"a checkpoint of step {step}" if step else "a checkpoint"
+        raise InvalidInput(f"{field}: job {job_id!r} has no {which} (see its /checkpoints)", field=field)
+
+    def existing_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's checkpoints that exist (the runner deletes all but the newest `keep_last_checkpoints`)."""
+        return [c for c in self.store.checkpoints(job_id) if _checkpoint_exists(c["uri"])]
+
+    # ---- a job's work dir ----
+    def trajectories(self, job: JobRecord, *, status: str | None = None, min_reward: float | None = None,
+                     max_reward: float | None = None, step: int | None = None, offset: int = 0,
+                     limit: int = 50) -> list[dict[str, Any]]:
+        traj_dir = Path(job.work_dir) / "trajectories"
+        if not traj_dir.exists():
+            return []
+        from rollout_workers.storage import read_trajectories
+
+        trajs = read_trajectories(traj_dir, status=status, min_reward=min_reward, max_reward=max_reward,
+                                  step=step, offset=offset, limit=limit)
+        # the tokens after the prompt, and which of them the loss trains on (1: the model wrote it)
+        return [{**t.model_dump(mode="json"), "completion_ids": t.completion_ids(), "loss_mask": t.loss_mask()}
+                for t in trajs]
+
+    def delete_work_dir(self, job: JobRecord, keep_checkpoints: bool = False) -> None:
+        """All of a deleted job's work dir, or all but ``checkpoints/``; nothing outside ``jobs_dir``."""
+        work_dir = Path(job.work_dir).resolve()
+        if not work_dir.is_relative_to(self.jobs_dir) or work_dir == self.jobs_dir:
+            log.warning("job %s: work dir %s is outside %s; its files are left alone", job.id, work_dir, self.jobs_dir)
+            return
+        if not work_dir.is_dir():
+            return
+        doomed = [c for c in work_dir.iterdir() if c.name != "checkpoints"] if keep_checkpoints else [work_dir]
+        for path in doomed:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
