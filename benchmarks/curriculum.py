@@ -154,28 +154,29 @@ def protocol_spec(k: int, variant: str, seed: int, checkpoint: Path, steps: int)
 
 
 class SharedPool:
-    """One rollout pool (one vLLM engine) for every run of an invocation: a run borrows it, the warm start's
-    weights are pushed in at the start of each run after the first, and the run's `shutdown` leaves it up.
+    """One rollout pool (one vLLM engine) for every run of an invocation: a run borrows it, its starting
+    weights are pushed in at the start of each run, and the run's `shutdown` leaves it up. The engines are built
+    from `engine_dir`, a folder that outlives the runs (a run's own folder is deleted when it ends, and a
+    replacement for a worker lost later is built from the same folder before it gets the pushed weights).
     Sampling is seeded per request from the job seed, step, task, sample and turn, not from the engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_dir: Path) -> None:
+        self.engine_dir = engine_dir
         self.pool: Any = None
         self.start_s = 0.0
 
     def factory(self, spec: Any, weights_dir: Path) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from rl_service.training.learner.weight_push import shippable_state_dict
+        from rl_service.training.runner import default_pool_factory
+
         t0 = time.perf_counter()
         if self.pool is None:
-            from rl_service.training.runner import default_pool_factory
-
-            self.pool = default_pool_factory(spec, weights_dir)
-        else:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            from rl_service.training.learner.weight_push import shippable_state_dict
-
-            warm = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32)
-            self.pool.push_weights(shippable_state_dict(warm), 0)
+            self.pool = default_pool_factory(spec, self.engine_dir)
+        warm = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32)
+        self.pool.push_weights(shippable_state_dict(warm), 0)
         self.start_s = time.perf_counter() - t0
         return _Borrowed(self.pool)
 
@@ -329,7 +330,7 @@ def run_protocol(name: str, out: Path, work: Path, ks: list[int], seeds: list[in
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = protocol_warm_start(work)
-    shared = SharedPool()
+    shared = SharedPool(checkpoint)
     try:
         for k in ks:
             for seed in seeds:
