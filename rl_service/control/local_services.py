@@ -448,12 +448,15 @@ def ensure_embedded_scheduler(data_dir: Path, env: dict[str, str] | None = None)
 class EmbeddedSupervisor:
     """Keeps a data dir's embedded services up while the process that runs it lives: a Redis that died is
     started again on its port and files (its append-only file replays what it acknowledged), and with
-    `scheduler` the detached scheduler process is started again. Checks every `interval_s` seconds."""
+    `scheduler` the detached scheduler process is started again. Checks every `interval_s` seconds. Once the
+    services' record is gone (`taper down` stopped them, or the data dir was deleted) it starts nothing there
+    again, stops, and sets `gone`."""
 
     def __init__(self, data_dir: Path, redis_binary: str = "redis-server", scheduler: bool = False,
                  interval_s: float = 2.0) -> None:
         self.data_dir, self.redis_binary, self.scheduler, self.interval_s = data_dir, redis_binary, scheduler, interval_s
         self.restarts: list[str] = []
+        self.gone = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="taper-embedded-supervisor", daemon=True)
 
@@ -467,18 +470,25 @@ class EmbeddedSupervisor:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def check_once(self) -> None:
+    def check_once(self) -> bool:
+        """One round; False (and `gone` set) when the data dir's services were stopped for good."""
+        if "redis" not in _read_record(self.data_dir):
+            self.gone.set()
+            return False
         if embedded_redis(self.data_dir) is None:
             ensure_embedded_redis(self.data_dir, self.redis_binary)
             self.restarts.append("redis")
         if self.scheduler and embedded_scheduler(self.data_dir) is None:
             ensure_embedded_scheduler(self.data_dir)
             self.restarts.append("scheduler")
+        return True
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.check_once()
+                if not self.check_once():
+                    log.warning("embedded services of %s were stopped; no longer supervising them", self.data_dir)
+                    return
             except Exception as exc:  # e.g. the port taken meanwhile: said in the log, tried again next round
                 log.warning("embedded services of %s: %s", self.data_dir, exc)
 

@@ -22,6 +22,7 @@ from api.cli.cli import app as cli
 from api.cli.launcher import ApiServerProcess
 from rl_service.control.local_services import (
     EMBEDDED_RECORD,
+    EmbeddedSupervisor,
     embedded_ray_env,
     embedded_ray_head,
     embedded_redis,
@@ -177,3 +178,22 @@ def test_embedded_services_outlive_an_api_crash_and_are_stopped_by_taper_down(tm
         stop_embedded(tmp_path)
         get_settings.cache_clear()
     assert not pid_alive(head.pid) and not pid_alive(server.pid)
+
+
+def test_a_supervisor_restarts_a_dead_redis_but_nothing_once_the_services_were_stopped(tmp_path: Path) -> None:
+    """`taper down` (or deleting the data dir) removes the services' record: a supervisor still running (in an
+    orphaned scheduler process) must not start a Redis there again, round after round."""
+    server = ensure_embedded_redis(tmp_path)
+    supervisor = EmbeddedSupervisor(tmp_path)
+    try:
+        assert supervisor.check_once() and supervisor.restarts == []
+        os.kill(server.pid, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(server.pid), 30, "Redis gone")
+        assert supervisor.check_once() and supervisor.restarts == ["redis"]  # died: started again
+        again = embedded_redis(tmp_path)
+        assert again is not None and again.url == server.url
+    finally:
+        stop_embedded(tmp_path)
+    assert not supervisor.check_once() and supervisor.gone.is_set()
+    assert supervisor.check_once() is False and supervisor.restarts == ["redis"]
+    assert embedded_redis(tmp_path) is None and not pid_alive(again.pid)
