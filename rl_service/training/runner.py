@@ -206,10 +206,12 @@ class JobRunner:
         self.model, self.tokenizer = build_policy(self.spec)
         self.model.to(self.device)
         self._progress()
-        if not (self.initial_dir / "config.json").exists():  # a resumed job has its (warm-started) initial weights
+        if not (self.initial_dir / "config.json").exists():
             if spec.warm_start is not None:
                 self._warm_start()
             save_weights(self.model, self.initial_dir, self.tokenizer)
+        else:  # a restarted driver: the job starts from its (warm-started) initial weights, as the engines do
+            load_weights(self.model, self.initial_dir)
         ref = None
         if spec.algorithm.beta > 0:
             ref = AutoModelForCausalLM.from_pretrained(str(self.initial_dir), dtype=torch.float32).to(self.device)

@@ -300,6 +300,24 @@ def test_a_warm_start_runs_once_before_step_0_and_is_reported(shared_pool, tiny_
     assert not resumed.events_of("warm_start_started") and resumed.events_of("resumed")
 
 
+def test_a_driver_restarted_after_the_warm_start_trains_the_warm_started_weights(tiny_llama_dir, tmp_path) -> None:
+    """A driver that stops after the warm start but before the first checkpoint (killed, or restarted by the
+    scheduler) must train the warm-started weights the engines serve, not the job's starting model again."""
+    spec = make_spec(tiny_llama_dir, warm_start={"num_examples": 8, "max_steps": 5, "until_loss": None,
+                                                 "batch_size": 4, "learning_rate": 0.01})
+    first = JobRunner("r", spec, InMemoryHooks(), tmp_path / "r")
+    assert first.setup() == 0
+    first.hooks.close()
+    warm = _weights(tmp_path / "r" / "initial")
+    assert any(not torch.equal(w, warm[k]) for k, w in _weights(tiny_llama_dir).items())
+
+    restarted = JobRunner("r", spec, InMemoryHooks(), tmp_path / "r")
+    assert restarted.setup() == 0
+    restarted.hooks.close()
+    state = restarted.model.state_dict()
+    assert all(torch.equal(state[k], w) for k, w in warm.items())
+
+
 class KillWorkerAfter(InMemoryHooks):
     """Kills the job's rollout worker once `step` steps are trained (after their checkpoint was written)."""
 
