@@ -48,6 +48,7 @@ from rl_service.task_files import load_tasks
 from rl_service.training import step as pipeline
 from rl_service.training.checkpoint import (
     latest_checkpoint,
+    load_weights,
     remove_stale_temporaries,
     save_checkpoint,
     save_weights,
