@@ -147,8 +147,9 @@ class AlgorithmSpec(_Strict):
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
         Field("sequence_mask", description="truncate: clip the ratio to [clip_min, clip_max]; mask: zero the "
                                            "tokens (or sequences) outside it; per token or per sequence."))
-    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0.0, le=1e6)
-    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=0.0, le=1e6)
+    # The ratio clip brackets 1 (the on-policy ratio), so the bounds alone keep clip_min < clip_max.
+    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0.0, lt=1.0)
+    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=1.0, le=1e6)
     num_generations: int | None = Field(
         None, ge=1, le=256, description="Accepted as in GRPOConfig; stored as rollout.num_generations.")
     temperature: float | None = Field(

@@ -61,11 +61,13 @@ class OpenAIRoute(SchemaCheckedRoute):
                 return JSONResponse(body, status_code=status, headers=headers)
             except RequestValidationError as exc:
                 first = (exc.errors() or [{"loc": ("body",), "msg": "invalid request"}])[0]
-                msg = str(first.get("msg", "invalid request"))
+                msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
                 param = "body" if first.get("type") == "json_invalid" else _param(tuple(first.get("loc", ())), msg)
-                # a request that does not match the schema: OpenAI's 400 (a schema-valid one the service refuses
-                # keeps the service's 422)
-                status, body = openai_error(400, f"{param}: {msg}", "invalid", param)
+                # a request that does not match the schema: OpenAI's 400; one that matches it but breaks a rule the
+                # schema cannot state (a validator's ValueError: fields that must agree, a formula that must parse)
+                # gets the 422 the service gives any schema-valid request it refuses
+                rule = first.get("type") in ("value_error", "assertion_error")
+                status, body = openai_error(422 if rule else 400, f"{param}: {msg}", "invalid", param)
                 return JSONResponse(body, status_code=status)
             except StarletteHTTPException as exc:
                 status, body = openai_error(exc.status_code, str(exc.detail), None, None)

@@ -27,8 +27,14 @@ class GradeContext:
     python_max: PythonSandboxMaxima = field(default_factory=PythonSandboxMaxima)
 
 
+def _type_required(schema: dict[str, Any]) -> None:
+    """Graders are told apart by `type`: the document says it is required, as validation does."""
+    if "type" in schema.get("properties", {}) and "type" not in schema.setdefault("required", []):
+        schema["required"].append("type")
+
+
 class GraderSpec(BaseModel, ABC):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_type_required)
 
     name: str = Field("grader", pattern=GRADER_NAME, description="Referenced by a multi grader's formula.")
 

@@ -28,7 +28,9 @@ GraderName = Annotated[str, StringConstraints(pattern=GRADER_NAME)]
 
 class MultiGrader(GraderSpec):
     type: Literal["multi"] = "multi"
-    graders: dict[GraderName, SimpleGrader] = Field(min_length=1, max_length=16)
+    # pydantic documents the key pattern as patternProperties, which alone lets any other key through
+    graders: dict[GraderName, SimpleGrader] = Field(min_length=1, max_length=16,
+                                                   json_schema_extra={"additionalProperties": False})
     calculate_output: str = Field(max_length=1024, description="Formula over the graders' names.")
 
     @model_validator(mode="after")

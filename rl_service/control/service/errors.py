@@ -79,8 +79,7 @@ def error_field(loc: tuple[Any, ...] | list[Any], message: str) -> str:
     """The dotted field of a pydantic error. A model-level check ("half_life is required ...") has no
     location of its own, so the field its message starts with is appended."""
     parts = [str(p) for p in loc if p != "__root__"]
-    text = message.removeprefix("Value error, ")
-    head = text.split(" ", 1)[0].split(":", 1)[0].strip("'\"`")
+    head = message.removeprefix("Value error, ").split(" ", 1)[0].split(":", 1)[0].strip("'\"`")
     if head in _KNOWN_FIELDS and (not parts or parts[-1] != head):
         parts.append(head)
     return ".".join(parts)
@@ -90,7 +89,7 @@ def invalid_from(exc: ValidationError | ValueError, prefix: str = "") -> Invalid
     """An InvalidInput naming the first offending field of a pydantic error (or the message of a ValueError)."""
     if isinstance(exc, ValidationError) and exc.errors():
         err = exc.errors()[0]
-        msg = str(err.get("msg", exc))
+        msg = str(err.get("msg", exc)).removeprefix("Value error, ").removeprefix("Assertion failed, ")
         field = ".".join(p for p in (prefix, error_field(err.get("loc", ()), msg)) if p) or None
         return InvalidInput(f"{field or 'body'}: {msg}", field=field)
     return InvalidInput(str(exc), field=prefix or None)
