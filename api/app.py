@@ -25,7 +25,7 @@ from api.routers import admin, checkpoints, environments, files, fine_tuning, jo
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
-from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field
+from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field, plain_message
 from rl_service.control.settings import TaperSettings, get_settings
 
 log = logging.getLogger(__name__)
@@ -112,14 +112,6 @@ class _JobsByState:
         yield gauge
 
 
-def _plain(error: Any) -> str:
-    """A validation error's message without the prefix pydantic puts on errors raised in validators."""
-    msg = str(error.get("msg", ""))
-    for prefix in ("Value error, ", "Assertion failed, "):
-        msg = msg.removeprefix(prefix)
-    return msg
-
-
 def _field_of(loc: tuple[Any, ...], message: str = "") -> str:
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header"):
@@ -142,10 +134,10 @@ def _install_errors(app: FastAPI) -> None:
         field = _field_of(tuple(first.get("loc", ())), str(first.get("msg", "")))
         if first.get("type") == "json_invalid":
             field = "body"  # its location is a character offset, not a field
-        details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": _plain(e)}
+        details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": plain_message(e)}
                    for e in errors[:20]]
         return JSONResponse(
-            {"error": {"code": "invalid", "message": f"{field}: {_plain(first)}", "field": field,
+            {"error": {"code": "invalid", "message": f"{field}: {plain_message(first)}", "field": field,
                        "details": details}},
             status_code=422,
         )

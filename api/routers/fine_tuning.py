@@ -31,7 +31,7 @@ from rl_service.control.openai_compat import (
     openai_error,
     openai_error_of,
 )
-from rl_service.control.service import RateLimited, ServiceError, error_field
+from rl_service.control.service import RateLimited, ServiceError, error_field, plain_message
 
 # Parts of a pydantic error location that name a branch of a union, not a field ("literal['auto']", "int")
 _UNION_BRANCH = re.compile(r"^(int|float|str|bool|none|dict\[.*|list\[.*|literal\[.*|constrained-.*|function-.*)$")
@@ -61,7 +61,7 @@ class OpenAIRoute(SchemaCheckedRoute):
                 return JSONResponse(body, status_code=status, headers=headers)
             except RequestValidationError as exc:
                 first = (exc.errors() or [{"loc": ("body",), "msg": "invalid request"}])[0]
-                msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+                msg = plain_message(first) or "invalid request"
                 param = "body" if first.get("type") == "json_invalid" else _param(tuple(first.get("loc", ())), msg)
                 # a request that does not match the schema: OpenAI's 400; one that matches it but breaks a rule the
                 # schema cannot state (a validator's ValueError: fields that must agree, a formula that must parse)

@@ -26,6 +26,7 @@ from rl_service.control.service.errors import (
     Unauthorized,
     error_field,
     invalid_from,
+    plain_message,
 )
 from rl_service.control.service.files import JobFiles
 from rl_service.control.service.jobs import Jobs, schedule_conflict, schedule_patch_changes
@@ -73,6 +74,7 @@ __all__ = [
     "Unauthorized",
     "error_field",
     "invalid_from",
+    "plain_message",
     "schedule_conflict",
     "schedule_patch_changes",
     "validate_tenant",

@@ -75,6 +75,11 @@ def _model_field_names(model: type[BaseModel], out: set[str] | None = None) -> s
 _KNOWN_FIELDS = _model_field_names(JobSpec) | _model_field_names(RewardSchedule)
 
 
+def plain_message(error: dict[str, Any]) -> str:
+    """A pydantic error's message without the prefix pydantic puts on errors raised in validators."""
+    return str(error.get("msg", "")).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+
+
 def error_field(loc: tuple[Any, ...] | list[Any], message: str) -> str:
     """The dotted field of a pydantic error. A model-level check ("half_life is required ...") has no
     location of its own, so the field its message starts with is appended."""
@@ -89,7 +94,7 @@ def invalid_from(exc: ValidationError | ValueError, prefix: str = "") -> Invalid
     """An InvalidInput naming the first offending field of a pydantic error (or the message of a ValueError)."""
     if isinstance(exc, ValidationError) and exc.errors():
         err = exc.errors()[0]
-        msg = str(err.get("msg", exc)).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        msg = plain_message(err) or str(exc)
         field = ".".join(p for p in (prefix, error_field(err.get("loc", ()), msg)) if p) or None
         return InvalidInput(f"{field or 'body'}: {msg}", field=field)
     return InvalidInput(str(exc), field=prefix or None)
