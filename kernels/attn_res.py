@@ -1,11 +1,13 @@
 """Fused Block-AttnRes mix (DESIGN section 2) for CUDA: scores, softmax over depth and the weighted sum in one
 Triton kernel, and one for the backward, registered as torch.library custom ops.
 
-Per token, over N candidates V_i [d]: s_i = r_i <V_i, key> with r_i = rsqrt(mean(V_i^2) + eps), key = gamma * w;
+Per token, over N candidates V_i [d]: s_i = r_i <V_i, key> with r_i = rsqrt(mean(V_i^2) + eps), key = gamma * w
+(formed in fp32 inside the kernels from the two parameters, so no separate kernel builds it);
 weights softmax(s) (fp32); out = sum_i w_i V_i, in the candidates' dtype. Each candidate is read once from memory
 per pass (the second sweep over a token block re-reads it from L2), the candidates are never stacked, and
 nothing but the inputs is saved for the backward (it recomputes the scores). The backward writes each
-candidate's gradient and per-block partial sums of the key's gradient.
+candidate's gradient and per-block partial sums of the key's gradient; the op's autograd formula sums them and
+applies the product rule for gamma and w, which torch.compile fuses into one reduction kernel per mix.
 """
 
 from __future__ import annotations
@@ -49,7 +51,14 @@ def _column(tile, cols, i: tl.constexpr):
 
 
 @triton.jit
-def _scores(v0, v1, v2, v3, v4, v5, v6, v7, key, g, rows, m_rows, eps, D,
+def _key(gamma, query, offs, mask):
+    """A chunk of key = gamma * w in fp32 (the product of two bf16 values is exact in fp32)."""
+    return tl.load(gamma + offs, mask=mask, other=0.0).to(tl.float32) * \
+        tl.load(query + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scores(v0, v1, v2, v3, v4, v5, v6, v7, gamma, query, g, rows, m_rows, eps, D,
             N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr,
             WITH_GRAD: tl.constexpr):
     """[BT, NP] tiles: scores s_i, r_i and (WITH_GRAD) <g, V_i>; padding columns hold -inf / 0."""
@@ -68,7 +77,7 @@ def _scores(v0, v1, v2, v3, v4, v5, v6, v7, key, g, rows, m_rows, eps, D,
             m = m_rows[:, None] & m_d[None, :]
             off = rows[:, None] * D + d0 + o_d[None, :]
             x = tl.load(v + off, mask=m, other=0.0).to(tl.float32)
-            kk = tl.load(key + d0 + o_d, mask=m_d, other=0.0)
+            kk = _key(gamma, query, d0 + o_d, m_d)
             dot += tl.sum(x * kk[None, :], 1)
             ss += tl.sum(x * x, 1)
             if WITH_GRAD:
@@ -83,13 +92,13 @@ def _scores(v0, v1, v2, v3, v4, v5, v6, v7, key, g, rows, m_rows, eps, D,
 
 @triton.jit
 def attn_res_fwd_kernel(
-    v0, v1, v2, v3, v4, v5, v6, v7, key, out, M, D, eps,
+    v0, v1, v2, v3, v4, v5, v6, v7, gamma, query, out, M, D, eps,
     N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     m_rows = rows < M
     rows = rows.to(tl.int64)
-    S, R, _ = _scores(v0, v1, v2, v3, v4, v5, v6, v7, key, key, rows, m_rows, eps, D, N, BT, BD, NP, False)
+    S, R, _ = _scores(v0, v1, v2, v3, v4, v5, v6, v7, gamma, query, gamma, rows, m_rows, eps, D, N, BT, BD, NP, False)
     P = tl.exp(S - tl.max(S, 1)[:, None])
     W = P / tl.sum(P, 1)[:, None]
     cols = tl.arange(0, NP)
@@ -107,16 +116,17 @@ def attn_res_fwd_kernel(
 
 @triton.jit
 def attn_res_bwd_kernel(
-    v0, v1, v2, v3, v4, v5, v6, v7, dv0, dv1, dv2, dv3, dv4, dv5, dv6, dv7, key, g, dkey_part, M, D, eps,
+    v0, v1, v2, v3, v4, v5, v6, v7, dv0, dv1, dv2, dv3, dv4, dv5, dv6, dv7, gamma, query, g, dkey_part, n_blocks, M, D,
+    eps,
     N: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, NCH: tl.constexpr,
 ):
     """dV_i = w_i g + ds_i (r_i key - s_i r_i^2 / D V_i), ds = softmax backward of dw_i = <g, V_i>;
-    dkey_part[block] = sum over the block's tokens and i of ds_i r_i V_i."""
+    dkey_part[:, block] = sum over the block's tokens and i of ds_i r_i V_i."""
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     m_rows = rows < M
     rows = rows.to(tl.int64)
-    S, R, DW = _scores(v0, v1, v2, v3, v4, v5, v6, v7, key, g, rows, m_rows, eps, D, N, BT, BD, NP, True)
+    S, R, DW = _scores(v0, v1, v2, v3, v4, v5, v6, v7, gamma, query, g, rows, m_rows, eps, D, N, BT, BD, NP, True)
     P = tl.exp(S - tl.max(S, 1)[:, None])
     W = P / tl.sum(P, 1)[:, None]
     DS = W * (DW - tl.sum(W * DW, 1)[:, None])
@@ -136,12 +146,13 @@ def attn_res_bwd_kernel(
             off = rows[:, None] * D + d0 + o_d[None, :]
             x = tl.load(v + off, mask=m, other=0.0).to(tl.float32)
             gg = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
-            kk = tl.load(key + d0 + o_d, mask=m_d, other=0.0)
+            kk = _key(gamma, query, d0 + o_d, m_d)
             dx = w[:, None] * gg + ds[:, None] * (r[:, None] * kk[None, :]) - ds[:, None] * a * x
             tl.store(dv + off, dx.to(dv.dtype.element_ty), mask=m)
             DK = tl.where(o_c[:, None] == d0 // BD, DK + tl.sum((ds * r)[:, None] * x, 0)[None, :], DK)
     o_dk = o_c[:, None] * BD + o_d[None, :]
-    tl.store(dkey_part + pid * D + o_dk, DK, mask=o_dk < D)
+    # transposed, [D, blocks]: the sum over blocks is then an inner reduction, one fused kernel under compile
+    tl.store(dkey_part + o_dk * n_blocks + pid, DK, mask=o_dk < D)
 
 
 def _pointers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -155,67 +166,79 @@ def _shape(candidates: list[torch.Tensor]) -> tuple[int, int, int, int]:
     return M, D, BD, max(2, triton.next_power_of_2(len(candidates)))
 
 
+def _key_blocks(candidates: list[torch.Tensor]) -> int:
+    """Rows of the backward's partial sums of the key gradient (one per token block)."""
+    D = candidates[0].shape[-1]
+    return triton.cdiv(candidates[0].numel() // D, BWD_LAUNCH[0])
+
+
 @torch.library.custom_op("taper::attn_res_mix", mutates_args=())
-def attn_res_mix_op(candidates: list[torch.Tensor], key: torch.Tensor, eps: float) -> torch.Tensor:
-    """candidates: N tensors of one shape [..., d] and dtype; key [d] fp32. Returns the mix in their dtype."""
+def attn_res_mix_op(candidates: list[torch.Tensor], gamma: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
+    """candidates: N tensors of one shape [..., d] and dtype; gamma, query [d] (key = gamma * query in fp32).
+    Returns the mix in the candidates' dtype."""
     candidates = [c.contiguous() for c in candidates]
     M, D, BD, NP = _shape(candidates)
     out = torch.empty_like(candidates[0])
     BT, warps = FWD_LAUNCH
     attn_res_fwd_kernel[(triton.cdiv(M, BT),)](
-        *_pointers(candidates), key.contiguous(), out, M, D, eps,
+        *_pointers(candidates), gamma.contiguous(), query.contiguous(), out, M, D, eps,
         N=len(candidates), BT=BT, BD=BD, NP=NP, num_warps=warps, num_stages=1,
     )
     return out
 
 
 @attn_res_mix_op.register_fake
-def _(candidates, key, eps):
+def _(candidates, gamma, query, eps):
     return torch.empty_like(candidates[0])
 
 
 @torch.library.custom_op("taper::attn_res_mix_bwd", mutates_args=())
 def attn_res_mix_bwd_op(
-    grad: torch.Tensor, candidates: list[torch.Tensor], key: torch.Tensor, eps: float
+    grad: torch.Tensor, candidates: list[torch.Tensor], gamma: torch.Tensor, query: torch.Tensor, eps: float
 ) -> list[torch.Tensor]:
-    """Returns [d key (fp32), d candidate_0, ...]."""
+    """Returns [per-block partial sums of d key [d, blocks] (fp32), d candidate_0, ...]."""
     candidates = [c.contiguous() for c in candidates]
     M, D, BD, NP = _shape(candidates)
     grads = [torch.empty_like(c) for c in candidates]
     BT, warps = BWD_LAUNCH
     blocks = triton.cdiv(M, BT)
-    dkey_part = torch.empty(blocks, D, dtype=torch.float32, device=key.device)
+    dkey_part = torch.empty(D, blocks, dtype=torch.float32, device=grad.device)
     attn_res_bwd_kernel[(blocks,)](
-        *_pointers(candidates), *_pointers(grads), key.contiguous(), grad.contiguous(), dkey_part, M, D, eps,
+        *_pointers(candidates), *_pointers(grads), gamma.contiguous(), query.contiguous(), grad.contiguous(),
+        dkey_part, blocks, M, D, eps,
         N=len(candidates), BT=BT, BD=BD, NP=NP, NCH=triton.next_power_of_2(triton.cdiv(D, BD)),
         num_warps=warps, num_stages=1,
     )
-    return [dkey_part.sum(0), *grads]
+    return [dkey_part, *grads]
 
 
 @attn_res_mix_bwd_op.register_fake
-def _(grad, candidates, key, eps):
-    return [key.new_empty(key.shape, dtype=torch.float32), *(torch.empty_like(c) for c in candidates)]
+def _(grad, candidates, gamma, query, eps):
+    D = candidates[0].shape[-1]
+    return [gamma.new_empty((D, _key_blocks(candidates)), dtype=torch.float32),
+            *(torch.empty_like(c) for c in candidates)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    candidates, key, eps = inputs
-    ctx.save_for_backward(key, *candidates)
+    candidates, gamma, query, eps = inputs
+    ctx.save_for_backward(gamma, query, *candidates)
     ctx.eps = eps
 
 
 def _backward(ctx, grad):
-    key, *candidates = ctx.saved_tensors
-    dkey, *grads = attn_res_mix_bwd_op(grad, candidates, key, ctx.eps)
-    return grads, dkey, None
+    gamma, query, *candidates = ctx.saved_tensors
+    dkey_part, *grads = attn_res_mix_bwd_op(grad, candidates, gamma, query, ctx.eps)
+    # outside the op, so torch.compile fuses the sum over token blocks with the product rule and the casts
+    dkey = dkey_part.sum(1)
+    return grads, (dkey * query.float()).to(gamma.dtype), (dkey * gamma.float()).to(query.dtype), None
 
 
 attn_res_mix_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attn_res_mix(candidates: list[torch.Tensor], key: torch.Tensor, eps: float) -> torch.Tensor:
+def attn_res_mix(candidates: list[torch.Tensor], gamma: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
     """The fused mix (any device Triton runs on: CUDA, or the CPU interpreter under TRITON_INTERPRET=1).
-    At most MAX_CANDIDATES candidates of one shape and dtype; key [d] fp32."""
+    At most MAX_CANDIDATES candidates of one shape and dtype; gamma, query [d] (the key is their product)."""
     if not 1 <= len(candidates) <= MAX_CANDIDATES:
         raise ValueError(f"attn_res_mix takes 1..{MAX_CANDIDATES} candidates, got {len(candidates)}")
-    return attn_res_mix_op(candidates, key.float(), eps)
+    return attn_res_mix_op(candidates, gamma, query, eps)

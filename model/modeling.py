@@ -146,6 +146,7 @@ class TaperModel(TaperPreTrainedModel):
         self.final_res = BlockAttnRes(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._compiled_stack: Callable[..., torch.Tensor] | None = None  # compile_layers(scope="stack")
+        self._compiled_embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # the same, for the lookup
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -175,12 +176,18 @@ class TaperModel(TaperPreTrainedModel):
         setattr(dynamo, name, max(getattr(dynamo, name), 64))
         if scope == "stack":
             self._compiled_stack = torch.compile(self._layer_stack, **compile_kwargs)
+            # the lookup compiled too: its backward is then a zero fill, an fp32 scatter-add and a cast, not the
+            # sort-based eager embedding backward (14 kernels)
+            self._compiled_embed = torch.compile(self._embed, **compile_kwargs)
             return
         for layer in self.layers:
             for part in (layer.mixer_res, layer.mixer_norm, layer.mixer, layer.mlp_res, layer.mlp_norm, layer.mlp):
                 part.compile(**compile_kwargs)
         self.final_res.compile(**compile_kwargs)
         self.norm.compile(**compile_kwargs)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def _layer_stack(
         self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, cache: TaperCache | None
@@ -208,9 +215,10 @@ class TaperModel(TaperPreTrainedModel):
             if kwargs.get(unsupported):
                 raise NotImplementedError(f"{unsupported}=True is not supported: AttnRes layers have no single "
                                           "per-layer hidden state and KDA no attention map")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if inputs_embeds is None:
+            compiled_embed = self._compiled_embed if past_key_values is None and not use_cache else None
+            inputs_embeds = (compiled_embed or self.embed_tokens)(input_ids)
         if past_key_values is not None and not isinstance(past_key_values, TaperCache):
             raise TypeError(f"past_key_values must be a TaperCache, got {type(past_key_values).__name__}")
         if use_cache and past_key_values is None:

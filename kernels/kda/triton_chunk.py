@@ -55,9 +55,10 @@ def kda_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, use_gate: bool, lower_bound: float | None,
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, cu: torch.Tensor, chunk_indices: torch.Tensor,
-    chunk_offsets: torch.Tensor, cfg: KDAKernelConfig,
+    chunk_offsets: torch.Tensor, cfg: KDAKernelConfig, save_for_backward: bool = True,
 ) -> dict[str, torch.Tensor | None]:
-    """Flattened inputs: q, k [T, H, K]; v [T, HV, V]; f [T, HV, K]; beta [T, HV] probabilities."""
+    """Flattened inputs: q, k [T, H, K]; v [T, HV, V]; f [T, HV, K]; beta [T, HV] probabilities. Without
+    `save_for_backward` the states h and new values vn are not written (returned empty)."""
     T, H, K = q.shape
     HV, V = v.shape[1:]
     N = cu.numel() - 1
@@ -95,8 +96,11 @@ def kda_fwd(
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVU, DOT_PREC=prec, num_warps=cfg.num_warps_solve,
     )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
-    h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
-    vn = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
+    if save_for_backward:
+        h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
+        vn = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
+    else:  # never written: the kernel only needs pointers of the right type
+        h, vn = torch.empty(1, dtype=state_dtype, device=dev), torch.empty(1, dtype=work_dtype, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     BVS = min(cfg.fwd_state_block_v, triton.next_power_of_2(V))
@@ -104,8 +108,10 @@ def kda_fwd(
     fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, DOT_PREC=prec,
-        num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
+        STORE_SAVED=save_for_backward, num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
+    if not save_for_backward:
+        h, vn = h.new_empty(0), vn.new_empty(0)
     return dict(o=o, ht=ht, gcum=gcum, Aqk=Aqk, Akk=Akk, Ai=Ai, w=w, u=u, h=h, vn=vn, qg=qg, kg=kg,
                 chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 
@@ -223,10 +229,11 @@ def chunk_kda_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, batch: int, scale: float, output_final_state: bool, use_gate: bool,
-    lower_bound: float | None, use_l2norm: bool, config: str,
+    lower_bound: float | None, use_l2norm: bool, config: str, save_for_backward: bool = True,
 ) -> list[torch.Tensor]:
     """Flattened q, k [B*T, H, K], v [B*T, HV, V], f [B*T, HV, K], beta [B*T, HV] (probabilities).
-    Returns [o, final state, normalised q, its rstd, normalised k, its rstd, *_SAVED] (empty when absent)."""
+    Returns [o, final state, normalised q, its rstd, normalised k, its rstd, *_SAVED] (empty when absent;
+    h and vn also without `save_for_backward`, which a forward with no input needing a gradient passes)."""
     cfg = _config(config)
     q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
     cu, chunk_indices, chunk_offsets = _layout(batch, q.shape[0] // batch, cu_seqlens, cfg.chunk_size, q.device)
@@ -234,7 +241,8 @@ def chunk_kda_fwd_op(
     if use_l2norm:
         (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
     saved = kda_fwd(qn if use_l2norm else q, kn if use_l2norm else k, v, f, beta, scale, initial_state,
-                    output_final_state, use_gate, lower_bound, A_log, dt_bias, cu, chunk_indices, chunk_offsets, cfg)
+                    output_final_state, use_gate, lower_bound, A_log, dt_bias, cu, chunk_indices, chunk_offsets, cfg,
+                    save_for_backward)
     # outputs may not alias the layout cache: fixed-length batches return empty ones and look them up again
     fixed = cu_seqlens is None
     saved["chunk_indices"] = chunk_indices.new_empty(0) if fixed else chunk_indices
@@ -245,7 +253,7 @@ def chunk_kda_fwd_op(
 
 @chunk_kda_fwd_op.register_fake
 def _(q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, batch, scale, output_final_state, use_gate,
-      lower_bound, use_l2norm, config):
+      lower_bound, use_l2norm, config, save_for_backward=True):
     cfg = _config(config)
     T, H, K = q.shape
     HV, V = v.shape[1:]
@@ -267,6 +275,8 @@ def _(q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, batch, scale,
                  Ai=e(T, HV, BT, dtype=f32), w=e(T, HV, K, dtype=work), u=e(T, HV, V, dtype=work),
                  h=e(NC, HV, K, V, dtype=state), vn=e(T, HV, V, dtype=work), qg=e(T, HV, K, dtype=k.dtype),
                  kg=e(T, HV, K, dtype=k.dtype), chunk_indices=e(0, dtype=i32), chunk_offsets=e(0, dtype=i32))
+    if not save_for_backward:
+        saved.update(h=e(0, dtype=state), vn=e(0, dtype=work))
     if cu_seqlens is not None:  # fixed-length layouts come from the cache in the backward
         saved.update(chunk_indices=e(NC, 2, dtype=i32), chunk_offsets=e(N, dtype=i32))
     ht = e(N, HV, K, V, dtype=f32) if output_final_state else e(0, dtype=q.dtype)
@@ -335,7 +345,7 @@ def _gate_grads(
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, batch, scale, _, use_gate, lower_bound, _,
-     config) = inputs
+     config, *_) = inputs
     ctx.save_for_backward(q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, *output[2:])
     ctx.args = (batch, scale, use_gate, lower_bound, config)
     ctx.has_final = output[1].numel() > 0
@@ -375,9 +385,11 @@ def chunk_kda_triton(
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta.float()).to(beta.dtype)
     h0 = initial_state.float() if initial_state is not None else None
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     o, ht, *_ = chunk_kda_fwd_op(
         q.reshape(B * T, H, K), k.reshape(B * T, H, K), v.reshape(B * T, HV, V), g.reshape(B * T, HV, K),
         beta.reshape(B * T, HV), A_log, dt_bias, h0, cu_seqlens, B, scale, output_final_state,
-        use_gate_in_kernel, lower_bound, use_qk_l2norm_in_kernel, key,
+        use_gate_in_kernel, lower_bound, use_qk_l2norm_in_kernel, key, needs_grad,
     )
     return o.view(B, T, HV, V), (ht if output_final_state else None)

@@ -307,15 +307,19 @@ def fwd_state_kernel(
     kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_SAVED: tl.constexpr = True,
 ):
     """Sequential over a sequence's chunks; one program per (V tile, sequence, value head). Each chunk's
     output o = (Q e^Gam) h + Aqk vn comes from the state while it is in registers (an output kernel of its
-    own re-read h and vn: H200, 32K, forward 3.83 -> 3.61 ms without it)."""
+    own re-read h and vn: H200, 32K, forward 3.83 -> 3.61 ms without it). Without STORE_SAVED (a forward
+    without autograd) the per-chunk states h and the new values vn, which only the backward reads, are not
+    written."""
     i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
     o_t = tl.arange(0, BT)
     b_h = _start_state(h0, i_n, i_hv, s_off, m_kv, HV, K, V, BK, BV, HAS_H0)
     for it in range(0, NT):
-        tl.store(h + ((c0 + it) * HV + i_hv) * K * V + s_off, b_h.to(h.dtype.element_ty), mask=m_kv)
+        if STORE_SAVED:
+            tl.store(h + ((c0 + it) * HV + i_hv) * K * V + s_off, b_h.to(h.dtype.element_ty), mask=m_kv)
         rows = it * BT + o_t
         ok = rows < T
         m_tk = ok[:, None] & (o_k < K)[None, :]
@@ -323,7 +327,9 @@ def fwd_state_kernel(
         b_w = tl.load(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_u = tl.load(u + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], mask=m_tv, other=0.0)
         b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(kg.dtype.element_ty), b_h.to(kg.dtype.element_ty), input_precision=DOT_PREC)
-        tl.store(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_vn.to(vn.dtype.element_ty), mask=m_tv)
+        if STORE_SAVED:
+            tl.store(vn + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_vn.to(vn.dtype.element_ty),
+                     mask=m_tv)
         dt = qg.dtype.element_ty  # h and vn rounded as stored, as the backward sees them
         b_qg = tl.load(qg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)

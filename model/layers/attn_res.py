@@ -69,7 +69,7 @@ class BlockAttnRes(nn.Module):
             from kernels.attn_res import MAX_CANDIDATES, attn_res_mix
 
             if len(candidates) <= MAX_CANDIDATES:
-                return attn_res_mix(candidates, self.norm.weight.float() * self.query.float(), self.eps)
+                return attn_res_mix(candidates, self.norm.weight, self.query, self.eps)
         weights = self.weights(candidates)
         mixed = (weights.unsqueeze(-1) * torch.stack(candidates).float()).sum(0)
         return mixed.to(candidates[0].dtype)

@@ -126,7 +126,10 @@ class Router(nn.Module):
     def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], combine weights [N, k] fp32)."""
         chosen = top_k_indices(scores.detach() + self.bias_correction.float(), self.top_k)
-        picked = scores.gather(-1, chosen)
+        # a masked sum rather than a gather: its backward is elementwise and fuses (a gather's is a scatter-add
+        # into a zero-filled buffer: two kernels per layer)
+        picked = (scores.unsqueeze(1) * (chosen.unsqueeze(-1) == torch.arange(scores.shape[-1], device=scores.device))
+                  ).sum(-1)
         weights = picked / picked.sum(-1, keepdim=True) * self.routed_scaling_factor
         return chosen, weights
 
@@ -151,7 +154,9 @@ class ExpertRouting(NamedTuple):
         starts = counts.cumsum(0) - counts
         # the pair's own column of (start + rank): a masked row sum, which fuses (a gather would not)
         slot = ((starts + seen - 1) * one_hot).sum(1).long()
-        order = torch.empty_like(slot).scatter_(0, slot, torch.arange(flat.numel(), device=flat.device))
+        # int32 values: inductor compiles a scatter of them itself (of int64 ones it falls back to aten, two kernels)
+        order = torch.empty_like(slot, dtype=torch.int32).scatter_(
+            0, slot, torch.arange(flat.numel(), device=flat.device, dtype=torch.int32)).long()
         return cls(order, slot, counts)
 
 
@@ -163,7 +168,14 @@ def _running_sum(x: torch.Tensor, block: int = 256) -> torch.Tensor:
     pad = -M % block
     blocks = F.pad(x, (0, 0, 0, pad)).view(-1, block, n).cumsum(1, dtype=torch.int32)
     totals = blocks[:, -1]
-    before = totals.cumsum(0, dtype=torch.int32) - totals
+    if torch.compiler.is_compiling():
+        # the exclusive sum over the block totals as a masked sum, which inductor computes without materialising
+        # the mask (a scan over them compiles to a split scan with a zero-filled workspace: two kernels per layer)
+        earlier = torch.arange(totals.shape[0], device=x.device)
+        before = (totals.unsqueeze(0) * (earlier.unsqueeze(1) > earlier.unsqueeze(0)).unsqueeze(-1)).sum(
+            1, dtype=torch.int32)
+    else:
+        before = totals.cumsum(0, dtype=torch.int32) - totals
     return (blocks + before[:, None]).view(-1, n)[:M]
 
 

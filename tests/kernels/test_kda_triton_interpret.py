@@ -68,3 +68,9 @@ def test_fused_attn_res_mix_matches_the_reference(results):
     assert r.pop("opcheck")
     bad = {name: err for name, err in r.items() if not err < TOL}
     assert not bad, f"relative errors over {TOL}: {bad}"
+
+
+def test_forward_without_autograd_skips_saving_and_matches(results):
+    r = results["no_grad"]
+    assert r["o_vs_saved"] == 0.0 and r["state_vs_saved"] == 0.0
+    assert r["o_vs_ref"] < TOL and r["state_vs_ref"] < TOL

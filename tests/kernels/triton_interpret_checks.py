@@ -144,33 +144,60 @@ def expanded_grads_case(seed):
                                                         strict=True)}
 
 
-def attn_res_reference(candidates, key, eps):
+def no_grad_case(seed):
+    """A forward without autograd skips the states and new values only the backward reads: its output and
+    final state equal those of a forward that saves them, and the fp64 reference's."""
+    x = make_inputs(1, 70, 1, 2, 32, 16, initial_state=True, seed=seed, gate="bounded", cu_seqlens=[0, 37, 70])
+    kw = x.kwargs
+
+    def run():
+        return chunk_kda_triton(
+            *x.args(), scale=32**-0.5, initial_state=kw["initial_state"], output_final_state=True,
+            use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"], use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
+            use_beta_sigmoid_in_kernel=False, lower_bound=kw.get("lower_bound"), A_log=kw.get("A_log"),
+            dt_bias=kw.get("dt_bias"), cu_seqlens=kw.get("cu_seqlens"), chunk_size=32)
+
+    with torch.no_grad():
+        o_fast, s_fast = run()
+    x.q.requires_grad_(True)
+    o_saved, s_saved = run()
+    x.q.requires_grad_(False)
+    with torch.no_grad():
+        o_ref, s_ref = naive_recurrent_kda(*x.args(), **{**kw, "output_final_state": True})
+    return {"o_vs_saved": rel_err(o_fast, o_saved), "state_vs_saved": rel_err(s_fast, s_saved),
+            "o_vs_ref": rel_err(o_fast, o_ref), "state_vs_ref": rel_err(s_fast, s_ref)}
+
+
+def attn_res_reference(candidates, gamma, query, eps):
     """Block AttnRes as model/layers/attn_res.py computes it on CPU, in fp64."""
     stacked = torch.stack(candidates).double()
     normed = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + eps)
-    weights = torch.softmax((normed * key.double()).sum(-1), dim=0)
+    weights = torch.softmax((normed * (gamma.double() * query.double())).sum(-1), dim=0)
     return (weights.unsqueeze(-1) * stacked).sum(0)
 
 
 def attn_res_case(seed):
-    """The fused AttnRes mix and its backward against the fp64 reference: token counts that leave a partial
-    block, widths that leave a partial chunk (d=300: 256 + 44) or fit one (d=96), 1 to 8 candidates."""
+    """The fused AttnRes mix and its backward (candidates, gamma and the query) against the fp64 reference:
+    token counts that leave a partial block, widths that leave a partial chunk (d=300: 256 + 44) or fit one
+    (d=96), 1 to 8 candidates, and more token blocks than one (the key gradient's partial sums)."""
     torch.manual_seed(seed)
     checks = {}
     for n, shape, d in ((1, (2, 37), 96), (3, (2, 37), 300), (5, (70,), 96), (8, (1, 33), 40)):
         cands = [torch.randn(*shape, d) * (0.5 + i) for i in range(n)]
-        key = torch.randn(d) * 0.3
+        gamma, query = torch.rand(d) + 0.5, torch.randn(d) * 0.3
         weight = torch.randn(*shape, d)
-        leaves = [t.clone().requires_grad_(True) for t in (*cands, key)]
-        out = attn_res_mix(leaves[:-1], leaves[-1], 1e-6)
+        leaves = [t.clone().requires_grad_(True) for t in (*cands, gamma, query)]
+        out = attn_res_mix(leaves[:-2], leaves[-2], leaves[-1], 1e-6)
         got = torch.autograd.grad((out * weight).sum(), leaves)
-        ref_leaves = [t.double().requires_grad_(True) for t in (*cands, key)]
-        ref = attn_res_reference(ref_leaves[:-1], ref_leaves[-1], 1e-6)
+        ref_leaves = [t.double().requires_grad_(True) for t in (*cands, gamma, query)]
+        ref = attn_res_reference(ref_leaves[:-2], ref_leaves[-2], ref_leaves[-1], 1e-6)
         want = torch.autograd.grad((ref * weight.double()).sum(), ref_leaves)
         checks[f"n{n}_d{d}_out"] = rel_err(out, ref)
         checks[f"n{n}_d{d}_grads"] = max(rel_err(a, b) for a, b in zip(got, want, strict=True))
     cands = [torch.randn(3, 5, 40) for _ in range(3)]
-    torch.library.opcheck(attn_res_mix_op, ([c.requires_grad_(True) for c in cands], torch.randn(40), 1e-6),
+    torch.library.opcheck(attn_res_mix_op, ([c.requires_grad_(True) for c in cands],
+                                            torch.randn(40).requires_grad_(True), torch.randn(40).requires_grad_(True),
+                                            1e-6),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     checks["opcheck"] = True
     return checks
@@ -196,6 +223,7 @@ def main() -> None:
         "custom_op": custom_op_case(9),
         "expanded_grads": expanded_grads_case(10),
         "attn_res": attn_res_case(11),
+        "no_grad": no_grad_case(12),
     }
     print(json.dumps(results))
 

@@ -189,10 +189,12 @@ def test_top_k_indices_equal_torch_topk(n, k):
     assert torch.equal(top_k_indices(values, k), torch.topk(values, k, dim=-1).indices)
 
 
-def test_expert_routing_is_the_stable_sort_by_expert_and_its_inverse():
-    ids = torch.randint(0, 8, (257, 3), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_expert_routing_is_the_stable_sort_by_expert_and_its_inverse(compiled):
+    ids = torch.randint(0, 8, (1000, 3), generator=torch.Generator().manual_seed(0))  # 3000 pairs: 12 scan blocks
     ids[5] = ids[6]  # repeated choices: ties keep pair order
-    routing = ExpertRouting.of(ids, 8)
+    # compiled: the block totals' exclusive sum as a masked sum (the branch torch.compile traces)
+    routing = (torch.compile(ExpertRouting.of, backend="aot_eager") if compiled else ExpertRouting.of)(ids, 8)
     assert torch.equal(routing.order, torch.argsort(ids.reshape(-1), stable=True))
     assert torch.equal(routing.order[routing.slot], torch.arange(ids.numel()))
     assert torch.equal(routing.counts, torch.bincount(ids.reshape(-1), minlength=8).to(routing.counts.dtype))
@@ -350,3 +352,18 @@ def test_kda_input_projections_equal_the_separate_projections():
     torch.testing.assert_close(f, layer.gate_input(x))
     torch.testing.assert_close(beta, layer.beta_logits(x))
     torch.testing.assert_close(g_low, layer.g_a_proj(x))
+
+
+def test_router_picks_the_chosen_scores_and_their_gradient():
+    """The combine weights come from a masked sum over the experts: the same values and gradient as a gather."""
+    torch.manual_seed(0)
+    moe = StableLatentMoE(TINY)
+    scores = torch.rand(64, TINY.n_routed_experts, requires_grad=True)
+    chosen, weights = moe.router.select(scores)
+    picked = scores.gather(-1, chosen)
+    expected = picked / picked.sum(-1, keepdim=True) * moe.router.routed_scaling_factor
+    assert torch.equal(weights, expected)
+    grad = torch.randn_like(weights)
+    got = torch.autograd.grad(weights, scores, grad)[0]
+    want = torch.autograd.grad(expected, scores, grad)[0]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
