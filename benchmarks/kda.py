@@ -391,6 +391,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="T=32K only")
     ap.add_argument("--fla-autotune-ms", type=int, nargs=2, metavar=("WARMUP", "REP"), default=None,
                     help="time each of fla's autotune candidates for this long (Triton's default: 25 100)")
+    ap.add_argument("--forward-only", action="store_true", help="time forwards only (skips fla's backward autotuning)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--variants", action="store_true", help="only: kernel-config variants at 32K (errors, ms)")
     ap.add_argument("--decode-sweep", action="store_true", help="only: decode block sizes at 256 sequences")
@@ -447,12 +448,12 @@ def main() -> None:
     sizes = [32768] if args.quick else [8192, 32768, 131072]
     for T in sizes:
         out["chunk"][T] = {}
-        timed_part(T, ("ours",), ("fwd", "fwdbwd"))
+        timed_part(T, ("ours",), ("fwd",) if args.forward_only else ("fwd", "fwdbwd"))
     for N in (64, 256):
         out["decode"][N] = r = attempt(time_decode, N)
         print(f"  decode N={N}: " + " ".join(f"{k}={v}" for k, v in r.items()), flush=True)
         save()
-    for part in ("fwd", "fwdbwd"):
+    for part in ("fwd",) if args.forward_only else ("fwd", "fwdbwd"):
         for T in sizes:
             timed_part(T, ("fla",), (part,))
     print_tables(out)

@@ -309,7 +309,8 @@ def attn_res_sweep(hidden: int, tokens: int = 32768, candidates: int = 4) -> dic
     import kernels.attn_res as ar
 
     cands = [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(candidates)]
-    key = torch.randn(hidden, device="cuda") * 0.05
+    gamma = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    query = torch.randn(hidden, device="cuda", dtype=torch.bfloat16) * 0.05
     grad = torch.randn_like(cands[0])
     launches = [(bt, w) for bt in (8, 16, 32) for w in (2, 4, 8)]
     out: dict = {"fwd": {}, "bwd": {}}
@@ -317,8 +318,8 @@ def attn_res_sweep(hidden: int, tokens: int = 32768, candidates: int = 4) -> dic
         ar.FWD_LAUNCH = ar.BWD_LAUNCH = launch
         name = f"{launch[0]}x{launch[1]}"
         try:
-            out["fwd"][name] = triton.testing.do_bench(lambda: ar.attn_res_mix_op(cands, key, 1e-6), return_mode="median")
-            out["bwd"][name] = triton.testing.do_bench(lambda: ar.attn_res_mix_bwd_op(grad, cands, key, 1e-6),
+            out["fwd"][name] = triton.testing.do_bench(lambda: ar.attn_res_mix_op(cands, gamma, query, 1e-6), return_mode="median")
+            out["bwd"][name] = triton.testing.do_bench(lambda: ar.attn_res_mix_bwd_op(grad, cands, gamma, query, 1e-6),
                                                        return_mode="median")
         except Exception as exc:  # noqa: BLE001 - e.g. out of resources; the others still run
             out["fwd"].setdefault(name, repr(exc)[:200])
@@ -451,6 +452,39 @@ def _count_profile(step: Callable[[], None], table_path: Path | None) -> dict:
             "sync_calls_per_step": {k: v for k, v in syncs.items() if v}}
 
 
+def _trace_kernels(step: Callable[[], None], path: Path) -> None:
+    """Which host op launched each kernel of one (non-graphed) step: kernels grouped by name and the nearest
+    aten op above them with its input shapes, and the Python frame that called it (the compiled graph's own
+    code shows as its generated file). Written to `path`, largest counts first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    groups: dict[tuple[str, str, str, str], int] = {}
+    for e in prof.events():  # CPU ops carry the kernels launched inside them (the innermost op's list)
+        kernels = [k.name for k in getattr(e, "kernels", []) if "memcpy" not in k.name.lower()
+                   and "memset" not in k.name.lower()]
+        if e.device_type != torch.autograd.DeviceType.CPU or not kernels:
+            continue
+        op, shapes, frame, node = e.name, str(e.input_shapes)[:120], "", e
+        while node is not None:  # the outermost aten / custom op above it, and the Python frame calling that
+            if node.name.startswith(("aten::", "taper::")):
+                op, shapes = node.name, str(node.input_shapes)[:120]
+                frames = [f for f in (node.stack or []) if "torch/" not in f and "contextlib" not in f]
+                frame = frames[0] if frames else frame
+            elif node.name.startswith("autograd::engine::evaluate_function: ") and not frame:
+                frame = node.name.removeprefix("autograd::engine::evaluate_function: ")
+            elif node.name.startswith(("CompiledFunction", "## Call CompiledFxGraph")) and not frame:
+                frame = node.name
+            node = node.cpu_parent
+        for name in kernels:
+            key = (name[:70], op, shapes, frame[-100:])
+            groups[key] = groups.get(key, 0) + 1
+    lines = [f"{n:5d}  {k[0]}  <- {k[1]} {k[2]}  @ {k[3]}" for k, n in sorted(groups.items(), key=lambda i: -i[1])]
+    path.write_text("count  kernel  <- outermost aten op, input shapes  @ caller\n" + "\n".join(lines) + "\n")
+
+
 def _sync_debug_count(fn: Callable[[], None]) -> int:
     """Synchronising CUDA calls torch flags (torch.cuda.set_sync_debug_mode) while fn runs."""
     import warnings
@@ -466,7 +500,7 @@ def _sync_debug_count(fn: Callable[[], None]) -> int:
 
 
 def train_step_cuda(name: str, preset: str, batch: int, seq_len: int, mode: str, iters: int,
-                    profile_dir: Path | None) -> dict:
+                    profile_dir: Path | None, trace_kernels: bool = False) -> dict:
     """mode: "eager"; "compiled" (ours: per-part torch.compile); "graph" (compiled, and the whole step, forward
     + backward + AdamW + balancing update, captured once as a CUDA graph and replayed: what a learner with a
     fixed batch shape can do once the step has no host syncs); "stack" and "stack_graph": the same with the
@@ -506,6 +540,9 @@ def train_step_cuda(name: str, preset: str, batch: int, seq_len: int, mode: str,
     opt.zero_grad(set_to_none=True)
     for layer in moe:
         layer.clear_recorded_scores()
+    if trace_kernels and profile_dir is not None:
+        step()
+        _trace_kernels(step, profile_dir / f"trace_{name}_{mode}_{batch}x{seq_len}.txt")
     if mode in ("graph", "stack_graph"):
         with torch.cuda.stream(side):
             step()
@@ -624,6 +661,10 @@ def main() -> None:
                         help="CUDA training rows: the fused AttnRes kernels or the torch path")
     parser.add_argument("--attn-res-sweep", action="store_true",
                         help="CUDA: time the fused AttnRes kernels' launch shapes first and use the fastest")
+    parser.add_argument("--trace-kernels", action="store_true",
+                        help="CUDA: with --profile-dir, also write which host op launched each kernel of one step")
+    parser.add_argument("--fla-autotune-ms", type=int, nargs=2, metavar=("WARMUP", "REP"), default=None,
+                        help="time each of fla's autotune candidates for this long (Triton's default: 25 100)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
     if args.threads:
@@ -644,6 +685,14 @@ def main() -> None:
         if args.checks_only:
             return
         report["bf16_matmul_tflops"] = matmul_tflops(device, torch.bfloat16)
+        if args.fla_autotune_ms:  # Triton's autotuner times each candidate with do_bench; ours use fixed configs
+            import functools
+
+            import triton.testing
+
+            triton.testing.do_bench = functools.partial(triton.testing.do_bench, warmup=args.fla_autotune_ms[0],
+                                                        rep=args.fla_autotune_ms[1])
+            report["fla_autotune_ms"] = args.fla_autotune_ms
         from model.layers.attn_res import BlockAttnRes
 
         BlockAttnRes.use_fused = args.attn_res == "fused"
@@ -658,7 +707,7 @@ def main() -> None:
                 name, mode = run.split(":")
                 try:
                     train.append(train_step_cuda(name, preset, batch, seq_len, mode, 3 if args.quick else 8,
-                                                 args.profile_dir))
+                                                 args.profile_dir, args.trace_kernels))
                 except Exception as exc:  # noqa: BLE001 - keep measuring the other settings
                     train.append({"model": name, "mode": mode, "batch": batch, "seq_len": seq_len,
                                   "error": repr(exc)[:400]})

@@ -53,10 +53,11 @@ class Learner:
 
     def __init__(self, model: nn.Module, config: LearnerConfig, ref_model: nn.Module | None = None,
                  pad_token_id: int = 0, device: torch.device | str | None = None,
-                 balancing_model: nn.Module | None = None) -> None:
+                 balancing_model: nn.Module | None = None, compile_layers: str | None = None) -> None:
         self.config = config
         self.model = model
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.compiled_layers = self._compile_layers(compile_layers)
         self.ref_model = ref_model
         if config.beta > 0 and ref_model is None:
             raise ValueError("LearnerConfig.beta > 0 needs a reference model")
@@ -82,6 +83,22 @@ class Learner:
         self.optimizer_steps = 0
 
     # ---- helpers ----
+    def _compile_layers(self, scope: str | None) -> str | None:
+        """`compile_layers(scope)` of a Taper model ("stack": the layer stack as one compiled graph); None or "none"
+        keeps it eager (the default). "auto" picks "stack" on a single CUDA device and leaves CPU (compile time
+        outweighs the gain there) and data-parallel wrappers eager. Not the default yet: the learner's own step
+        (fp32 weights under autocast, a new batch shape per micro-batch, padding masks) has not been timed or
+        checked compiled on a GPU; each new shape costs a compile (~100 s for the stack) until dynamo marks the
+        shapes dynamic (benchmarks/NOTES.md, "Model on the H200")."""
+        if scope == "auto":
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            scope = "stack" if self.device.type == "cuda" and not distributed else None
+        inner = getattr(self.model, "model", None)
+        if scope in (None, "none") or not hasattr(inner, "compile_layers"):
+            return None
+        inner.compile_layers(scope)
+        return scope
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.config.bf16 and self.device.type == "cuda":
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
