@@ -6,7 +6,7 @@ const ScheduleEditor = (() => {
   const KIND_ONLY = { half_life: "exponential", milestones: "step", points: "piecewise" };
   const NULLABLE = new Set(["density_end"]);
 
-  // The measured recommendation (README, "Which decay?"): the weight falls linearly from 1 to 0 over the
+  // The measured recommendation (README, "Which decay should I use?"): the weight falls linearly from 1 to 0 over the
   // whole run; the kind-only fields are cleared so the preview shows exactly that curve.
   function recommended(totalSteps) {
     return { kind: "linear", w_start: 1, w_end: 0, warmup: 0, horizon: totalSteps,
