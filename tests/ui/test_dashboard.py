@@ -134,6 +134,14 @@ def test_job_page_live_curves_schedule_edit_and_trajectory(ui_server: UiServer, 
     page.wait_for_selector("#schedule-versions tr[data-version='2']")
     page.wait_for_selector("#events li[data-kind=schedule_patched]")
 
+    # "Recommended" fills the measured default: linear 1 -> 0 over the job's 20 steps (a preview, not stored)
+    page.click("#schedule-recommended")
+    wait_js(page, "document.getElementById('schedule-patch').innerText.includes('linear')")
+    assert json.loads(page.inner_text("#schedule-patch").removeprefix("PATCH ")) == {"kind": "linear", "horizon": 20}
+    assert store.schedule_history(job.id).current.version == 2
+    page.click("#schedule-reset")
+    wait_js(page, "document.getElementById('schedule-patch').innerText === ''")
+
     # the runner reports the new version: the weight chart marks the change
     report_steps(svc, job.id, range(6, 9))
     wait_js(page, "document.getElementById('chart-schedule').dataset.points === '8'")
@@ -195,6 +203,8 @@ def test_submit_form_shows_the_api_validation_message(ui_server: UiServer, page)
     screenshot(page, "submit-invalid")
 
     page.fill("[data-field='rollout.num_generations']", "2")
+    page.fill("#total-steps", "40")  # the horizon follows, as the recommended schedule decays over the whole run
+    assert page.input_value("#schedule-horizon") == "40"
     page.select_option("[data-field='reward_schedule.kind']", "exponential")  # half_life left empty
     page.click("#submit-button")
     wait_js(page, "document.getElementById('error').innerText.includes('half_life')")
@@ -209,6 +219,7 @@ def test_submit_form_shows_the_api_validation_message(ui_server: UiServer, page)
     job = ui_server.store.get_job(job_id)
     assert job.name == "from-the-form" and job.state == "queued"
     assert job.spec.reward_schedule.kind == "exponential" and job.spec.reward_schedule.half_life == 5
+    assert job.spec.total_steps == 40 and job.spec.reward_schedule.horizon == 40
     assert job.spec.tasks.num_train == 50 and job.spec.rollout.num_generations == 2
     page.wait_for_selector("#job-state[data-state=queued]")
     assert page.is_disabled("[data-action=pause]") and page.is_enabled("[data-action=cancel]")

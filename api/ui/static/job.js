@@ -11,7 +11,7 @@
   let cursor = null;
   let pulling = null;
 
-  const schedule = ScheduleEditor.create({ jobId, onPatched: () => refreshJob() });
+  const schedule = ScheduleEditor.create({ jobId, onPatched: () => refreshJob(), totalSteps: () => job && job.total_steps });
   const trajectories = TrajectoryViewer.create({ jobId });
 
   function renderJob() {

@@ -6,7 +6,14 @@ const ScheduleEditor = (() => {
   const KIND_ONLY = { half_life: "exponential", milestones: "step", points: "piecewise" };
   const NULLABLE = new Set(["density_end"]);
 
-  function create({ jobId, onPatched }) {
+  // The measured recommendation (README, "Which decay should I use?"): the weight falls linearly from 1 to 0 over the
+  // whole run; the kind-only fields are cleared so the preview shows exactly that curve.
+  function recommended(totalSteps) {
+    return { kind: "linear", w_start: 1, w_end: 0, warmup: 0, horizon: totalSteps,
+             half_life: null, milestones: null, points: null };
+  }
+
+  function create({ jobId, onPatched, totalSteps }) {
     const form = document.getElementById("schedule-form");
     const chart = document.getElementById("schedule-chart");
     const applyButton = document.getElementById("schedule-apply");
@@ -155,6 +162,10 @@ const ScheduleEditor = (() => {
       }
     });
     document.getElementById("schedule-reset").addEventListener("click", () => { fill(current.schedule); preview(); });
+    document.getElementById("schedule-recommended").addEventListener("click", () => {
+      fill({ ...current.schedule, ...recommended(totalSteps() || current.schedule.horizon) });
+      preview();
+    });
 
     return {
       load,
@@ -173,5 +184,5 @@ const ScheduleEditor = (() => {
     };
   }
 
-  return { create };
+  return { create, recommended };
 })();

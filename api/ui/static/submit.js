@@ -10,6 +10,12 @@
     select.value = envs.some((e) => e.name === "calculator") ? "calculator" : (envs[0] || {}).name;
   }).catch((e) => Taper.showError("error", e));
 
+  // The recommended schedule decays over the whole run: the horizon follows Total steps until edited.
+  const totalSteps = document.getElementById("total-steps");
+  const horizon = document.getElementById("schedule-horizon");
+  horizon.addEventListener("input", () => { horizon.dataset.edited = "1"; });
+  totalSteps.addEventListener("input", () => { if (!horizon.dataset.edited) horizon.value = totalSteps.value; });
+
   function setPath(obj, path, value) {
     const parts = path.split(".");
     let cur = obj;
