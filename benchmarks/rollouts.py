@@ -295,7 +295,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from model.tokenizer import TOKENIZER_DIR
-    from rollout_workers.engine import EngineConfig, VLLMEngine
+    from rollout_workers.engine import EngineConfig
+    from rollout_workers.vllm_engine import VLLMEngine
 
     work = Path(tempfile.mkdtemp(prefix="taper-bench-rollouts-"))
     model_dir = args.model_dir

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from rollout_workers.agent import AgentLoop, EpisodeSpec, run_groups
-from rollout_workers.engine import Engine, EngineConfig, VLLMEngine
+from rollout_workers.engine import Engine, EngineConfig
 from rollout_workers.environments.base import Environment
 from rollout_workers.environments.policy import EnvironmentPolicy
 from rollout_workers.environments.registry import EnvironmentRegistration, make_env_factory
@@ -25,6 +25,7 @@ from rollout_workers.sampling import SamplingConfig
 from rollout_workers.stats import RolloutStats
 from rollout_workers.tool_runner import ToolRunner
 from rollout_workers.trajectory import Trajectory
+from rollout_workers.vllm_engine import VLLMEngine
 
 if TYPE_CHECKING:
     import torch

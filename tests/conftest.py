@@ -87,7 +87,8 @@ def vllm_engine(tiny_llama_dir: Path, vllm_env: dict[str, str]) -> Any:
     """One real in-process vLLM engine on the tiny Llama, shared by the session (a start costs ~10 s of CPU).
     Closing another in-process engine tears down vLLM's process-wide state, so a group uses this one before
     any test builds and closes its own (tests/test_foundation.py runs first in its group)."""
-    from rollout_workers.engine import EngineConfig, VLLMEngine
+    from rollout_workers.engine import EngineConfig
+    from rollout_workers.vllm_engine import VLLMEngine
 
     return VLLMEngine(EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=1024, kv_cache_gib=0.25, seed=0))
 

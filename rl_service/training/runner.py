@@ -59,7 +59,7 @@ from rl_service.training.progress import Progress
 from rl_service.training.resume import resume_from
 from rl_service.training.tracking import TrackedHooks
 from rl_service.training.warm_start import WARM_START_SEED_OFFSET, run_warm_start
-from rollout_workers.engine import EngineConfig, VLLMEngine
+from rollout_workers.engine import EngineConfig
 from rollout_workers.environments.registry import (
     EnvironmentRegistration,
     environment_class,
@@ -69,6 +69,7 @@ from rollout_workers.environments.registry import (
 from rollout_workers.pool import RolloutPool
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.trajectory import Trajectory
+from rollout_workers.vllm_engine import VLLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -235,8 +235,9 @@ def test_later_turn_of_a_session_continues_from_the_kept_state_and_matches_hf(mo
     episode's request from the KDA state and latent cache vLLM kept, prefilling only the ids after the
     first turn (in pieces: the token budget is 16), and its greedy tokens and logprobs match the HF model
     run over the whole context."""
-    from rollout_workers.engine import EngineConfig, TurnRequest, VLLMEngine
+    from rollout_workers.engine import EngineConfig, TurnRequest
     from rollout_workers.sampling import SamplingConfig
+    from rollout_workers.vllm_engine import VLLMEngine
 
     torch.set_num_threads(1)
     engine = VLLMEngine(EngineConfig(model_dir=str(model_dir), max_model_len=512, kv_cache_gib=1 / 16, max_num_seqs=8,

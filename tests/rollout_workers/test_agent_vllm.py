@@ -275,8 +275,9 @@ def test_seeded_turn_is_the_same_alone_or_joining_a_running_batch(tiny_llama_dir
     """Continuous batching on the real engine: a seeded turn samples the same tokens whether it runs alone,
     is prefilled in pieces (it arrives with others that take most of a step's token budget), or joins
     a batch mid-decode. The piecewise prefill needs the exact CPU generator rewind."""
-    from rollout_workers import engine as engine_module
-    from rollout_workers.engine import EngineConfig, VLLMEngine
+    from rollout_workers import vllm_engine as engine_module
+    from rollout_workers.engine import EngineConfig
+    from rollout_workers.vllm_engine import VLLMEngine
 
     budget = 256
     engine = VLLMEngine(EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=512, kv_cache_gib=0.1, seed=0,
