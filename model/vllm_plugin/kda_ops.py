@@ -22,10 +22,6 @@ from kernels.kda import chunk_kda, fused_recurrent_kda
 from model.layers.kda import KimiDeltaAttention
 from model.vllm_plugin.fused import FusedLinear, fused
 
-# The CPU chunked path materialises a [C, C, K] decay block per chunk, so its cost per token grows with
-# the chunk size C: 16 prefills ~3x faster than 64 there. The CUDA kernels keep their default (64).
-CPU_PREFILL_CHUNK_SIZE = 16
-
 
 @dataclass(frozen=True)
 class KDABatch:
@@ -152,11 +148,9 @@ def _prefill(
         rec_init = rec_init * keep[:, None, None, None].to(rec_init.dtype)
     q, k, v, new_conv = _prefill_conv(layer, qkv, conv_init, query_start_loc)
     conv_state.index_copy_(0, idx, new_conv.to(conv_state.dtype))
-    extra = {} if qkv.is_cuda else {"chunk_size": CPU_PREFILL_CHUNK_SIZE}
     o, final = chunk_kda(
         q[None], k[None], v[None], f[None], beta[None],
         initial_state=rec_init, output_final_state=True, cu_seqlens=query_start_loc, **_kernel_kwargs(layer),
-        **extra,
     )
     recurrent_state.index_copy_(0, idx, final.to(recurrent_state.dtype))
     return o[0]
