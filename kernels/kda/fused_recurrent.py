@@ -71,29 +71,33 @@ def fused_recurrent_kda(
                 dt_bias=dt_bias)
     if ssm_state_indices is not None:
         slots = ssm_state_indices.to("cpu", torch.int64)
-        # an fp32 contiguous pool is updated where it lies; any other is worked on as an fp32 copy
-        direct = inplace_final_state and initial_state.dtype == torch.float32 and initial_state.is_contiguous()
-        pool = initial_state if direct else initial_state.to(torch.float32, memory_format=torch.contiguous_format,
-                                                              copy=True)
-    else:
-        slots = torch.arange(shp.N)
-        direct = False
-        if initial_state is None:
-            pool = q.new_zeros(shp.N, shp.HV, shp.K, shp.V, dtype=torch.float32)
+        if inplace_final_state and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+            o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=initial_state, slots=slots,
+                                  cu_seqlens=cu_seqlens, **gate)
+            return o.to(q.dtype), initial_state
+        # any other pool (vLLM's is strided): its used slots as a compact fp32 copy, written back when in place
+        padded = bool((slots < 0).any())
+        used = slots[slots >= 0] if padded else slots
+        compact = initial_state.index_select(0, used).to(torch.float32, memory_format=torch.contiguous_format)
+        if padded:
+            local = torch.full_like(slots, -1)
+            local[slots >= 0] = torch.arange(used.numel())
         else:
-            pool = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=pool, slots=slots, cu_seqlens=cu_seqlens,
-                          **gate).to(q.dtype)
-    if ssm_state_indices is not None:
-        if direct:
-            return o, initial_state
-        valid = slots >= 0
+            local = torch.arange(used.numel())
+        o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=compact, slots=local, cu_seqlens=cu_seqlens,
+                              **gate).to(q.dtype)
         if inplace_final_state:
-            initial_state[slots[valid]] = pool[slots[valid]].to(initial_state.dtype)
+            initial_state.index_copy_(0, used, compact.to(initial_state.dtype))
             return o, initial_state
-        final = pool.new_zeros(shp.N, shp.HV, shp.K, shp.V)  # zeros for padded rows
-        final[valid] = pool[slots[valid]]
+        final = compact.new_zeros(shp.N, shp.HV, shp.K, shp.V)  # zeros for padded rows
+        final[slots >= 0] = compact
         return o, final
+    if initial_state is None:
+        pool = q.new_zeros(shp.N, shp.HV, shp.K, shp.V, dtype=torch.float32)
+    else:
+        pool = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=pool, slots=torch.arange(shp.N),
+                          cu_seqlens=cu_seqlens, **gate).to(q.dtype)
     if initial_state is not None and inplace_final_state:
         initial_state.copy_(pool)
         return o, initial_state
