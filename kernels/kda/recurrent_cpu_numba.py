@@ -1,14 +1,18 @@
-"""The compiled loops of `recurrent_cpu.py` (numba, cached on disk after the first compile)."""
+"""The compiled loops of `recurrent_cpu.py` (numba). Their signatures are declared: importing this module
+compiles them once (about 2 s) or loads them from numba's on-disk cache, and an argument of another type
+is an error rather than a second compile."""
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import boolean, float32, int64, njit, void
 
 from kernels.kda.common import L2NORM_EPS
 
+_VEC = float32[::1]
 
-@njit(cache=True, fastmath=True, nogil=True)
+
+@njit(void(float32[:, ::1], _VEC, _VEC, _VEC, _VEC, _VEC, _VEC, _VEC), cache=True, fastmath=True, nogil=True)
 def _sweep(S, a, bk, err, c, f, ks, qs):  # pragma: no cover - compiled
     """S <- Diag(a) S + bk err^T, then ks = S^T c and qs = S^T f (c, f: the next token's decayed k, q)."""
     ks[:] = 0.0
@@ -23,7 +27,12 @@ def _sweep(S, a, bk, err, c, f, ks, qs):  # pragma: no cover - compiled
             qs[j] += fi * s
 
 
-@njit(cache=True, fastmath=True, nogil=True)
+_ROWS = float32[:, :, ::1]
+_INDEX = int64[::1]
+
+
+@njit(void(_ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1], float32, boolean, _INDEX, _INDEX, _INDEX,
+           float32[:, :, :, ::1], _ROWS), cache=True, fastmath=True, nogil=True)
 def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, o):  # pragma: no cover - compiled
     """q, k, decay [R, HV, K]; v [R, HV, V]; beta [R, HV] (rows = tokens); sequence n is rows
     starts[n] .. ends[n]-1 and continues pool[slots[n]] ([HV, K, V], updated in place); slots[n] < 0 skips
