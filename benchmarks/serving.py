@@ -114,6 +114,30 @@ def cache_bytes(kv_cache_config: Any, batch: int, context: int) -> int:
     return total
 
 
+class ModuleClock:
+    """Thread-CPU seconds spent in each decoder layer's parts (the layers' direct children, keyed by class
+    name), through forward hooks; `snapshot()` returns the totals so far."""
+
+    def __init__(self, model: Any) -> None:
+        self.totals: dict[str, float] = {}
+        layers = model.model.layers
+        for layer in layers:
+            for child in layer.children():
+                child.register_forward_pre_hook(self._enter)
+                child.register_forward_hook(self._leave)
+        self._started: dict[int, float] = {}
+
+    def _enter(self, module: Any, _args: Any) -> None:
+        self._started[id(module)] = time.thread_time()
+
+    def _leave(self, module: Any, _args: Any, _out: Any) -> None:
+        name = type(module).__name__
+        self.totals[name] = self.totals.get(name, 0.0) + time.thread_time() - self._started.pop(id(module))
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.totals)
+
+
 def run_worker(args: argparse.Namespace) -> None:
     """One model in this process: a fresh engine, every context, one JSON line per context on stdout."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -139,6 +163,7 @@ def run_worker(args: argparse.Namespace) -> None:
     vocab = llm.get_tokenizer().vocab_size
     warmup = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(3, 67))}] * 2, warmup, use_tqdm=False)
+    clock = ModuleClock(served) if args.profile_modules else None
     # CUMULATIVE: the engine reports every step's progress (LLM.generate switches its params to FINAL_ONLY)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.CUMULATIVE)
@@ -146,6 +171,8 @@ def run_worker(args: argparse.Namespace) -> None:
     for context in args.contexts:
         prompts = [torch.randint(3, vocab, (context,), generator=gen).tolist() for _ in range(args.batch)]
         start, cpu_start = time.perf_counter(), time.thread_time()
+        modules_start = clock.snapshot() if clock else {}
+        modules_prefill: dict[str, float] = {}
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{context}-{i}", {"prompt_token_ids": prompt}, params)
         produced: dict[str, int] = {}
@@ -164,6 +191,8 @@ def run_worker(args: argparse.Namespace) -> None:
             if first_all is None and len(produced) == args.batch and min(produced.values()) >= 1:
                 first_all, tokens_at_first = now, sum(produced.values())
                 prefill_cpu = time.thread_time() - cpu_start
+                if clock:
+                    modules_prefill = {k: v - modules_start.get(k, 0.0) for k, v in clock.snapshot().items()}
         decode_tokens = sum(produced.values()) - tokens_at_first
         row = {
             "context": context,
@@ -179,6 +208,8 @@ def run_worker(args: argparse.Namespace) -> None:
             "load_avg": os.getloadavg()[0],
             "compute_dtype": compute_dtype,
         }
+        if clock:  # thread-CPU seconds per layer part over the prefill span
+            row["prefill_cpu_s_by_module"] = {k: round(v, 3) for k, v in sorted(modules_prefill.items())}
         print("RESULT " + json.dumps(row), flush=True)
 
 
@@ -201,6 +232,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             cmd = [sys.executable, __file__, "--worker", "--model-dir", str(model_dir), "--dtype", args.dtype,
                    "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
                    "--kv-cache-gib", str(args.kv_cache_gib), "--contexts", *map(str, args.contexts)]
+            cmd += ["--profile-modules"] if args.profile_modules else []
             print(f"[{name}] {counts['active'] / 1e6:.2f}M active / {counts['total'] / 1e6:.2f}M total params",
                   flush=True)
             env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CONFIGURE_LOGGING": "0"}
@@ -246,6 +278,11 @@ def print_table(results: dict[str, Any]) -> None:
                 if extra:
                     line += f" {row['cache_bytes'] / ref['cache_bytes']:>7.2f}x"
             print(line)
+    for name, data in models.items():
+        for row in data["runs"]:
+            if "prefill_cpu_s_by_module" in row:
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in row["prefill_cpu_s_by_module"].items())
+                print(f"{name} {row['context']}: prefill CPU s by layer part: {parts}")
 
 
 def _ratio(row: dict[str, Any], ref: dict[str, Any], key: str) -> float:
@@ -263,6 +300,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="smoke run: contexts 128 512, batch 2, 8 tokens")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/serving_cpu.json)")
+    parser.add_argument("--profile-modules", action="store_true",
+                        help="also record the prefill's thread-CPU time per layer part (forward hooks)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""`chunk_kda`: chunked KDA for training and prefill; Triton on CUDA, vectorised torch on CPU."""
+"""`chunk_kda`: KDA over whole sequences for training and prefill. Triton on CUDA; on CPU the chunked torch
+path where a gradient is needed and the compiled recurrence (`recurrent_cpu.py`) where none is."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from kernels.kda.chunk_torch import chunk_kda_torch
 from kernels.kda.common import check_inputs, default_scale, preprocess, work_dtype
+from kernels.kda.recurrent_cpu import recurrent_kda_cpu
 
 
 def chunk_kda(
@@ -50,11 +52,20 @@ def chunk_kda(
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound, A_log=A_log,
             dt_bias=dt_bias, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         )
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
     dtype = work_dtype(q.dtype)
-    qe, ke, ve, ge, be = preprocess(
-        q, k, v, g, beta, dtype=dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
-    )
+    gate = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound, A_log=A_log,
+                dt_bias=dt_bias)
+    if not needs_grad and dtype == torch.float32:  # fp64 is the checking precision: the torch path
+        if initial_state is None:
+            states = q.new_zeros(shp.N, shp.HV, shp.K, shp.V, dtype=torch.float32)
+        else:
+            states = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=states, slots=torch.arange(shp.N),
+                              cu_seqlens=cu_seqlens, **gate)
+        return o.to(q.dtype), (states if output_final_state else None)
+    qe, ke, ve, ge, be = preprocess(q, k, v, g, beta, dtype=dtype, **gate)
     o, final = chunk_kda_torch(qe, ke, ve, ge, be, scale, initial_state, cu_seqlens, chunk_size)
     return o.to(q.dtype), (final.to(dtype) if output_final_state else None)

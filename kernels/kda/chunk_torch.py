@@ -125,16 +125,18 @@ def chunk_kda_torch(
         P, U, W = (torch.cat(x, 1) for x in zip(*parts, strict=True))
     q_gam = qc * torch.exp(gam) * scale
     g_last = gam[:, :, -1, :]  # [R, NT, K]
-    k_tail = kc * torch.exp(g_last[:, :, None, :] - gam)
-    outs = []
+    k_tail_t = (kc * torch.exp(g_last[:, :, None, :] - gam)).transpose(-1, -2)  # [R, NT, K, C]
+    decay = torch.exp(g_last)[..., None]  # [R, NT, K, 1]
+    starts, new_values = [], []
     # unbind once: indexing chunk c out of each tensor would make autograd scatter every chunk's gradient
     # into a zero tensor of the full size (quadratic in the number of chunks)
-    per_chunk = zip(U.unbind(1), W.unbind(1), q_gam.unbind(1), P.unbind(1), torch.exp(g_last).unbind(1),
-                    k_tail.transpose(-1, -2).unbind(1), strict=True)
-    for u, w, qg, p, decay, kt in per_chunk:  # the state recurrence: small matmuls per chunk
-        Vn = u - w @ S
-        outs.append(qg @ S + p @ Vn)
-        S = decay[:, :, None] * S + kt @ Vn
-    o_rows = torch.cat(outs, 1).reshape(N, HV, Tp, V).permute(0, 2, 1, 3)  # [N, Tp, HV, V]
+    for u, w, d, kt in zip(U.unbind(1), W.unbind(1), decay.unbind(1), k_tail_t.unbind(1), strict=True):
+        starts.append(S)
+        Vn = torch.baddbmm(u, w, S, alpha=-1)  # the delta rule's new values U - W S
+        new_values.append(Vn)
+        S = torch.baddbmm(d * S, kt, Vn)
+    # O = Q_gam S + P Vn, for all chunks at once
+    outs = q_gam @ torch.stack(starts, 1) + P @ torch.stack(new_values, 1)  # [R, NT, C, V]
+    o_rows = outs.reshape(N, HV, Tp, V).permute(0, 2, 1, 3)  # [N, Tp, HV, V]
     o = o_rows[:, :T] if cu_seqlens is None else o_rows[valid][None]
     return o, S.reshape(N, HV, K, V)

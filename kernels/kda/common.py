@@ -136,3 +136,12 @@ def sequence_bounds(T: int, B: int, cu_seqlens: torch.Tensor | None) -> list[tup
         return [(b, 0, T) for b in range(B)]
     cs = cu_seqlens.tolist()
     return [(0, cs[n], cs[n + 1]) for n in range(len(cs) - 1)]
+
+
+def sequence_rows(T: int, B: int, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's first and past-the-end row in the flattened [B * T] tokens."""
+    if cu_seqlens is None:
+        starts = torch.arange(B) * T
+        return starts, starts + T
+    cs = cu_seqlens.to("cpu", torch.int64)
+    return cs[:-1], cs[1:]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda.common import check_inputs, default_scale, preprocess, work_dtype
-from kernels.kda.recurrent_torch import recurrent_kda_step_torch, recurrent_kda_torch
+from kernels.kda.common import check_inputs, default_scale
+from kernels.kda.recurrent_cpu import recurrent_kda_cpu
 
 
 def fused_recurrent_kda(
@@ -66,81 +66,39 @@ def fused_recurrent_kda(
             dt_bias=dt_bias, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
             inplace_final_state=inplace_final_state,
         )
-    with torch.no_grad():
-        dtype = work_dtype(q.dtype)
-        qe, ke, ve, ge, be = preprocess(
-            q, k, v, g, beta, dtype=dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
-        )
-        if cu_seqlens is None and shp.T == 1:
-            return _decode_one_token(qe, ke, ve, ge, be, scale, q.dtype, initial_state, output_final_state,
-                                     ssm_state_indices, inplace_final_state)
-        states = q.new_zeros(shp.N, shp.HV, shp.K, shp.V, dtype=dtype)
-        valid = None
-        if ssm_state_indices is not None:
-            valid = ssm_state_indices >= 0
-            slots = ssm_state_indices[valid].long()
-            states[valid] = initial_state[slots].to(dtype)
-        elif initial_state is not None:
-            states = initial_state.to(dtype)
-        o, new_states = recurrent_kda_torch(qe, ke, ve, ge, be, scale, states, cu_seqlens)
-        if valid is not None:
-            # padded rows: zero output, untouched slot
-            if cu_seqlens is None:
-                o[~valid] = 0
-            else:
-                cs = cu_seqlens.tolist()
-                for n in torch.nonzero(~valid).flatten().tolist():
-                    o[0, cs[n]: cs[n + 1]] = 0
-            new_states[~valid] = 0
-        o = o.to(q.dtype)
-        if initial_state is not None and inplace_final_state:
-            if valid is not None:
-                initial_state[slots] = new_states[valid].to(initial_state.dtype)
-            else:
-                initial_state.copy_(new_states.to(initial_state.dtype))
-            return o, initial_state
-        if output_final_state or ssm_state_indices is not None:
-            return o, new_states.to(dtype)
-        return o, None
-
-
-def _decode_one_token(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    out_dtype: torch.dtype, initial_state: torch.Tensor | None, output_final_state: bool,
-    ssm_state_indices: torch.Tensor | None, inplace_final_state: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU path for T = 1 (plain decode), same contract as `fused_recurrent_kda`; inputs preprocessed
-    [N, 1, ...]. Slots are gathered and scattered with index_select / index_copy_ (no boolean masks)."""
-    q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
-    N, HV, K = q.shape
-    dtype = q.dtype
+    gate = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound, A_log=A_log,
+                dt_bias=dt_bias)
     if ssm_state_indices is not None:
-        slots = ssm_state_indices.long()
+        slots = ssm_state_indices.to("cpu", torch.int64)
+        if inplace_final_state and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+            o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=initial_state, slots=slots,
+                                  cu_seqlens=cu_seqlens, **gate)
+            return o.to(q.dtype), initial_state
+        # any other pool (vLLM's is strided): its used slots as a compact fp32 copy, written back when in place
         padded = bool((slots < 0).any())
-        # index_select copies: the step updates its own rows, the pool is written back below
-        states = initial_state.index_select(0, slots.clamp_min(0)).to(dtype)
+        used = slots[slots >= 0] if padded else slots
+        compact = initial_state.index_select(0, used).to(torch.float32, memory_format=torch.contiguous_format)
         if padded:
-            states[slots < 0] = 0
-    elif initial_state is not None:
-        states = initial_state.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-    else:
-        states = q.new_zeros(N, HV, K, v.shape[-1])
-    o = recurrent_kda_step_torch(q, k, v, g, beta, scale, states)
-    if ssm_state_indices is not None and padded:
-        o[slots < 0] = 0  # padded rows: zero output, untouched slot
-        states[slots < 0] = 0
-    o = o.unsqueeze(1).to(out_dtype)
-    if initial_state is not None and inplace_final_state:
-        if ssm_state_indices is None:
-            initial_state.copy_(states)
-        elif padded:
-            keep = torch.nonzero(slots >= 0).flatten()
-            initial_state.index_copy_(0, slots[keep], states[keep].to(initial_state.dtype))
+            local = torch.full_like(slots, -1)
+            local[slots >= 0] = torch.arange(used.numel())
         else:
-            initial_state.index_copy_(0, slots, states.to(initial_state.dtype))
+            local = torch.arange(used.numel())
+        o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=compact, slots=local, cu_seqlens=cu_seqlens,
+                              **gate).to(q.dtype)
+        if inplace_final_state:
+            initial_state.index_copy_(0, used, compact.to(initial_state.dtype))
+            return o, initial_state
+        final = compact.new_zeros(shp.N, shp.HV, shp.K, shp.V)  # zeros for padded rows
+        final[slots >= 0] = compact
+        return o, final
+    if initial_state is None:
+        pool = q.new_zeros(shp.N, shp.HV, shp.K, shp.V, dtype=torch.float32)
+    else:
+        pool = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=pool, slots=torch.arange(shp.N),
+                          cu_seqlens=cu_seqlens, **gate).to(q.dtype)
+    if initial_state is not None and inplace_final_state:
+        initial_state.copy_(pool)
         return o, initial_state
-    if output_final_state or ssm_state_indices is not None:
-        return o, states
-    return o, None
+    return o, (pool if output_final_state else None)

@@ -6,6 +6,8 @@ its KDA / MLA layers, and live weight sync into a running engine.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from model.vllm_plugin.weight_sync import push_weights, weight_sync_engine_kwargs
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "push_weights", "register", "weight_sync_engine_kwargs"]
@@ -31,3 +33,21 @@ def register() -> None:
         AutoConfig.register(MODEL_TYPE, TaperConfig)
     except ValueError:  # already registered (by model/ itself or an earlier call)
         pass
+    _let_kernel_scan_skip_attribute_proxies()
+
+
+def _let_kernel_scan_skip_attribute_proxies() -> None:
+    """vLLM's CPU worker start rebinds Triton kernels by scanning every loaded module's objects with
+    `vars(obj).get("kernel")` (vllm.triton_utils.dispatcher). llvmlite's `ffi.lib`, loaded with numba (our
+    CPU KDA kernel), answers any attribute with a function wrapper, `__dict__` included, and the scan
+    raises on it. The module gets a `vars` that returns only real namespaces (an empty one otherwise)."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return
+
+    def namespace_of(obj: object) -> Mapping:
+        namespace = getattr(obj, "__dict__", None)
+        return namespace if isinstance(namespace, Mapping) else {}
+
+    dispatcher.vars = namespace_of

@@ -1,4 +1,5 @@
-"""The CPU (pure-torch) KDA paths against the naive per-token recurrence."""
+"""The CPU KDA paths against the naive per-token recurrence: `chunk_kda` runs the chunked torch path where a
+gradient is needed and the compiled recurrence where none is; both are checked."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_recurren
         (3, 19, 1, 2, 16, 16, 16, dict(gate="bounded", lower_bound=-2.0, initial_state=True)),
     ],
 )
-def test_chunk_matches_naive(B, T, H, HV, K, V, chunk, opts):
+@pytest.mark.parametrize("grad", [False, True], ids=["compiled", "chunked"])
+def test_chunk_matches_naive(B, T, H, HV, K, V, chunk, opts, grad):
     x = make_inputs(B, T, H, HV, K, V, seed=T, **opts)
+    x.q.requires_grad_(grad)
     o, s = chunk_kda(*x.args(), output_final_state=True, chunk_size=chunk, **x.kwargs)
     o_ref, s_ref = naive_recurrent_kda(*x.args(), output_final_state=True, **x.kwargs)
     assert o.dtype == x.q.dtype and o.shape == (B, T, HV, V)
@@ -39,9 +42,11 @@ def test_gates_near_bound_decay_fast():
     assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
 
 
-def test_varlen_matches_naive_and_separate_sequences():
+@pytest.mark.parametrize("grad", [False, True], ids=["compiled", "chunked"])
+def test_varlen_matches_naive_and_separate_sequences(grad):
     cu = [0, 5, 40, 41, 90]
     x = make_inputs(1, 90, 2, 4, 16, 8, gate="bounded", initial_state=True, cu_seqlens=cu, seed=3)
+    x.q.requires_grad_(grad)
     o, s = chunk_kda(*x.args(), output_final_state=True, chunk_size=16, **x.kwargs)
     o_ref, s_ref = naive_recurrent_kda(*x.args(), output_final_state=True, **x.kwargs)
     assert s.shape == (4, 4, 16, 8)

@@ -1,5 +1,5 @@
-"""The CPU one-token decode path of `fused_recurrent_kda` (T = 1, state slots gathered/scattered by index)
-against the general per-token loop and the naive fp64 recurrence, on random inputs."""
+"""The CPU path of `fused_recurrent_kda` (the compiled recurrence over state slots: one-token decodes and
+multi-token prefills) against the naive fp64 recurrence, on random inputs."""
 
 from __future__ import annotations
 
@@ -8,22 +8,37 @@ import torch
 from kda_inputs import make_inputs, rel_err
 
 from kernels.kda import fused_recurrent_kda, naive_recurrent_kda
-from kernels.kda.common import preprocess
-from kernels.kda.recurrent_torch import recurrent_kda_step_torch, recurrent_kda_torch
 
 
-@pytest.mark.parametrize("gate,H,HV", [("bounded", 2, 2), ("unbounded", 1, 3), ("precomputed", 2, 4)])
-def test_step_matches_per_token_loop(gate: str, H: int, HV: int) -> None:
-    x = make_inputs(6, 1, H, HV, 16, 8, gate=gate, beta_logits=True, initial_state=True, seed=11)
-    kw = {k: v for k, v in x.kwargs.items() if k != "initial_state"}
-    pre = preprocess(*x.args(), dtype=torch.float32, use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"],
-                     use_gate_in_kernel=kw.get("use_gate_in_kernel", False), use_beta_sigmoid_in_kernel=True,
-                     lower_bound=kw.get("lower_bound"), A_log=kw.get("A_log"), dt_bias=kw.get("dt_bias"))
-    s0 = x.kwargs["initial_state"]
-    o_ref, s_ref = recurrent_kda_torch(*pre, 0.25, s0.clone(), None)
-    s = s0.clone()
-    o = recurrent_kda_step_torch(*(t[:, 0] for t in pre), 0.25, s)
-    assert rel_err(o, o_ref[:, 0]) < 1e-6 and rel_err(s, s_ref) < 1e-6
+@pytest.mark.parametrize("inplace", [True, False])
+def test_prefill_over_state_slots_matches_naive(inplace: bool) -> None:
+    """Several prompts back to back, each continuing its own slot of a pool (a padded row skipped), as the
+    engine's prefill runs them."""
+    cu = [0, 7, 7, 30, 31, 52]
+    x = make_inputs(1, 52, 2, 4, 16, 8, gate="bounded", beta_logits=True, cu_seqlens=cu, seed=9)
+    pool = torch.randn(8, 4, 16, 8, generator=torch.Generator().manual_seed(4)) * 0.5
+    before = pool.clone()
+    idx = torch.tensor([6, 1, -1, 0, 3])
+    o, final = fused_recurrent_kda(*x.args(), initial_state=pool, ssm_state_indices=idx,
+                                   inplace_final_state=inplace, **x.kwargs)
+    kw = {k: v for k, v in x.kwargs.items() if k != "cu_seqlens"}
+    for n, (s, e) in enumerate(zip(cu, cu[1:], strict=False)):
+        sl = slice(s, e)
+        if idx[n] < 0:
+            assert (o[:, sl] == 0).all()
+            continue
+        got = pool[idx[n]] if inplace else final[n]
+        if e == s:  # an empty prompt leaves its slot as it was
+            assert torch.equal(got, before[idx[n]])
+            continue
+        o_ref, s_ref = naive_recurrent_kda(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.g[:, sl], x.beta[:, sl],
+                                           initial_state=before[idx[n]][None], output_final_state=True, **kw)
+        assert rel_err(o[:, sl], o_ref) < 1e-5
+        assert rel_err(got, s_ref[0]) < 1e-5
+    if not inplace:
+        assert torch.equal(pool, before)
+    untouched = [i for i in range(8) if i not in (6, 1, 0, 3)]
+    assert torch.equal(pool[untouched], before[untouched])
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])

@@ -41,7 +41,7 @@ def test_fused_linear_matches_separate_linears_and_follows_weight_changes() -> N
     torch.testing.assert_close(FusedLinear(inf, c)(x)[0], inf(x), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("n_candidates,tokens", [(1, 3), (2, 1), (5, 8)])
+@pytest.mark.parametrize("n_candidates,tokens", [(1, 3), (2, 1), (5, 8), (1, 130), (6, 200)])  # stacked / per candidate
 def test_attn_res_matches_hf(n_candidates: int, tokens: int) -> None:
     from model.vllm_plugin.model import VllmBlockAttnRes
 
