@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kda.chunk_torch import chunk_kda_torch
-from kernels.kda.common import check_inputs, default_scale, preprocess, work_dtype
+from kernels.kda.common import check_inputs, default_scale, fp32_states, preprocess, work_dtype
 from kernels.kda.recurrent_cpu import recurrent_kda_cpu
 
 
@@ -59,10 +59,7 @@ def chunk_kda(
                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound, A_log=A_log,
                 dt_bias=dt_bias)
     if not needs_grad and dtype == torch.float32:  # fp64 is the checking precision: the torch path
-        if initial_state is None:
-            states = q.new_zeros(shp.N, shp.HV, shp.K, shp.V, dtype=torch.float32)
-        else:
-            states = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        states = fp32_states(initial_state, shp.N, shp.HV, shp.K, shp.V)
         o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=states, slots=torch.arange(shp.N),
                               cu_seqlens=cu_seqlens, **gate)
         return o.to(q.dtype), (states if output_final_state else None)

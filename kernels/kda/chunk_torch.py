@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda.common import sequence_bounds
+from kernels.kda.common import sequence_rows
 
 # exp(80) ~ 5.5e34: factor products stay far inside fp32/bf16 range (max ~ exp(88.7)).
 _MAX_FACTORED_RANGE = 80.0
@@ -87,16 +87,15 @@ def chunk_kda_torch(
     # fp64 is the checking precision: it keeps the pairwise form, whose rounding is the smallest.
     factor = q.dtype != torch.float64 and float(-g.detach().min()) * 16 <= _MAX_FACTORED_RANGE
     C = 16 if factor else chunk_size
-    bounds = sequence_bounds(T, B, cu_seqlens)
-    N = len(bounds)
-    max_len = max(end - start for _, start, end in bounds)
+    first, last = (x.to(q.device) for x in sequence_rows(T, B, cu_seqlens))
+    lengths = last - first
+    N = len(first)
+    max_len = int(lengths.max())
     Tp = max(C, -(-max_len // C) * C)
 
     # Row n of the padded layout reads tokens start_n .. start_n + Tp - 1 of the flattened batch, and a zero
     # row (index B*T) past its end: zero k, v, g, beta tokens leave the state unchanged, so padding is exact.
     # One gather per tensor (not one pad per sequence): steps that continue many short turns stay cheap.
-    first = torch.tensor([b * T + s for b, s, _ in bounds], device=q.device)
-    lengths = torch.tensor([e - s for _, s, e in bounds], device=q.device)
     offsets = torch.arange(Tp, device=q.device)
     valid = offsets < lengths[:, None]  # [N, Tp]
     gather = torch.where(valid, first[:, None] + offsets, B * T)

@@ -139,9 +139,14 @@ def sequence_bounds(T: int, B: int, cu_seqlens: torch.Tensor | None) -> list[tup
 
 
 def sequence_rows(T: int, B: int, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's first and past-the-end row in the flattened [B * T] tokens."""
-    if cu_seqlens is None:
-        starts = torch.arange(B) * T
-        return starts, starts + T
-    cs = cu_seqlens.to("cpu", torch.int64)
-    return cs[:-1], cs[1:]
+    """Each sequence's first and past-the-end row in the flattened [B * T] tokens (CPU int64)."""
+    bounds = sequence_bounds(T, B, cu_seqlens)
+    return (torch.tensor([b * T + s for b, s, _ in bounds], dtype=torch.int64),
+            torch.tensor([b * T + e for b, _, e in bounds], dtype=torch.int64))
+
+
+def fp32_states(initial_state: torch.Tensor | None, N: int, HV: int, K: int, V: int) -> torch.Tensor:
+    """A contiguous fp32 copy of the initial states [N, HV, K, V], or zeros: states a kernel may update."""
+    if initial_state is None:
+        return torch.zeros(N, HV, K, V)
+    return initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda.common import check_inputs, default_scale
+from kernels.kda.common import check_inputs, default_scale, fp32_states
 from kernels.kda.recurrent_cpu import recurrent_kda_cpu
 
 
@@ -92,10 +92,7 @@ def fused_recurrent_kda(
         final = compact.new_zeros(shp.N, shp.HV, shp.K, shp.V)  # zeros for padded rows
         final[slots >= 0] = compact
         return o, final
-    if initial_state is None:
-        pool = q.new_zeros(shp.N, shp.HV, shp.K, shp.V, dtype=torch.float32)
-    else:
-        pool = initial_state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    pool = fp32_states(initial_state, shp.N, shp.HV, shp.K, shp.V)
     o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=pool, slots=torch.arange(shp.N),
                           cu_seqlens=cu_seqlens, **gate).to(q.dtype)
     if initial_state is not None and inplace_final_state:
