@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import platform
 import sys
@@ -186,6 +187,32 @@ def cuda_checks(preset: str, device: str = "cuda", compile_scopes: tuple[str, ..
 
     for dtype in (torch.bfloat16, torch.float32):
         guarded(f"attn_res_{str(dtype)[6:]}_fused_vs_torch", lambda dtype=dtype: attn_res_fused_vs_torch(dtype))
+
+    def short_conv_fused_vs_torch(dtype: torch.dtype) -> dict:
+        """The KDA layer's short conv + SiLU through the fused Triton op against the torch path, on the pre-conv
+        channels sliced from the layer's own input GEMM (as the layer calls it): q, k, v and the gradients of the
+        projection output and the three conv weights."""
+        layer = KimiDeltaAttention(config).to(device=device, dtype=dtype)
+        x = torch.randn(2, 2048, config.hidden_size, device=device, dtype=dtype)
+        probes = None
+        results = []
+        for fused in (True, False):
+            KimiDeltaAttention.use_fused_conv = fused
+            layer.zero_grad(set_to_none=True)
+            wide = torch.nn.functional.linear(x, torch.cat([layer.q_proj.weight, layer.k_proj.weight,
+                                                            layer.v_proj.weight, layer.f_a_proj.weight])).detach()
+            wide.requires_grad_(True)
+            q, k, v, _ = layer.short_conv(wide[..., :layer.conv_channels])
+            probes = probes or [torch.randn_like(t, dtype=torch.float32) for t in (q, k, v)]
+            sum((t.float() * p).sum() for t, p in zip((q, k, v), probes, strict=True)).backward()
+            results.append({"out": torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1).detach(),
+                            "d_input": wide.grad, **{f"d_{n}": getattr(layer, n).weight.grad
+                                                     for n in ("q_conv1d", "k_conv1d", "v_conv1d")}})
+        KimiDeltaAttention.use_fused_conv = True
+        return compare(*results)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        guarded(f"short_conv_{str(dtype)[6:]}_fused_vs_torch", lambda dtype=dtype: short_conv_fused_vs_torch(dtype))
     moe = StableLatentMoE(config).to(device)
     with torch.no_grad():
         for p in moe.parameters():
@@ -326,6 +353,77 @@ def attn_res_sweep(hidden: int, tokens: int = 32768, candidates: int = 4) -> dic
     best = {part: min((v, k) for k, v in out[part].items() if isinstance(v, float))[1] for part in ("fwd", "bwd")}
     ar.FWD_LAUNCH, ar.BWD_LAUNCH = (tuple(int(n) for n in best[part].split("x")) for part in ("fwd", "bwd"))
     out["chosen"] = best
+    return out
+
+
+def conv_sweep(config: TaperConfig, batch: int = 4, seq_len: int = 8192) -> dict:
+    """The fused short conv (kernels/short_conv.py) at the KDA layer's shape: its input a column slice of the
+    layer's input GEMM output (bf16 [batch, seq_len, C + 256]). Times the forward and backward kernels for each
+    launch shape and sets the fastest; then forward and forward+backward of the op (autograd, the weight gradient
+    finished) against the torch path compiled (conv + SiLU + split, as the model compiled it before); and the op's
+    errors against an fp64 reference at [2, 2048] (fp32 and bf16 inputs)."""
+    import triton
+
+    import kernels.short_conv as sc
+
+    H, HV, K, V = config.kda_num_heads, config.kda_num_v_heads, config.kda_head_dim, config.kda_v_head_dim
+    split = [H * K, H * K, HV * V]
+    C, W = sum(split), config.kda_conv_size
+    wide = torch.randn(batch, seq_len, C + 256, device="cuda", dtype=torch.bfloat16)
+    x = wide[..., :C]
+    weight = (torch.randn(C, 1, W, device="cuda") * 0.5).to(torch.bfloat16)
+    grads = [torch.randn(batch, seq_len, n, device="cuda", dtype=torch.bfloat16) for n in split]
+    out: dict = {"shape": [batch, seq_len, C], "fwd": {}, "bwd": {}}
+    bench = functools.partial(triton.testing.do_bench, return_mode="median")
+    for launch in [(32, 64, 4), (16, 128, 4), (64, 64, 8), (32, 128, 4), (64, 128, 8)]:
+        sc.FWD_LAUNCH = launch
+        out["fwd"]["x".join(map(str, launch))] = bench(lambda: sc.short_conv_silu_op(x, weight, split))
+    for launch in [(16, 64, 2), (32, 64, 2), (16, 64, 1), (8, 64, 2), (16, 32, 2), (32, 64, 4)]:
+        for tokens in (128, 256, 512):
+            sc.BWD_LAUNCH, sc.BWD_TOKENS = launch, tokens
+            name = "x".join(map(str, launch)) + f"_t{tokens}"
+            try:
+                out["bwd"][name] = bench(lambda tokens=tokens: sc.short_conv_silu_bwd_op(x, weight, grads, tokens))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of resources; the others still run
+                out["bwd"][name] = repr(exc)[:200]
+    best_fwd = min((v, k) for k, v in out["fwd"].items())[1]
+    best_bwd = min((v, k) for k, v in out["bwd"].items() if isinstance(v, float))[1]
+    sc.FWD_LAUNCH = tuple(int(n) for n in best_fwd.split("x"))
+    shape, tokens = best_bwd.split("_t")
+    sc.BWD_LAUNCH, sc.BWD_TOKENS = tuple(int(n) for n in shape.split("x")), int(tokens)
+    out["chosen"] = {"fwd": best_fwd, "bwd": best_bwd}
+    moved = batch * seq_len * C * 2
+    out["fwd_tb_per_s"] = 2 * moved / out["fwd"][best_fwd] / 1e9
+    out["bwd_tb_per_s"] = 3 * moved / out["bwd"][best_bwd] / 1e9
+
+    def torch_path(x, weight):
+        y, _ = kda_layer.causal_conv1d(x, weight)
+        return [t.contiguous() for t in torch.nn.functional.silu(y).to(x.dtype).split(split, dim=-1)]
+
+    compiled = torch.compile(torch_path)
+    leaf_w = weight.clone().requires_grad_(True)
+    leaf_wide = wide.clone().requires_grad_(True)
+    for name, fn in (("fused", sc.short_conv_silu), ("torch_compiled", compiled)):
+        if name == "fused":
+            fn = functools.partial(fn, split=split)  # noqa: PLW2901
+        out[f"{name}_fwd_ms"] = bench(lambda fn=fn: fn(x, weight))
+        out[f"{name}_fwd_bwd_ms"] = bench(lambda fn=fn: torch.autograd.grad(
+            fn(leaf_wide[..., :C], leaf_w), [leaf_wide, leaf_w], grads))
+
+    def errors(dtype: torch.dtype) -> dict:
+        xs = torch.randn(2, 2048, C, device="cuda").to(dtype).requires_grad_(True)
+        ws = (torch.randn(C, 1, W, device="cuda") * 0.5).to(dtype).requires_grad_(True)
+        probes = [torch.randn(2, 2048, n, device="cuda") for n in split]
+        got = sc.short_conv_silu(xs, ws, split)
+        got_grads = torch.autograd.grad(sum((o.float() * p).sum() for o, p in zip(got, probes, strict=True)), [xs, ws])
+        xr, wr = xs.detach().double().requires_grad_(True), ws.detach().double().requires_grad_(True)
+        y = torch.nn.functional.conv1d(torch.nn.functional.pad(xr.transpose(1, 2), (W - 1, 0)), wr, groups=C)
+        ref = torch.nn.functional.silu(y).transpose(1, 2)
+        want = torch.autograd.grad((ref * torch.cat(probes, -1).double()).sum(), [xr, wr])
+        return {"out": _rel(torch.cat(got, -1), ref), "dx": _rel(got_grads[0], want[0]),
+                "dw": _rel(got_grads[1], want[1])}
+
+    out["errors_vs_fp64"] = {str(dtype)[6:]: errors(dtype) for dtype in (torch.float32, torch.bfloat16)}
     return out
 
 
@@ -661,6 +759,11 @@ def main() -> None:
                         help="CUDA training rows: the fused AttnRes kernels or the torch path")
     parser.add_argument("--attn-res-sweep", action="store_true",
                         help="CUDA: time the fused AttnRes kernels' launch shapes first and use the fastest")
+    parser.add_argument("--conv", default="fused", choices=["fused", "torch"],
+                        help="CUDA training rows: the KDA short conv as the fused Triton op or the torch path")
+    parser.add_argument("--conv-sweep", action="store_true",
+                        help="CUDA: time the fused short conv's launch shapes first (and against the compiled torch "
+                             "path), check it against fp64, and use the fastest")
     parser.add_argument("--trace-kernels", action="store_true",
                         help="CUDA: with --profile-dir, also write which host op launched each kernel of one step")
     parser.add_argument("--fla-autotune-ms", type=int, nargs=2, metavar=("WARMUP", "REP"), default=None,
@@ -686,8 +789,6 @@ def main() -> None:
             return
         report["bf16_matmul_tflops"] = matmul_tflops(device, torch.bfloat16)
         if args.fla_autotune_ms:  # Triton's autotuner times each candidate with do_bench; ours use fixed configs
-            import functools
-
             import triton.testing
 
             triton.testing.do_bench = functools.partial(triton.testing.do_bench, warmup=args.fla_autotune_ms[0],
@@ -697,13 +798,21 @@ def main() -> None:
 
         BlockAttnRes.use_fused = args.attn_res == "fused"
         report["attn_res"] = args.attn_res
+        kda_layer.KimiDeltaAttention.use_fused_conv = args.conv == "fused"
+        report["conv"] = args.conv
+        if args.conv_sweep:
+            try:
+                report["conv_sweep"] = conv_sweep(TaperConfig.preset(preset))
+            except Exception as exc:  # noqa: BLE001 - the training rows still run (with the default launch shapes)
+                report["conv_sweep"] = {"error": repr(exc)[:400]}
+            print(json.dumps(report["conv_sweep"]), flush=True)
         if args.attn_res_sweep:
             report["attn_res_sweep"] = attn_res_sweep(TaperConfig.preset(preset).hidden_size)
             print(json.dumps(report["attn_res_sweep"]), flush=True)
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
         train = []
         for batch, seq_len in shapes:
-            for run in args.runs.split(","):
+            for run in filter(None, args.runs.split(",")):
                 name, mode = run.split(":")
                 try:
                     train.append(train_step_cuda(name, preset, batch, seq_len, mode, 3 if args.quick else 8,

@@ -159,9 +159,9 @@ class TaperModel(TaperPreTrainedModel):
         return [layer.mlp for layer in self.layers if layer.is_moe]
 
     def compile_layers(self, scope: str = "parts", **compile_kwargs: Any) -> None:
-        """torch.compile for the GPU training path (norms, AttnRes, SiTU-GLU, the short conv and the MoE's routing
-        arithmetic fuse; the KDA op stays one opaque custom op). Not for CPU (compile time there outweighs the
-        gain).
+        """torch.compile for the GPU training path (norms, SiTU-GLU and the MoE's routing arithmetic fuse; the KDA op,
+        the fused AttnRes mix and the short conv stay opaque custom ops). Not for CPU (compile time there outweighs
+        the gain).
 
         scope "parts": each layer's token mixer, channel mixer, AttnRes mix and RMSNorm; parts of one kind share
         graphs across layers (AttnRes: one per candidate count), so compile time does not grow with depth.

@@ -52,7 +52,20 @@ def causal_conv1d(
     return y, full[:, T:].transpose(1, 2)
 
 
+def _zero_history_state(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The conv state after x [B, T, C] from a zero history: its last width-1 inputs [B, C, width-1] (a view when
+    T >= width-1, so a training forward that drops it launches nothing for it)."""
+    T = x.shape[1]
+    if T >= width - 1:
+        return x[:, T - (width - 1):].transpose(1, 2)
+    return F.pad(x, (0, 0, width - 1 - T, 0)).transpose(1, 2)
+
+
 class KimiDeltaAttention(nn.Module):
+    # On CUDA without a conv state: the conv + SiLU as one Triton kernel each way (kernels/short_conv.py), the same
+    # math as `causal_conv1d`; False: the torch path everywhere (the benchmarks compare the two)
+    use_fused_conv = True
+
     def __init__(self, config: TaperConfig, layer_idx: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -119,11 +132,18 @@ class KimiDeltaAttention(nn.Module):
         self, qkv: torch.Tensor, conv_state: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Causal conv + SiLU on [B, T, C] pre-conv channels. Returns (q [B,T,H,K], k, v [B,T,HV,V], state)."""
-        y, new_state = causal_conv1d(qkv, self.conv_weight(), conv_state)
-        y = F.silu(y).to(qkv.dtype)
-        B, T = y.shape[:2]
-        # contiguous here, where a compiled graph writes them straight from the conv (the kernels need them so)
-        q, k, v = (t.contiguous() for t in y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1))
+        B, T = qkv.shape[:2]
+        split = [self.key_dim, self.key_dim, self.value_dim]
+        if self.use_fused_conv and qkv.is_cuda and conv_state is None and self.conv_size <= 4:
+            from kernels.short_conv import short_conv_silu
+
+            q, k, v = short_conv_silu(qkv, self.conv_weight(), split)
+            new_state = _zero_history_state(qkv, self.conv_size)
+        else:
+            y, new_state = causal_conv1d(qkv, self.conv_weight(), conv_state)
+            y = F.silu(y).to(qkv.dtype)
+            # contiguous here, where a compiled graph writes them straight from the conv (the kernels need them so)
+            q, k, v = (t.contiguous() for t in y.split(split, dim=-1))
         return (q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_heads, self.head_dim),
                 v.view(B, T, self.num_v_heads, self.v_head_dim), new_state)
 

@@ -70,6 +70,15 @@ def test_fused_attn_res_mix_matches_the_reference(results):
     assert not bad, f"relative errors over {TOL}: {bad}"
 
 
+def test_fused_short_conv_matches_the_reference(results):
+    r = results["short_conv"]
+    assert r.pop("opcheck")
+    zero = {name: r.pop(name) for name in [n for n in r if n.endswith("_slice_grad_zero")]}
+    assert not any(zero.values()), f"gradient written outside the input's columns: {zero}"
+    bad = {name: err for name, err in r.items() if not err < TOL}
+    assert not bad, f"relative errors over {TOL}: {bad}"
+
+
 def test_forward_without_autograd_skips_saving_and_matches(results):
     r = results["no_grad"]
     assert r["o_vs_saved"] == 0.0 and r["state_vs_saved"] == 0.0

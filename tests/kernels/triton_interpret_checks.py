@@ -18,6 +18,7 @@ from kernels.kda import naive_recurrent_kda  # noqa: E402
 from kernels.kda.triton_chunk import chunk_kda_fwd_op, chunk_kda_triton, config_key  # noqa: E402
 from kernels.kda.triton_config import KDAKernelConfig  # noqa: E402
 from kernels.kda.triton_recurrent import fused_recurrent_kda_triton  # noqa: E402
+from kernels.short_conv import short_conv_silu, short_conv_silu_op  # noqa: E402
 
 GRAD_NAMES = ["q", "k", "v", "g", "beta", "initial_state", "dt_bias", "A_log"]
 
@@ -203,6 +204,63 @@ def attn_res_case(seed):
     return checks
 
 
+def short_conv_reference(x, weight):
+    """SiLU(causal depthwise conv) with zero history, in fp64: F.conv1d over the left-padded sequence."""
+    W = weight.shape[-1]
+    padded = torch.nn.functional.pad(x.double().transpose(1, 2), (W - 1, 0))
+    y = torch.nn.functional.conv1d(padded, weight.double(), groups=x.shape[-1])
+    return torch.nn.functional.silu(y).transpose(1, 2)
+
+
+def short_conv_case(seed):
+    """The fused short conv + SiLU and its backward (input and weight) against the fp64 reference: 1 to 4 taps,
+    sequences shorter than the taps, token counts that leave a partial tile and several time chunks per sequence
+    (the weight gradient's partial sums), output widths that share a channel block or not, an input that is a
+    column slice of a wider tensor; then opcheck and the op under torch.compile (fullgraph) against eager."""
+    import kernels.short_conv as sc
+
+    torch.manual_seed(seed)
+    checks = {}
+    saved = sc.FWD_LAUNCH, sc.BWD_LAUNCH, sc.BWD_TOKENS
+    sc.FWD_LAUNCH, sc.BWD_LAUNCH, sc.BWD_TOKENS = (8, 16, 1), (8, 16, 1), 16
+    cases = (((2, 37), [16, 16, 24], 4), ((1, 70), [8, 8, 8], 3), ((3, 5), [4, 12, 20], 2), ((1, 2), [3, 3, 3], 4),
+             ((2, 19), [16, 16, 16], 1))
+    for (B, T), split, W in cases:
+        C = sum(split)
+        wide = torch.randn(B, T, C + 8)
+        weight = torch.randn(C, 1, W)
+        leaves = [wide.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        outs = short_conv_silu(leaves[0][..., :C], leaves[1], split)
+        probes = [torch.randn_like(o) for o in outs]
+        got = torch.autograd.grad(sum((o * p).sum() for o, p in zip(outs, probes, strict=True)), leaves)
+        ref_leaves = [wide[..., :C].double().requires_grad_(True), weight.double().requires_grad_(True)]
+        ref = short_conv_reference(*ref_leaves)
+        want = torch.autograd.grad((ref * torch.cat(probes, -1).double()).sum(), ref_leaves)
+        name = f"B{B}_T{T}_W{W}_C{C}"
+        checks[f"{name}_out"] = rel_err(torch.cat(outs, -1), ref)
+        checks[f"{name}_dx"] = rel_err(got[0][..., :C], want[0])
+        checks[f"{name}_dw"] = rel_err(got[1], want[1])
+        checks[f"{name}_slice_grad_zero"] = float(got[0][..., C:].abs().max())
+        assert all(o.is_contiguous() for o in outs)
+    x, weight = torch.randn(2, 21, 24, requires_grad=True), torch.randn(24, 1, 4, requires_grad=True)
+    torch.library.opcheck(short_conv_silu_op, (x, weight, [8, 8, 8]),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    checks["opcheck"] = True
+
+    def loss(x, weight):
+        q, k, v = short_conv_silu(x, weight, [8, 8, 8])
+        return (q * 1.5 + k * k + v.sin()).sum()
+
+    eager_loss = loss(x, weight)
+    eager = torch.autograd.grad(eager_loss, [x, weight])
+    compiled_loss = torch.compile(loss, backend="aot_eager", fullgraph=True)(x, weight)
+    compiled = torch.autograd.grad(compiled_loss, [x, weight])
+    checks["compiled_loss"] = rel_err(compiled_loss, eager_loss)
+    checks["compiled_grads"] = max(rel_err(a, b) for a, b in zip(compiled, eager, strict=True))
+    sc.FWD_LAUNCH, sc.BWD_LAUNCH, sc.BWD_TOKENS = saved
+    return checks
+
+
 def main() -> None:
     results = {
         "bounded": chunk_case(2, 45, 1, 2, 32, 16, 32, 1, gate="bounded", beta_logits=True),
@@ -223,6 +281,7 @@ def main() -> None:
         "custom_op": custom_op_case(9),
         "expanded_grads": expanded_grads_case(10),
         "attn_res": attn_res_case(11),
+        "short_conv": short_conv_case(13),
         "no_grad": no_grad_case(12),
     }
     print(json.dumps(results))

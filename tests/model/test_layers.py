@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kernels.kda import naive_recurrent_kda
 from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
-from model.layers.kda import KimiDeltaAttention, causal_conv1d
+from model.layers.kda import KimiDeltaAttention, _zero_history_state, causal_conv1d
 from model.layers.mla import GatedMLA
 from model.layers.moe import (
     ExpertRouting,
@@ -92,6 +92,13 @@ def test_causal_conv_with_state_equals_full_sequence():
         y, state = causal_conv1d(chunk, w, state)
         pieces.append(y)
     torch.testing.assert_close(torch.cat(pieces, 1), full)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7])
+def test_zero_history_conv_state_equals_the_torch_paths(T):
+    """The state the fused (CUDA) conv path returns is the one causal_conv1d returns from no state."""
+    x, w = torch.randn(2, T, 6), torch.randn(6, 1, 4)
+    torch.testing.assert_close(_zero_history_state(x, 4), causal_conv1d(x, w)[1], rtol=0, atol=0)
 
 
 def _naive_kda_layer(layer: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
