@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TAPS = 4  # the kernels hold taps in four fixed registers tiles; wider convs take the torch path
+MAX_TAPS = 4  # the kernels hold taps in four fixed register tiles; wider convs take the torch path
 # (tokens per tile, channels per tile, warps) of the forward and the backward; the backward's programs also loop
 # over BWD_TOKENS tokens, summing the weight gradient in registers
 # H200, bf16 [4, 8192, 2304] from a [.., 2560] projection (benchmarks/model.py --conv-sweep): forward 0.125 ms at
