@@ -71,11 +71,11 @@ def fused_recurrent_kda(
                 dt_bias=dt_bias)
     if ssm_state_indices is not None:
         slots = ssm_state_indices.to("cpu", torch.int64)
-        if inplace_final_state and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+        if inplace_final_state and initial_state.dtype == torch.float32:  # any strides: the kernel takes them
             o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=initial_state, slots=slots,
                                   cu_seqlens=cu_seqlens, **gate)
             return o.to(q.dtype), initial_state
-        # any other pool (vLLM's is strided): its used slots as a compact fp32 copy, written back when in place
+        # a pool of another dtype, or new final states asked for: the used slots as a compact fp32 copy
         padded = bool((slots < 0).any())
         used = slots[slots >= 0] if padded else slots
         compact = initial_state.index_select(0, used).to(torch.float32, memory_format=torch.contiguous_format)

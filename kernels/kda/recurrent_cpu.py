@@ -28,10 +28,10 @@ def recurrent_kda_cpu(
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """The op's inputs as `chunk_kda` takes them (checked); sequence n (a batch row, or a `cu_seqlens`
-    segment) continues state pool[slots[n]] (pool: [P, HV, K, V] fp32, contiguous, updated in place; a
+    segment) continues state pool[slots[n]] (pool: [P, HV, K, V] fp32, any strides, updated in place; a
     negative slot skips the sequence: zero output, no state touched). Returns o [B, T, HV, V] fp32."""
-    if pool.dtype != torch.float32 or not pool.is_contiguous():
-        raise ValueError(f"the state pool must be contiguous fp32, got {pool.dtype}")
+    if pool.dtype != torch.float32 or pool.device.type != "cpu":
+        raise ValueError(f"the state pool must be fp32 on the CPU, got {pool.dtype} on {pool.device}")
     B, T, _, _ = q.shape
     HV, V = pool.shape[1], pool.shape[3]
     with torch.no_grad():
@@ -50,4 +50,35 @@ def recurrent_kda_cpu(
 
         kda_rows(*arrays, np.float32(scale), use_qk_l2norm_in_kernel, *index, pool.numpy(),
                   o.view(rows, HV, V).numpy())
+    return o
+
+
+def conv_recurrent_kda_decode_cpu(
+    qkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
+    beta_logits: torch.Tensor, *, num_heads: int, scale: float, lower_bound: float | None,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step of the KDA token mixer from its pre-conv channels, as one compiled loop: the depthwise
+    causal conv + SiLU on each sequence's newest window (conv_pool [P, W-1, C] fp32, advanced in place),
+    the gate in the kernel, sigmoid beta, the qk l2norm and the recurrence on pool [P, HV, K, V] fp32
+    (in place). qkv [n, C], conv_weight [W, C], f [n, HV, K], beta_logits [n, HV], dt_bias [HV*K];
+    `lower_bound` set: the bounded gate, else A_log [HV]. Returns o [n, HV, V] fp32. Pools may have any
+    strides; nothing of this step is materialised in torch, where it costs ~100 small ops a layer."""
+    for name, pool_ in (("conv_pool", conv_pool), ("pool", pool)):
+        if pool_.dtype != torch.float32 or pool_.device.type != "cpu":
+            raise ValueError(f"{name} must be fp32 on the CPU, got {pool_.dtype} on {pool_.device}")
+    n, HV, K = f.shape
+    V = pool.shape[-1]
+    o = torch.empty(n, HV, V)
+    with torch.no_grad():
+        bounded = lower_bound is not None
+        a_log = torch.zeros(HV) if bounded else A_log.detach().float().contiguous()
+        arrays = [x.detach().to(torch.float32).contiguous().numpy()
+                  for x in (qkv, conv_weight, f, beta_logits)]
+        from kernels.kda.recurrent_cpu_numba import conv_kda_decode
+
+        conv_kda_decode(arrays[0], arrays[1], conv_pool.detach().numpy(), arrays[2], arrays[3], bounded,
+                        np.float32(lower_bound if bounded else 0.0), a_log.numpy(),
+                        dt_bias.detach().float().contiguous().numpy(), num_heads, np.float32(scale), True,
+                        slots.to(torch.int64).contiguous().numpy(), pool.detach().numpy(), o.numpy())
     return o

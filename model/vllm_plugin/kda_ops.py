@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kda import chunk_kda, fused_recurrent_kda
+from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu
 from model.layers.kda import KimiDeltaAttention
 from model.vllm_plugin.fused import FusedLinear, fused
 
@@ -93,7 +94,13 @@ def _decode(
     layer: KimiDeltaAttention, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
     conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
 ) -> torch.Tensor:
-    """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] -> o [n, HV, V]."""
+    """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] (logits) -> o [n, HV, V]."""
+    if qkv.device.type == "cpu" and conv_state.dtype == recurrent_state.dtype == torch.float32:
+        return conv_recurrent_kda_decode_cpu(
+            qkv, layer.conv_weight().squeeze(1).t(), conv_state.transpose(-1, -2), f, beta,
+            num_heads=layer.num_heads, scale=layer.head_dim**-0.5, slots=slots, pool=recurrent_state,
+            **{k: v for k, v in layer.gate_kwargs().items() if k != "use_gate_in_kernel"},
+        ).to(qkv.dtype)
     idx = slots.long()
     q, k, v = _decode_conv(layer, qkv, conv_state, idx)
     # Batch rows are the sequences (T = 1); the pool's slots are read and written in place.

@@ -49,12 +49,17 @@ def kda_state_shapes(config: TaperConfig) -> tuple[tuple[int, int], tuple[int, i
 
 
 def kda_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
-    """(conv state in the model dtype, recurrent state fp32 unless configured otherwise)."""
-    return MambaStateDtypeCalculator.kda_state_dtype(
+    """(conv state, recurrent state): fp32 recurrent state unless configured otherwise; the conv state in
+    the model dtype, but fp32 on CPU unless configured, where the compiled decode step reads and advances
+    it in place (C x (W-1) values a slot: small beside the recurrent state)."""
+    conv, recurrent = MambaStateDtypeCalculator.kda_state_dtype(
         vllm_config.model_config.dtype,
         vllm_config.cache_config.mamba_cache_dtype,
         vllm_config.cache_config.mamba_ssm_cache_dtype,
     )
+    if current_platform.is_cpu() and vllm_config.cache_config.mamba_cache_dtype == "auto":
+        conv = torch.float32
+    return conv, recurrent
 
 
 class VllmKimiDeltaAttention(KimiDeltaAttention, MambaBase):

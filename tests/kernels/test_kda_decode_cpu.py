@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kda_inputs import make_inputs, rel_err
 
 from kernels.kda import fused_recurrent_kda, naive_recurrent_kda
+from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu
 
 
 @pytest.mark.parametrize("inplace", [True, False])
@@ -41,14 +43,27 @@ def test_prefill_over_state_slots_matches_naive(inplace: bool) -> None:
     assert torch.equal(pool[untouched], before[untouched])
 
 
+def paged_pool(slots: int, HV: int, K: int, V: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A state pool laid out as a serving engine's hybrid cache lays it out: each slot's [HV, K, V] state at
+    the start of a page twice its size, whose second half holds other data. Returns (pool view, pages)."""
+    pages = torch.randn(slots, 2 * HV * K * V, generator=gen) * 0.5
+    return pages[:, :HV * K * V].view(slots, HV, K, V), pages
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("inplace", [True, False])
-def test_slot_decode_matches_naive(dtype: torch.dtype, tol: float, padded: bool, inplace: bool) -> None:
+@pytest.mark.parametrize("paged", [False, True])
+def test_slot_decode_matches_naive(dtype: torch.dtype, tol: float, padded: bool, inplace: bool, paged: bool) -> None:
     N, H, HV, K, V, slots = 7, 2, 4, 16, 8, 12
     x = make_inputs(N, 1, H, HV, K, V, gate="unbounded", beta_logits=True, dtype=dtype, seed=5)
     gen = torch.Generator().manual_seed(2)
-    pool = torch.randn(slots, HV, K, V, generator=gen) * 0.5
+    if paged:
+        pool, pages = paged_pool(slots, HV, K, V, gen)
+        assert not pool.is_contiguous()
+        other_data = pages[:, HV * K * V:].clone()
+    else:
+        pool = torch.randn(slots, HV, K, V, generator=gen) * 0.5
     before = pool.clone()
     idx = torch.tensor([9, 3, -1, 0, 11, -1, 4] if padded else [9, 3, 2, 0, 11, 5, 4], dtype=torch.int32)
     o, final = fused_recurrent_kda(*x.args(), initial_state=pool, ssm_state_indices=idx,
@@ -68,6 +83,8 @@ def test_slot_decode_matches_naive(dtype: torch.dtype, tol: float, padded: bool,
     else:
         assert torch.equal(pool, before) and final.shape == (N, HV, K, V)
         assert rel_err(final[valid], s_ref) < 1e-5 and (final[~valid] == 0).all()
+    if paged:  # the rest of each page is not the kernel's to touch
+        assert torch.equal(pages[:, HV * K * V:], other_data)
 
 
 def test_decode_without_slots_keeps_or_updates_the_given_state() -> None:
@@ -83,3 +100,43 @@ def test_decode_without_slots_keeps_or_updates_the_given_state() -> None:
     o, s = fused_recurrent_kda(*x.args(), output_final_state=True, **x.kwargs)  # zero initial state
     o0, s0_ref = naive_recurrent_kda(*x.args(), output_final_state=True, **x.kwargs)
     assert rel_err(o, o0) < 1e-5 and rel_err(s, s0_ref) < 1e-5
+
+
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_conv_and_recurrence_in_one_decode_step_match_their_torch_forms(gate: str) -> None:
+    """`conv_recurrent_kda_decode_cpu` (the engine's CPU decode step from pre-conv channels) against the
+    causal conv + SiLU written out in torch and the fp64 naive recurrence: grouped heads (HV = 2H), paged
+    pools, a skipped sequence."""
+    N, H, HV, K, V, W, slots = 5, 2, 4, 16, 8, 4, 9
+    C = 2 * H * K + HV * V
+    gen = torch.Generator().manual_seed(11)
+    qkv, f, beta_logits = torch.randn(N, C, generator=gen), torch.randn(N, HV, K, generator=gen), torch.randn(N, HV, generator=gen)
+    conv_weight = torch.randn(W, C, generator=gen) * 0.5
+    conv_pages = torch.randn(slots, 2 * (W - 1) * C, generator=gen)
+    conv_pool = conv_pages[:, :(W - 1) * C].view(slots, W - 1, C)
+    pool, pages = paged_pool(slots, HV, K, V, gen)
+    gate_kwargs = dict(lower_bound=-5.0, A_log=None) if gate == "bounded" else dict(
+        lower_bound=None, A_log=torch.randn(HV, generator=gen) * 0.5)
+    dt_bias = torch.randn(HV * K, generator=gen) * 0.5
+    idx = torch.tensor([7, -1, 2, 0, 5])
+    conv_before, pool_before, pages_before = conv_pool.clone(), pool.clone(), pages.clone()
+
+    o = conv_recurrent_kda_decode_cpu(qkv, conv_weight, conv_pool, f, beta_logits, num_heads=H, scale=K**-0.5,
+                                      dt_bias=dt_bias, slots=idx, pool=pool, **gate_kwargs)
+
+    valid = idx >= 0
+    used = idx[valid]
+    window = torch.cat([conv_before[used], qkv[valid, None]], dim=1)  # [n, W, C], oldest first
+    y = F.silu((window * conv_weight).sum(1))
+    q, k, v = y.split([H * K, H * K, HV * V], dim=-1)
+    o_ref, s_ref = naive_recurrent_kda(
+        q.view(-1, 1, H, K), k.view(-1, 1, H, K), v.view(-1, 1, HV, V), f[valid, None], beta_logits[valid, None],
+        scale=K**-0.5, initial_state=pool_before[used], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, dt_bias=dt_bias, **gate_kwargs)
+    assert rel_err(o[valid], o_ref[:, 0]) < 1e-5 and (o[~valid] == 0).all()
+    assert rel_err(pool[used], s_ref) < 1e-5
+    assert torch.equal(conv_pool[used], window[:, 1:])  # each window moved on by the new token
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[used] = False
+    assert torch.equal(conv_pool[untouched], conv_before[untouched]) and torch.equal(pool[untouched], pool_before[untouched])
+    assert torch.equal(pages[:, HV * K * V:], pages_before[:, HV * K * V:])
