@@ -1,7 +1,8 @@
-"""Concatenated projection weights for serving: several `nn.Linear`s that read the same input run as one
-matmul (a decode step is made of many tiny ops, each costing more in dispatch than in arithmetic).
+"""Weights derived for serving: concatenated projections (several `nn.Linear`s that read the same input run
+as one matmul: a decode step is made of many tiny ops, each costing more in dispatch than in arithmetic) and
+fp32 arrays for the compiled CPU loops.
 
-The parameters stay the HF model's (names, loading, weight sync untouched); the concatenation is a cache
+The parameters stay the HF model's (names, loading, weight sync untouched); each derived weight is a cache
 that is rebuilt whenever any source weight was replaced or modified in place (tracked by its storage
 pointer and version counter; `drop_fused` after a load), so a weight push cannot leave it stale. Importable without vLLM.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,9 +41,8 @@ class FusedLinear:
         carry no version counter to watch)."""
         # _parameters directly: nn.Module.__getattr__ costs more than the rest of this check
         weights = [lin._parameters["weight"] for lin in self.linears]
-        try:
-            stamp = tuple((w.data_ptr(), w._version) for w in weights)
-        except RuntimeError:
+        stamp = _stamp(weights)
+        if stamp is None:
             return None
         if stamp != self._stamp:
             with torch.no_grad():
@@ -58,17 +59,59 @@ class FusedLinear:
         return y.split(self.sizes, dim=-1)
 
 
+def _stamp(tensors: list[torch.Tensor]) -> tuple | None:
+    """Where each tensor's data is and how often it was modified in place; None for inference-mode tensors
+    (they carry no version counter)."""
+    try:
+        return tuple((t.data_ptr(), t._version) for t in tensors)
+    except RuntimeError:
+        return None
+
+
+class DerivedArrays:
+    """fp32 numpy arrays computed from parameters (e.g. a product of two), for compiled CPU loops: rebuilt
+    whenever a source parameter was replaced or modified in place, so the loops never see stale weights."""
+
+    def __init__(self, sources: Callable[[], tuple[torch.Tensor, ...]],
+                 build: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+        self.sources, self.build = sources, build
+        self._stamp: tuple | None = None
+        self._arrays: tuple[np.ndarray, ...] = ()
+
+    def __call__(self) -> tuple[np.ndarray, ...]:
+        sources = self.sources()
+        stamp = _stamp(list(sources))
+        if stamp is None or stamp != self._stamp:
+            with torch.no_grad():
+                self._arrays = tuple(t.detach().to(torch.float32).contiguous().numpy()
+                                     for t in self.build(*sources))
+            self._stamp = stamp
+        return self._arrays
+
+
+def _cached(module: nn.Module, name: str, make: Callable[[], object]) -> object:
+    cache = module.__dict__.setdefault("_serving_fused", {})
+    found = cache.get(name)
+    if found is None:
+        found = cache[name] = make()
+    return found
+
+
+def derived_arrays(
+    module: nn.Module, name: str, sources: Callable[[], tuple[torch.Tensor, ...]],
+    build: Callable[..., tuple[torch.Tensor, ...]],
+) -> DerivedArrays:
+    """The DerivedArrays `name` of `module`, created on first use and kept on the module."""
+    return _cached(module, name, lambda: DerivedArrays(sources, build))
+
+
 def fused(
     module: nn.Module, name: str, linears: Callable[[], tuple[nn.Module, ...]],
     groups: tuple[int, ...] | None = None,
 ) -> FusedLinear:
     """The FusedLinear `name` of `module`, over the modules `linears()` returns, created on first use and
     kept on the module."""
-    cache = module.__dict__.setdefault("_serving_fused", {})
-    found = cache.get(name)
-    if found is None:
-        found = cache[name] = FusedLinear(*linears(), groups=groups)
-    return found
+    return _cached(module, name, lambda: FusedLinear(*linears(), groups=groups))
 
 
 def drop_fused(model: nn.Module) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.config import CUDAGraphMode, VllmConfig
@@ -26,12 +27,13 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
+from kernels.attn_res_cpu import attn_res_rmsnorm_rows
 from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP
 from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
-from model.vllm_plugin.fused import drop_fused, fused
+from model.vllm_plugin.fused import derived_arrays, drop_fused, fused
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
     VllmKimiDeltaAttention,
@@ -83,6 +85,21 @@ class VllmBlockAttnRes(BlockAttnRes):
             mixed.addcmul_(candidate, weight[:, None])
         return mixed.to(candidates[0].dtype)
 
+    def mix_and_norm(self, candidates: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
+        """norm(self(candidates)): the mix and the sub-layer's RMSNorm that always follows it. On CPU, for a
+        decode step's few tokens, one compiled loop (`kernels.attn_res_cpu`) instead of ~25 small ops."""
+        x = candidates[0]
+        if x.device.type != "cpu" or x.shape[0] >= self.STACKED_MAX_TOKENS:
+            return norm(self(candidates))
+        key, norm_weight = derived_arrays(
+            self, "key_and_norm", lambda: (self.norm.weight, self.query, norm.weight),
+            lambda gamma, query, weight: (gamma.float() * query.float(), weight),
+        )()
+        out = torch.empty(x.shape, dtype=torch.float32)
+        attn_res_rmsnorm_rows(torch.stack(candidates).float().numpy(), key, np.float32(self.eps), norm_weight,
+                              np.float32(norm.eps), out.numpy())
+        return out.to(x.dtype)
+
 
 class VllmSiTUGLUMLP(SiTUGLUMLP):
     """`SiTUGLUMLP` with gate and up projections as one matmul."""
@@ -108,8 +125,8 @@ class TaperDecoderLayer(nn.Module):
         )
 
     def forward(self, res: AttnResState) -> None:
-        res.add(self.mixer(self.mixer_norm(self.mixer_res(res.candidates()))))
-        res.add(self.mlp(self.mlp_norm(self.mlp_res(res.candidates()))))
+        res.add(self.mixer(self.mixer_res.mix_and_norm(res.candidates(), self.mixer_norm)))
+        res.add(self.mlp(self.mlp_res.mix_and_norm(res.candidates(), self.mlp_norm)))
 
 
 class TaperModel(nn.Module):
@@ -129,7 +146,7 @@ class TaperModel(nn.Module):
         for layer in self.layers:
             layer(res)
             res.end_layer(self.config.attn_res_block_size)
-        return self.norm(self.final_res(res.candidates()))
+        return self.final_res.mix_and_norm(res.candidates(), self.norm)
 
 
 class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):

@@ -56,6 +56,30 @@ def test_attn_res_matches_hf(n_candidates: int, tokens: int) -> None:
     torch.testing.assert_close(served(candidates), hf(candidates), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("n_candidates,tokens", [(1, 1), (3, 8), (6, 127), (4, 128)])  # compiled / torch form
+def test_attn_res_then_norm_matches_hf_and_follows_weight_pushes(
+        dtype: torch.dtype, tol: float, n_candidates: int, tokens: int) -> None:
+    from model.layers.norm import RMSNorm
+    from model.vllm_plugin.model import VllmBlockAttnRes
+
+    torch.manual_seed(n_candidates + tokens)
+    hf, hf_norm = BlockAttnRes(32, eps=1e-6), RMSNorm(32, eps=1e-5)
+    served, served_norm = VllmBlockAttnRes(32, eps=1e-6), RMSNorm(32, eps=1e-5)
+    candidates = [(torch.randn(tokens, 32) * (i + 1)).to(dtype) for i in range(n_candidates)]
+    for _ in range(2):  # the second round: new weights pushed in place, which the compiled loop must see
+        with torch.no_grad():
+            hf.query.normal_(0, 1.0)
+            hf.norm.weight.uniform_(0.5, 1.5)
+            hf_norm.weight.uniform_(0.5, 1.5)
+            served.load_state_dict(hf.state_dict())
+            served_norm.load_state_dict(hf_norm.state_dict())
+        out = served.mix_and_norm(candidates, served_norm)
+        ref = hf_norm(hf([c.double() for c in candidates]))
+        assert out.dtype == dtype and out.shape == (tokens, 32)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+
+
 def test_dense_decode_moe_follows_a_weight_push() -> None:
     from model.layers.moe import StableLatentMoE
     from model.vllm_plugin.layers import DENSE_EXPERTS_MAX_TOKENS, VllmStableLatentMoE
