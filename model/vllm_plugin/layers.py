@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
-from model.layers.moe import StableLatentMoE
+from model.layers.moe import Router, StableLatentMoE
 from model.vllm_plugin.fused import fused
 from model.vllm_plugin.kda_ops import (
     KDABatch,
@@ -286,6 +286,15 @@ DENSE_EXPERTS_MAX_TOKENS = 32
 GATHERED_EXPERTS_MAX_PAIRS = 64
 
 
+def select_experts(router: Router, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`router.select` at inference in a third of its ops: torch.topk and a gather (the training form's
+    argmax rounds and masked sums exist for torch.compile and autograd). Equal choices and weights, but for
+    exact ties of biased scores, which topk may break either way."""
+    chosen = torch.topk(scores + router.bias_correction, router.top_k, dim=-1, sorted=False).indices
+    picked = scores.gather(-1, chosen)
+    return chosen, picked * (router.routed_scaling_factor / picked.sum(-1, keepdim=True))
+
+
 class VllmStableLatentMoE(StableLatentMoE):
     """Stable LatentMoE at inference: frozen balancing bias, no load statistics, fast small-batch experts."""
 
@@ -299,7 +308,7 @@ class VllmStableLatentMoE(StableLatentMoE):
             scores, outs = torch.sigmoid(outs[0]), outs[1:]
         else:
             scores = self.router.scores(x)
-        expert_ids, weights = self.router.select(scores)
+        expert_ids, weights = select_experts(self.router, scores)
         z = outs[0]
         pairs = expert_ids.numel()
         if x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS and 2 * pairs >= self.n_experts:

@@ -100,6 +100,21 @@ def test_dense_decode_moe_follows_a_weight_push() -> None:
             torch.testing.assert_close(served(x), hf(x), rtol=1e-5, atol=1e-5)
 
 
+def test_inference_expert_selection_equals_the_routers() -> None:
+    from model.layers.moe import Router
+    from model.vllm_plugin.layers import select_experts
+
+    torch.manual_seed(6)
+    router = Router(16, n_experts=12, top_k=3, routed_scaling_factor=2.5)
+    router.bias_correction.normal_(0, 0.3)
+    scores = torch.rand(40, 12)
+    ids, weights = select_experts(router, scores)
+    ref_ids, ref_weights = router.select(scores)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)  # the same set of experts, in any order
+    assert torch.equal(ids.gather(-1, order), ref_ids.gather(-1, ref_order))
+    torch.testing.assert_close(weights.gather(-1, order), ref_weights.gather(-1, ref_order), rtol=1e-6, atol=1e-7)
+
+
 def test_fewer_op_forms_match_hf() -> None:
     from model.layers.situ_glu import SiTUGLUMLP, situ_glu
     from model.vllm_plugin.model import VllmSiTUGLUMLP
