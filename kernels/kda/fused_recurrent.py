@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kda.common import check_inputs, default_scale, fp32_states
-from kernels.kda.recurrent_cpu import recurrent_kda_cpu
+from kernels.kda.recurrent_cpu import recurrent_kda_cpu, slots_contiguous
 
 
 def fused_recurrent_kda(
@@ -71,11 +71,11 @@ def fused_recurrent_kda(
                 dt_bias=dt_bias)
     if ssm_state_indices is not None:
         slots = ssm_state_indices.to("cpu", torch.int64)
-        if inplace_final_state and initial_state.dtype == torch.float32:  # any strides: the kernel takes them
+        if inplace_final_state and initial_state.dtype == torch.float32 and slots_contiguous(initial_state):
             o = recurrent_kda_cpu(q, k, v, g, beta, scale=scale, pool=initial_state, slots=slots,
                                   cu_seqlens=cu_seqlens, **gate)
             return o.to(q.dtype), initial_state
-        # a pool of another dtype, or new final states asked for: the used slots as a compact fp32 copy
+        # a pool of another dtype or layout, or new final states asked for: the used slots as a compact fp32 copy
         padded = bool((slots < 0).any())
         used = slots[slots >= 0] if padded else slots
         compact = initial_state.index_select(0, used).to(torch.float32, memory_format=torch.contiguous_format)

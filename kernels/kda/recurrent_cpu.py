@@ -20,6 +20,22 @@ import torch
 
 from kernels.kda.common import preprocess, sequence_rows
 
+Array = torch.Tensor | np.ndarray
+
+
+def slots_contiguous(pool: torch.Tensor) -> bool:
+    """Whether each slot of a state pool [P, HV, K, V] is one contiguous block (the slots themselves may lie
+    apart, as in a serving engine's pages): what the compiled loops read and write in place."""
+    return pool.shape[0] == 0 or pool[0].is_contiguous()
+
+
+def _flat_slots(pool: torch.Tensor) -> tuple[np.ndarray, int]:
+    """The pool's memory from slot 0's first value to the last slot's last, as a flat array, and the slot
+    stride in values."""
+    P, HV, K, V = pool.shape
+    span = (P - 1) * pool.stride(0) + HV * K * V if P else 0
+    return torch.as_strided(pool, (span,), (1,)).numpy(), pool.stride(0)
+
 
 def recurrent_kda_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float,
@@ -28,10 +44,9 @@ def recurrent_kda_cpu(
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """The op's inputs as `chunk_kda` takes them (checked); sequence n (a batch row, or a `cu_seqlens`
-    segment) continues state pool[slots[n]] (pool: [P, HV, K, V] fp32, any strides, updated in place; a
-    negative slot skips the sequence: zero output, no state touched). Returns o [B, T, HV, V] fp32."""
-    if pool.dtype != torch.float32 or pool.device.type != "cpu":
-        raise ValueError(f"the state pool must be fp32 on the CPU, got {pool.dtype} on {pool.device}")
+    segment) continues state pool[slots[n]] (pool: [P, HV, K, V] fp32 with `slots_contiguous`, updated in
+    place; a negative slot skips the sequence: zero output, no state touched). Returns o [B, T, HV, V] fp32."""
+    _check_pool("pool", pool)
     B, T, _, _ = q.shape
     HV, V = pool.shape[1], pool.shape[3]
     with torch.no_grad():
@@ -48,37 +63,46 @@ def recurrent_kda_cpu(
         index = [x.to("cpu", torch.int64).contiguous().numpy() for x in (starts, ends, slots)]
         from kernels.kda.recurrent_cpu_numba import kda_rows  # numba loads where the CPU path first runs
 
-        kda_rows(*arrays, np.float32(scale), use_qk_l2norm_in_kernel, *index, pool.numpy(),
-                  o.view(rows, HV, V).numpy())
+        kda_rows(*arrays, np.float32(scale), use_qk_l2norm_in_kernel, *index, *_flat_slots(pool),
+                 o.view(rows, HV, V).numpy())
     return o
 
 
 def conv_recurrent_kda_decode_cpu(
-    qkv: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, f: torch.Tensor,
-    beta_logits: torch.Tensor, *, num_heads: int, scale: float, lower_bound: float | None,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor,
+    qkv: torch.Tensor, conv_weight: Array, conv_pool: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
+    *, num_heads: int, scale: float, lower_bound: float | None, A_log: Array | None, dt_bias: Array,
+    slots: torch.Tensor, pool: torch.Tensor,
 ) -> torch.Tensor:
     """A decode step of the KDA token mixer from its pre-conv channels, as one compiled loop: the depthwise
     causal conv + SiLU on each sequence's newest window (conv_pool [P, W-1, C] fp32, advanced in place),
     the gate in the kernel, sigmoid beta, the qk l2norm and the recurrence on pool [P, HV, K, V] fp32
     (in place). qkv [n, C], conv_weight [W, C], f [n, HV, K], beta_logits [n, HV], dt_bias [HV*K];
     `lower_bound` set: the bounded gate, else A_log [HV]. Returns o [n, HV, V] fp32. Pools may have any
-    strides; nothing of this step is materialised in torch, where it costs ~100 small ops a layer."""
-    for name, pool_ in (("conv_pool", conv_pool), ("pool", pool)):
-        if pool_.dtype != torch.float32 or pool_.device.type != "cpu":
-            raise ValueError(f"{name} must be fp32 on the CPU, got {pool_.dtype} on {pool_.device}")
+    strides, `pool` with `slots_contiguous`; nothing of this step is materialised in torch, where it costs
+    ~100 small ops a layer. The parameters may be given as fp32 numpy arrays (a caller's cached copies)."""
+    _check_pool("pool", pool)
+    if conv_pool.dtype != torch.float32 or conv_pool.device.type != "cpu":
+        raise ValueError(f"conv_pool must be fp32 on the CPU, got {conv_pool.dtype} on {conv_pool.device}")
     n, HV, K = f.shape
-    V = pool.shape[-1]
-    o = torch.empty(n, HV, V)
-    with torch.no_grad():
-        bounded = lower_bound is not None
-        a_log = torch.zeros(HV) if bounded else A_log.detach().float().contiguous()
-        arrays = [x.detach().to(torch.float32).contiguous().numpy()
-                  for x in (qkv, conv_weight, f, beta_logits)]
-        from kernels.kda.recurrent_cpu_numba import conv_kda_decode
+    o = torch.empty(n, HV, pool.shape[-1])
+    bounded = lower_bound is not None
+    a_log = np.zeros(HV, np.float32) if bounded else _f32(A_log)
+    from kernels.kda.recurrent_cpu_numba import conv_kda_decode
 
-        conv_kda_decode(arrays[0], arrays[1], conv_pool.detach().numpy(), arrays[2], arrays[3], bounded,
-                        np.float32(lower_bound if bounded else 0.0), a_log.numpy(),
-                        dt_bias.detach().float().contiguous().numpy(), num_heads, np.float32(scale), True,
-                        slots.to(torch.int64).contiguous().numpy(), pool.detach().numpy(), o.numpy())
+    conv_kda_decode(_f32(qkv), _f32(conv_weight), conv_pool.detach().numpy(), _f32(f), _f32(beta_logits), bounded,
+                    np.float32(lower_bound if bounded else 0.0), a_log, _f32(dt_bias), num_heads, np.float32(scale),
+                    True, slots.to(torch.int64).contiguous().numpy(), *_flat_slots(pool.detach()), o.numpy())
     return o
+
+
+def _f32(x: Array) -> np.ndarray:
+    """A contiguous fp32 numpy array of x (x itself when it is one)."""
+    if isinstance(x, np.ndarray):
+        return x
+    return x.detach().to(torch.float32).contiguous().numpy()
+
+
+def _check_pool(name: str, pool: torch.Tensor) -> None:
+    if pool.dtype != torch.float32 or pool.device.type != "cpu" or not slots_contiguous(pool):
+        raise ValueError(f"{name} must be fp32 on the CPU with each slot contiguous, got {pool.dtype} on "
+                         f"{pool.device} with strides {pool.stride()}")

@@ -33,12 +33,13 @@ _INDEX = int64[::1]
 
 
 @njit(void(_ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1], float32, boolean, _INDEX, _INDEX, _INDEX,
-           float32[:, :, :, :], _ROWS), cache=True, fastmath=True, nogil=True)
-def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, o):  # pragma: no cover - compiled
+           _VEC, int64, _ROWS), cache=True, fastmath=True, nogil=True)
+def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slot_stride, o):  # pragma: no cover
     """q, k, decay [R, HV, K]; v [R, HV, V]; beta [R, HV] (rows = tokens); sequence n is rows
-    starts[n] .. ends[n]-1 and continues pool[slots[n]] ([HV, K, V], updated in place; any strides: a
-    serving engine's pool interleaves other state in its pages); slots[n] < 0 skips it. o [R, HV, V] gets the outputs of the sequences' rows. With `l2norm`, q and k are divided by
-    sqrt(|x|^2 + L2NORM_EPS) here (fla's in-kernel l2norm)."""
+    starts[n] .. ends[n]-1 and continues the state of slot slots[n] ([HV, K, V] contiguous at
+    pool[slots[n] * slot_stride], updated in place: a serving engine's pool has other state between its
+    slots); slots[n] < 0 skips it. o [R, HV, V] gets the outputs of the sequences' rows. With `l2norm`, q and
+    k are divided by sqrt(|x|^2 + L2NORM_EPS) here (fla's in-kernel l2norm)."""
     HV, K = q.shape[1], q.shape[2]
     V = v.shape[2]
     ks = np.empty(V, np.float32)
@@ -48,12 +49,12 @@ def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, o):
     bk = np.empty(K, np.float32)  # the pending update's beta k
     c = np.empty(K, np.float32)
     f = np.empty(K, np.float32)
-    S = np.empty((K, V), np.float32)  # the state being advanced, contiguous whatever the pool's strides
     for n in range(slots.shape[0]):
         if slots[n] < 0:
             continue
         for h in range(HV):
-            S[:, :] = pool[slots[n], h]
+            start = slots[n] * slot_stride + h * K * V
+            S = pool[start:start + K * V].reshape((K, V))
             a[:] = 1.0
             bk[:] = 0.0
             err[:] = 0.0
@@ -85,14 +86,13 @@ def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, o):
             for i in range(K):  # the last token's update
                 for j in range(V):
                     S[i, j] = a[i] * S[i, j] + bk[i] * err[j]
-            pool[slots[n], h] = S
 
 
 @njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], float32[:, :, ::1], float32[:, ::1], boolean,
-           float32, _VEC, _VEC, int64, float32, boolean, _INDEX, float32[:, :, :, :], _ROWS),
+           float32, _VEC, _VEC, int64, float32, boolean, _INDEX, _VEC, int64, _ROWS),
       cache=True, fastmath=True, nogil=True)
 def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound, a_log, dt_bias, H, scale, l2norm,
-                    slots, pool, o):  # pragma: no cover - compiled
+                    slots, pool, slot_stride, o):  # pragma: no cover - compiled
     """One token for each of n sequences, from the pre-conv channels to the KDA output: qkv [n, C] (q|k|v
     channels), conv_w [W, C] (tap 0 the oldest), conv_pool [P, W-1, C] (the last W-1 inputs, oldest first,
     advanced in place), f [n, HV, K] the raw gate input, beta_logits [n, HV], the gate's parameters
@@ -138,4 +138,4 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
                 v[r, h, j] = y[2 * H * K + h * V + j]
             beta[r, h] = np.float32(1.0) / (np.float32(1.0) + np.exp(-beta_logits[r, h]))
     starts = np.arange(n, dtype=np.int64)
-    kda_rows(q, k, v, decay, beta, scale, l2norm, starts, starts + 1, slots, pool, o)
+    kda_rows(q, k, v, decay, beta, scale, l2norm, starts, starts + 1, slots, pool, slot_stride, o)

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kda import chunk_kda, fused_recurrent_kda
-from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu
+from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu, slots_contiguous
 from model.layers.kda import KimiDeltaAttention
-from model.vllm_plugin.fused import FusedLinear, fused
+from model.vllm_plugin.fused import FusedLinear, derived_arrays, fused
 
 
 @dataclass(frozen=True)
@@ -95,11 +95,17 @@ def _decode(
     conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
 ) -> torch.Tensor:
     """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] (logits) -> o [n, HV, V]."""
-    if qkv.device.type == "cpu" and conv_state.dtype == recurrent_state.dtype == torch.float32:
+    if (qkv.device.type == "cpu" and conv_state.dtype == recurrent_state.dtype == torch.float32
+            and slots_contiguous(recurrent_state)):
+        conv_weight, dt_bias, a_log = derived_arrays(
+            layer, "decode", lambda: (layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight,
+                                      layer.dt_bias, layer.A_log),
+            lambda *_: (layer.conv_weight().squeeze(1).t(), layer.dt_bias, layer.A_log),
+        )()
         return conv_recurrent_kda_decode_cpu(
-            qkv, layer.conv_weight().squeeze(1).t(), conv_state.transpose(-1, -2), f, beta,
-            num_heads=layer.num_heads, scale=layer.head_dim**-0.5, slots=slots, pool=recurrent_state,
-            **{k: v for k, v in layer.gate_kwargs().items() if k != "use_gate_in_kernel"},
+            qkv, conv_weight, conv_state.transpose(-1, -2), f, beta, num_heads=layer.num_heads,
+            scale=layer.head_dim**-0.5, lower_bound=layer.lower_bound if layer.bounded_gate else None,
+            A_log=a_log, dt_bias=dt_bias, slots=slots, pool=recurrent_state,
         ).to(qkv.dtype)
     idx = slots.long()
     q, k, v = _decode_conv(layer, qkv, conv_state, idx)

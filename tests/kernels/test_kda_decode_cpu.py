@@ -53,15 +53,19 @@ def paged_pool(slots: int, HV: int, K: int, V: int, gen: torch.Generator) -> tup
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("inplace", [True, False])
-@pytest.mark.parametrize("paged", [False, True])
-def test_slot_decode_matches_naive(dtype: torch.dtype, tol: float, padded: bool, inplace: bool, paged: bool) -> None:
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "transposed"])
+def test_slot_decode_matches_naive(dtype: torch.dtype, tol: float, padded: bool, inplace: bool, layout: str) -> None:
+    """Pools laid out as given, as a serving engine's pages, or with each slot strided (copied compactly)."""
     N, H, HV, K, V, slots = 7, 2, 4, 16, 8, 12
     x = make_inputs(N, 1, H, HV, K, V, gate="unbounded", beta_logits=True, dtype=dtype, seed=5)
     gen = torch.Generator().manual_seed(2)
+    paged = layout == "paged"
     if paged:
         pool, pages = paged_pool(slots, HV, K, V, gen)
         assert not pool.is_contiguous()
         other_data = pages[:, HV * K * V:].clone()
+    elif layout == "transposed":
+        pool = (torch.randn(slots, HV, V, K, generator=gen) * 0.5).transpose(-1, -2)
     else:
         pool = torch.randn(slots, HV, K, V, generator=gen) * 0.5
     before = pool.clone()
