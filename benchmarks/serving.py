@@ -10,6 +10,7 @@ by the same vLLM (in-process engine, eager, prefix caching off). For each contex
   full-batch     the steps in which all `--batch` sequences decode: tokens/s over their wall time and the
                  median thread-CPU ms per step (steadier than wall time on a shared box); only when
                  `--new-tokens` outlasts the stagger (at 16K, batch 8: about 30 steps, so 64 new tokens);
+                 and the aten ops dispatched in one such step (counted in a step left out of the timing);
   cache memory   the bytes vLLM's cache needs for the batch at that context: attention layers
                  ceil(T / block) pages per sequence, KDA / gated-delta-net layers one state page per
                  sequence, page sizes as vLLM allocates them (hybrid page padding included).
@@ -24,6 +25,7 @@ JSON to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -138,6 +140,24 @@ class ModuleClock:
         return dict(self.totals)
 
 
+class OpCounter:
+    """Counts the aten ops dispatched while it is active (a torch dispatch mode): a step's op count is what
+    its CPU time mostly pays for at decode sizes, and unlike the time it does not depend on the machine."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count = 0
+        self.mode = _Mode()
+
+
 def run_worker(args: argparse.Namespace) -> None:
     """One model in this process: a fresh engine, every context, one JSON line per context on stdout."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -180,14 +200,20 @@ def run_worker(args: argparse.Namespace) -> None:
         now = start
         full_cpu: list[float] = []  # thread-CPU seconds of each step in which all `batch` sequences decode
         full_wall: list[float] = []
+        step_ops = None  # aten ops of one full-batch decode step (that step's time is not recorded)
         while engine.has_unfinished_requests():
             before, cpu0, wall0 = sum(produced.values()), time.thread_time(), now
-            for out in engine.step():
-                produced[out.request_id] = len(out.outputs[0].token_ids)
+            counter = OpCounter() if step_ops is None and len(full_cpu) >= 4 else None
+            with counter.mode if counter else contextlib.nullcontext():
+                for out in engine.step():
+                    produced[out.request_id] = len(out.outputs[0].token_ids)
             now = time.perf_counter()
             if first_all is not None and sum(produced.values()) - before == args.batch:
-                full_cpu.append(time.thread_time() - cpu0)
-                full_wall.append(now - wall0)
+                if counter:
+                    step_ops = counter.count
+                else:
+                    full_cpu.append(time.thread_time() - cpu0)
+                    full_wall.append(now - wall0)
             if first_all is None and len(produced) == args.batch and min(produced.values()) >= 1:
                 first_all, tokens_at_first = now, sum(produced.values())
                 prefill_cpu = time.thread_time() - cpu_start
@@ -204,6 +230,7 @@ def run_worker(args: argparse.Namespace) -> None:
             "full_batch_steps": len(full_cpu),
             "full_batch_tok_s": args.batch * len(full_wall) / sum(full_wall) if full_wall else float("nan"),
             "full_batch_step_cpu_ms": 1e3 * statistics.median(full_cpu) if full_cpu else float("nan"),
+            "full_batch_step_aten_ops": step_ops,
             "cache_bytes": cache_bytes(kv_cache_config, args.batch, context),
             "load_avg": os.getloadavg()[0],
             "compute_dtype": compute_dtype,
@@ -245,7 +272,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             for row in rows:
                 print(f"  T={row['context']:>6}: prefill {row['prefill_s']:.2f}s ({row['prefill_cpu_s']:.2f}s CPU), decode {row['decode_tok_s']:.1f} tok/s, "
                       f"full batch {row['full_batch_tok_s']:.1f} tok/s / {row['full_batch_step_cpu_ms']:.1f} ms CPU "
-                      f"per step over {row['full_batch_steps']} steps, cache {row['cache_bytes'] / 2**20:.1f} MiB, "
+                      f"per step over {row['full_batch_steps']} steps ({row['full_batch_step_aten_ops']} aten ops), cache {row['cache_bytes'] / 2**20:.1f} MiB, "
                       f"load {row['load_avg']:.1f}, computing in {row['compute_dtype']}", flush=True)
     return results
 
