@@ -6,7 +6,8 @@ owns one slot of two pools: the conv state `[slots, C, W-1]` (the last W-1 pre-c
 concatenated q|k|v channels, oldest first, as `KimiDeltaAttention.short_conv` keeps it) and the recurrent
 state `[slots, HV, K, V]` (fp32). Prefill runs `chunk_kda` over the variable-length prompts, continuing
 from a request's slot where it already has state (e.g. the second chunk of a chunked prefill); decode
-runs `fused_recurrent_kda` on the slots in place. The math itself (projections, conv, gate, output) is
+runs `fused_recurrent_kda` on the slots in place (on CPU with fp32 pools, the conv and the recurrence as one
+compiled call). The math itself (projections, conv, gate, output) is
 the HF layer's, with its parameters; the projections that read x run as one concatenated matmul and the
 decode conv as a multiply-sum (a decode step is dominated by the count of small ops).
 """
