@@ -346,8 +346,8 @@ def attn_res_sweep(hidden: int, tokens: int = 32768, candidates: int = 4) -> dic
         name = f"{launch[0]}x{launch[1]}"
         try:
             out["fwd"][name] = triton.testing.do_bench(lambda: ar.attn_res_mix_op(cands, gamma, query, 1e-6), return_mode="median")
-            out["bwd"][name] = triton.testing.do_bench(lambda: ar.attn_res_mix_bwd_op(grad, cands, gamma, query, 1e-6),
-                                                       return_mode="median")
+            out["bwd"][name] = triton.testing.do_bench(
+                lambda tokens=launch[0]: ar.attn_res_mix_bwd_op(grad, cands, gamma, query, 1e-6, tokens), return_mode="median")
         except Exception as exc:  # noqa: BLE001 - e.g. out of resources; the others still run
             out["fwd"].setdefault(name, repr(exc)[:200])
     best = {part: min((v, k) for k, v in out[part].items() if isinstance(v, float))[1] for part in ("fwd", "bwd")}

@@ -166,10 +166,10 @@ def _shape(candidates: list[torch.Tensor]) -> tuple[int, int, int, int]:
     return M, D, BD, max(2, triton.next_power_of_2(len(candidates)))
 
 
-def _key_blocks(candidates: list[torch.Tensor]) -> int:
+def _key_blocks(candidates: list[torch.Tensor], block_tokens: int) -> int:
     """Rows of the backward's partial sums of the key gradient (one per token block)."""
     D = candidates[0].shape[-1]
-    return triton.cdiv(candidates[0].numel() // D, BWD_LAUNCH[0])
+    return triton.cdiv(candidates[0].numel() // D, block_tokens)
 
 
 @torch.library.custom_op("taper::attn_res_mix", mutates_args=())
@@ -194,13 +194,16 @@ def _(candidates, gamma, query, eps):
 
 @torch.library.custom_op("taper::attn_res_mix_bwd", mutates_args=())
 def attn_res_mix_bwd_op(
-    grad: torch.Tensor, candidates: list[torch.Tensor], gamma: torch.Tensor, query: torch.Tensor, eps: float
+    grad: torch.Tensor, candidates: list[torch.Tensor], gamma: torch.Tensor, query: torch.Tensor, eps: float,
+    block_tokens: int,
 ) -> list[torch.Tensor]:
-    """Returns [per-block partial sums of d key [d, blocks] (fp32), d candidate_0, ...]."""
+    """Returns [per-block partial sums of d key [d, blocks] (fp32), d candidate_0, ...], blocks of `block_tokens`
+    tokens. An argument, not read from BWD_LAUNCH here: a compiled graph keeps the count it was traced with, and a
+    launch sweep that changes BWD_LAUNCH afterwards must not make the real kernel disagree with it."""
     candidates = [c.contiguous() for c in candidates]
     M, D, BD, NP = _shape(candidates)
     grads = [torch.empty_like(c) for c in candidates]
-    BT, warps = BWD_LAUNCH
+    BT, warps = block_tokens, BWD_LAUNCH[1]
     blocks = triton.cdiv(M, BT)
     dkey_part = torch.empty(D, blocks, dtype=torch.float32, device=grad.device)
     attn_res_bwd_kernel[(blocks,)](
@@ -213,9 +216,9 @@ def attn_res_mix_bwd_op(
 
 
 @attn_res_mix_bwd_op.register_fake
-def _(grad, candidates, gamma, query, eps):
+def _(grad, candidates, gamma, query, eps, block_tokens):
     D = candidates[0].shape[-1]
-    return [gamma.new_empty((D, _key_blocks(candidates)), dtype=torch.float32),
+    return [gamma.new_empty((D, _key_blocks(candidates, block_tokens)), dtype=torch.float32),
             *(torch.empty_like(c) for c in candidates)]
 
 
@@ -227,7 +230,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad):
     gamma, query, *candidates = ctx.saved_tensors
-    dkey_part, *grads = attn_res_mix_bwd_op(grad, candidates, gamma, query, ctx.eps)
+    dkey_part, *grads = attn_res_mix_bwd_op(grad, candidates, gamma, query, ctx.eps, BWD_LAUNCH[0])
     # outside the op, so torch.compile fuses the sum over token blocks with the product rule and the casts
     dkey = dkey_part.sum(1)
     return grads, (dkey * query.float()).to(gamma.dtype), (dkey * gamma.float()).to(query.dtype), None
