@@ -140,22 +140,20 @@ class ModuleClock:
         return dict(self.totals)
 
 
-class OpCounter:
-    """Counts the aten ops dispatched while it is active (a torch dispatch mode): a step's op count is what
-    its CPU time mostly pays for at decode sizes, and unlike the time it does not depend on the machine."""
+def op_counter() -> Any:
+    """A torch dispatch mode whose `count` is the aten ops dispatched while it is active: a step's op count
+    is what its CPU time mostly pays for at decode sizes, and unlike the time it does not depend on the
+    machine. (Built here: this module imports torch only in the worker.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
+    class OpCounter(TorchDispatchMode):
+        count = 0
 
-        counter = self
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
 
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counter.count += 1
-                return func(*args, **(kwargs or {}))
-
-        self.count = 0
-        self.mode = _Mode()
+    return OpCounter()
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -203,8 +201,8 @@ def run_worker(args: argparse.Namespace) -> None:
         step_ops = None  # aten ops of one full-batch decode step (that step's time is not recorded)
         while engine.has_unfinished_requests():
             before, cpu0, wall0 = sum(produced.values()), time.thread_time(), now
-            counter = OpCounter() if step_ops is None and len(full_cpu) >= 4 else None
-            with counter.mode if counter else contextlib.nullcontext():
+            counter = op_counter() if step_ops is None and len(full_cpu) >= 4 else None
+            with counter or contextlib.nullcontext():
                 for out in engine.step():
                     produced[out.request_id] = len(out.outputs[0].token_ids)
             now = time.perf_counter()

@@ -6,10 +6,10 @@ owns one slot of two pools: the conv state `[slots, C, W-1]` (the last W-1 pre-c
 concatenated q|k|v channels, oldest first, as `KimiDeltaAttention.short_conv` keeps it) and the recurrent
 state `[slots, HV, K, V]` (fp32). Prefill runs `chunk_kda` over the variable-length prompts, continuing
 from a request's slot where it already has state (e.g. the second chunk of a chunked prefill); decode
-runs `fused_recurrent_kda` on the slots in place (on CPU with fp32 pools, the conv and the recurrence as one
-compiled call). The math itself (projections, conv, gate, output) is
-the HF layer's, with its parameters; the projections that read x run as one concatenated matmul and the
-decode conv as a multiply-sum (a decode step is dominated by the count of small ops).
+runs `fused_recurrent_kda` on the slots in place (on CPU with fp32 pools, the conv and the recurrence as
+one compiled call). The math itself (projections, conv, gate, output) is the HF layer's, with its
+parameters; the projections that read x run as one concatenated matmul and the decode conv as a
+multiply-sum (a decode step is dominated by the count of small ops).
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def _decode(
         )()
         return conv_recurrent_kda_decode_cpu(
             qkv, conv_weight, conv_state.transpose(-1, -2), f, beta, num_heads=layer.num_heads,
-            scale=layer.head_dim**-0.5, lower_bound=layer.lower_bound if layer.bounded_gate else None,
-            A_log=a_log, dt_bias=dt_bias, slots=slots, pool=recurrent_state,
+            scale=layer.head_dim**-0.5, lower_bound=layer.gate_kwargs()["lower_bound"], A_log=a_log,
+            dt_bias=dt_bias, slots=slots, pool=recurrent_state,
         ).to(qkv.dtype)
     idx = slots.long()
     q, k, v = _decode_conv(layer, qkv, conv_state, idx)
