@@ -233,9 +233,11 @@ def time_decode(N: int) -> dict:
     return res
 
 
-# (block_v, warps, L2 evict-first hint on the state slots); earlier rounds swept block_v 16-128 at 1-8 warps
-DECODE_SWEEP = [(32, 1, False), (32, 1, True), (16, 1, False), (16, 1, True), (64, 4, False), (64, 4, True),
-                (8, 1, False), (8, 1, True)]
+# (block_v, warps, units per program, L2 evict-first hint on the state slots); earlier rounds swept block_v 16-128 at
+# 1-8 warps with one unit per program (the hint moved nothing)
+DECODE_SWEEP = [(32, 1, 1, False), (16, 1, 4, False), (32, 2, 4, False), (32, 4, 4, False), (32, 4, 8, False),
+                (32, 4, 32, False), (64, 4, 4, False), (64, 8, 8, False), (128, 8, 4, False), (16, 1, 8, False),
+                (32, 2, 8, False), (32, 4, 8, True)]
 
 
 def decode_sweep(N: int = 256) -> dict:
@@ -260,8 +262,8 @@ def decode_sweep(N: int = 256) -> dict:
     ref_pool = pool0.clone()
     ref_o = call(ref_pool, KDAKernelConfig())
     out = {}
-    for bv, warps, evict in DECODE_SWEEP:
-        cfg = KDAKernelConfig(decode_block_v=bv, decode_num_warps=warps, decode_evict_first=evict)
+    for bv, warps, units, evict in DECODE_SWEEP:
+        cfg = KDAKernelConfig(decode_block_v=bv, decode_num_warps=warps, decode_units=units, decode_evict_first=evict)
         try:
             pool = pool0.clone()
             o = call(pool, cfg)
@@ -271,8 +273,8 @@ def decode_sweep(N: int = 256) -> dict:
             r["state_TBps"] = 2 * N * H * K * V * 4 / (r["us"] * 1e-6) / 1e12
         except Exception as exc:  # noqa: BLE001 - the other variants still run
             r = {"error": repr(exc)[:300]}
-        out[f"bv{bv}_w{warps}" + ("_evict" if evict else "")] = r
-        print(f"  decode N={N} block_v={bv} warps={warps} evict_first={evict}: " + " ".join(
+        out[f"bv{bv}_w{warps}_u{units}" + ("_evict" if evict else "")] = r
+        print(f"  decode N={N} block_v={bv} warps={warps} units={units} evict_first={evict}: " + " ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     return out
 
@@ -287,13 +289,20 @@ def copy_bandwidth(gib: int = 4) -> float:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "default": {},
+    "separate_kernels": dict(fused_forward=False),
+    "fused_w4": dict(num_warps_fused=4),
+    "fused_w16": dict(num_warps_fused=16),
+    "fused_1_per_sm": dict(fused_programs_per_sm=1),
+    "fused_4_per_sm": dict(fused_programs_per_sm=4),
+    "fused_8_per_sm": dict(fused_programs_per_sm=8),
+    "fwd_state_block_v16": dict(fwd_state_block_v=16),
     "fwd_state_block_v64": dict(fwd_state_block_v=64),
-    "bwd_intra_whole_k": dict(bwd_intra_k_split=1),
-    "score_all_tf32": dict(bwd_score_precision="tf32", bwd_score_precision_diag=None),
+    "fwd_state_w8": dict(num_warps_state=8),
+    "fwd_state_stages2": dict(num_stages_state=2),
 }
 
 
-def time_variants(T: int = 32768) -> dict:
+def time_variants(T: int = 32768, forward_only: bool = False) -> dict:
     """Each config variant: relative errors vs fp64 naive (H=32, T=300, bf16) and fwd / fwd+bwd ms at T."""
     from kernels.kda.triton_config import KDAKernelConfig
 
@@ -319,7 +328,8 @@ def time_variants(T: int = 32768) -> dict:
             def fwd_bwd(cfg=cfg):
                 ours(xx, config=cfg)[0].backward(do)
 
-            r["fwdbwd_ms"] = bench(fwd_bwd, grad_to_none=list(leaves.values()))
+            if not forward_only:
+                r["fwdbwd_ms"] = bench(fwd_bwd, grad_to_none=list(leaves.values()))
         except Exception as exc:  # noqa: BLE001 - the other variants still run
             r = {"error": repr(exc)[:300]}
         out[name] = r
@@ -328,19 +338,28 @@ def time_variants(T: int = 32768) -> dict:
     return out
 
 
-def profile_32k() -> list[tuple[str, float]]:
+def profile_32k(forward_only: bool = False) -> list[tuple[str, float]]:
+    """Kernel times of ours at 32K: forward+backward, or the forward without autograd."""
     x = make(1, 32768, 32, 32, 128, 128, seed=5)
     leaves = {n: x[n].detach().clone().requires_grad_(True) for n in GRAD_KEYS}
     xx = dict(x, **leaves)
     do = torch.randn(1, 32768, 32, 128, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        if forward_only:
+            with torch.no_grad():
+                ours(x)
+        else:
+            ours(xx)[0].backward(do)
+
     for _ in range(2):
-        ours(xx)[0].backward(do)
+        step()
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            ours(xx)[0].backward(do)
+            step()
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
@@ -348,7 +367,7 @@ def profile_32k() -> list[tuple[str, float]]:
         if t:
             rows.append((e.key[:60], t / 3 / 1e3))
     rows.sort(key=lambda r: -r[1])
-    print("  profile ours fwd+bwd T=32K (ms per step):")
+    print(f"  profile ours {'fwd (no autograd)' if forward_only else 'fwd+bwd'} T=32K (ms per step):")
     for k, t in rows[:14]:
         print(f"    {t:8.3f}  {k}")
     return rows[:20]
@@ -429,7 +448,9 @@ def main() -> None:
         print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
         return
     if args.variants:
-        out["variants_32k"] = time_variants()
+        out["variants_32k"] = time_variants(forward_only=args.forward_only)
+        if args.profile:
+            out["profile_fwd_32k"] = attempt(profile_32k, True)
         save()
         print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
         return
@@ -475,7 +496,9 @@ def main() -> None:
         })
         save()
     if args.profile:
-        out["profile_32k"] = attempt(profile_32k)
+        out["profile_fwd_32k"] = attempt(profile_32k, True)
+        if not args.forward_only:
+            out["profile_32k"] = attempt(profile_32k)
         save()
     print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
 

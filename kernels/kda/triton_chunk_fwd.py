@@ -304,16 +304,16 @@ def wu_kernel(
 
 @triton.jit
 def fwd_state_kernel(
-    kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets,
+    kg, gcum, glast, w, u, vn, h, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    STORE_SAVED: tl.constexpr = True,
+    STORE_SAVED: tl.constexpr = True, GLAST: tl.constexpr = False,
 ):
     """Sequential over a sequence's chunks; one program per (V tile, sequence, value head). Each chunk's
     output o = (Q e^Gam) h + Aqk vn comes from the state while it is in registers (an output kernel of its
     own re-read h and vn: H200, 32K, forward 3.83 -> 3.61 ms without it). Without STORE_SAVED (a forward
     without autograd) the per-chunk states h and the new values vn, which only the backward reads, are not
-    written."""
+    written. With GLAST the gate at each chunk's end comes from glast [NC, HV, K] instead of gcum."""
     i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
     o_t = tl.arange(0, BT)
     b_h = _start_state(h0, i_n, i_hv, s_off, m_kv, HV, K, V, BK, BV, HAS_H0)
@@ -336,7 +336,10 @@ def fwd_state_kernel(
         b_o = tl.dot(b_qg, b_h.to(h.dtype.element_ty).to(dt), input_precision=DOT_PREC)
         b_o += tl.dot(b_A.to(dt), b_vn.to(vn.dtype.element_ty).to(dt), input_precision=DOT_PREC)
         tl.store(o + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
+        if GLAST:
+            g_last = tl.load(glast + ((c0 + it) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)
+        else:
+            g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
         b_kg = tl.load(kg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PREC)
     if STORE_FINAL:

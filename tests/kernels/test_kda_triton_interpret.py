@@ -30,7 +30,7 @@ def results() -> dict:
 
 @pytest.mark.parametrize("case", ["bounded", "unbounded_varlen", "precomputed", "at_bound_chunk64",
                                   "varlen_short_chunks",
-                                  "bwd_intra_whole_k"])
+                                  "bwd_intra_whole_k", "bounded_separate_kernels", "precomputed_bounded"])
 def test_triton_chunk_forward_and_gradients(results, case):
     r = results[case]
     assert r.pop("finite")
@@ -41,14 +41,16 @@ def test_triton_chunk_forward_and_gradients(results, case):
     assert not bad, f"{case}: relative errors over {TOL}: {bad}"
 
 
-def test_triton_decode_state_slots(results):
-    r = results["decode_slots"]
+@pytest.mark.parametrize("case", ["decode_slots", "decode_slots_units"])
+def test_triton_decode_state_slots(results, case):
+    r = results[case]
     assert r["o"] < TOL and r["slots"] < TOL
     assert r["padded_zero"] and r["others_untouched"] and r["returned_pool"]
 
 
-def test_triton_decode_varlen_out_of_place(results):
-    r = results["decode_varlen"]
+@pytest.mark.parametrize("case", ["decode_varlen", "decode_varlen_units"])
+def test_triton_decode_varlen_out_of_place(results, case):
+    r = results[case]
     assert r["o"] < TOL and r["final_state"] < TOL
 
 

@@ -23,9 +23,11 @@ from kernels.short_conv import short_conv_silu, short_conv_silu_op  # noqa: E402
 GRAD_NAMES = ["q", "k", "v", "g", "beta", "initial_state", "dt_bias", "A_log"]
 
 
-def chunk_case(B, T, H, HV, K, V, chunk, seed, config=None, **opts):
+def chunk_case(B, T, H, HV, K, V, chunk, seed, config=None, lower_bound_given=False, **opts):
     x = make_inputs(B, T, H, HV, K, V, initial_state=True, seed=seed, **opts)
     kw = x.kwargs
+    if lower_bound_given:  # precomputed g in [-2, 0]: the bound it keeps
+        kw["lower_bound"] = -5.0
     names = [n for n in GRAD_NAMES[:6]] + [n for n in GRAD_NAMES[6:] if n in kw]
     leaves = [x.q, x.k, x.v, x.g, x.beta, kw["initial_state"]] + [kw[n] for n in GRAD_NAMES[6:] if n in kw]
     for t in leaves:
@@ -49,7 +51,7 @@ def chunk_case(B, T, H, HV, K, V, chunk, seed, config=None, **opts):
     return out
 
 
-def decode_case(seed):
+def decode_case(seed, config=None):
     N, HV, slots = 4, 4, 6
     x = make_inputs(N, 1, 2, HV, 32, 16, gate="bounded", beta_logits=True, seed=seed)
     kw = {k: v for k, v in x.kwargs.items()}
@@ -59,7 +61,7 @@ def decode_case(seed):
     o, final = fused_recurrent_kda_triton(
         *x.args(), scale=32**-0.5, initial_state=pool, output_final_state=False, use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=kw["lower_bound"], A_log=None,
-        dt_bias=kw["dt_bias"], cu_seqlens=None, ssm_state_indices=idx, inplace_final_state=True,
+        dt_bias=kw["dt_bias"], cu_seqlens=None, ssm_state_indices=idx, inplace_final_state=True, config=config,
     )
     valid = idx >= 0
     o_ref, s_ref = naive_recurrent_kda(*(t[valid] for t in x.args()), initial_state=before[idx[valid]],
@@ -71,7 +73,7 @@ def decode_case(seed):
             "returned_pool": final is pool}
 
 
-def decode_varlen_case(seed):
+def decode_varlen_case(seed, config=None):
     cu = [0, 1, 4, 6]
     x = make_inputs(1, 6, 1, 2, 32, 16, gate="unbounded", cu_seqlens=cu, seed=seed)
     kw = x.kwargs
@@ -80,6 +82,7 @@ def decode_varlen_case(seed):
         *x.args(), scale=32**-0.5, initial_state=h0.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False, lower_bound=None, A_log=kw["A_log"],
         dt_bias=kw["dt_bias"], cu_seqlens=kw["cu_seqlens"], ssm_state_indices=None, inplace_final_state=False,
+        config=config,
     )
     o_ref, s_ref = naive_recurrent_kda(*x.args(), initial_state=h0, output_final_state=True, **kw)
     return {"o": rel_err(o, o_ref), "final_state": rel_err(final, s_ref)}
@@ -276,8 +279,17 @@ def main() -> None:
         # the backward-intra kernel on all of K in one program (the default splits K=32 in two)
         "bwd_intra_whole_k": chunk_case(1, 70, 1, 2, 32, 16, 32, 8, gate="bounded", cu_seqlens=[0, 37, 70],
                                         config=KDAKernelConfig(bwd_intra_k_split=1)),
+        # the bounded-gate forward on the separate kernels (the fused kernel is the default for bounded gates)
+        "bounded_separate_kernels": chunk_case(1, 70, 1, 2, 32, 16, 32, 14, gate="bounded", cu_seqlens=[0, 37, 70],
+                                               config=KDAKernelConfig(fused_forward=False)),
+        # a precomputed g with its promised lower bound: the fused kernel without the in-kernel gate, 4 x 16 rows
+        "precomputed_bounded": chunk_case(1, 100, 2, 2, 16, 32, 64, 15, gate="precomputed", l2norm=False,
+                                          lower_bound_given=True),
         "decode_slots": decode_case(5),
         "decode_varlen": decode_varlen_case(6),
+        # several units per program (the next one's state prefetched), a last program with fewer, value tiles of 8
+        "decode_slots_units": decode_case(5, KDAKernelConfig(decode_units=3, decode_block_v=8)),
+        "decode_varlen_units": decode_varlen_case(6, KDAKernelConfig(decode_units=4, decode_block_v=8)),
         "custom_op": custom_op_case(9),
         "expanded_grads": expanded_grads_case(10),
         "attn_res": attn_res_case(11),
