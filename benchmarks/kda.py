@@ -233,11 +233,9 @@ def time_decode(N: int) -> dict:
     return res
 
 
-# (block_v, warps, units per program, L2 evict-first hint on the state slots); earlier rounds swept block_v 16-128 at
-# 1-8 warps with one unit per program (the hint moved nothing)
-DECODE_SWEEP = [(32, 1, 1, False), (16, 1, 4, False), (32, 2, 4, False), (32, 4, 4, False), (32, 4, 8, False),
-                (32, 4, 32, False), (64, 4, 4, False), (64, 8, 8, False), (128, 8, 4, False), (16, 1, 8, False),
-                (32, 2, 8, False), (32, 4, 8, True)]
+# (block_v, warps, L2 evict-first hint on the state slots); earlier rounds swept block_v 16-128 at 1-8 warps (the
+# hint moved nothing; several units per program with the next state prefetched was slower: commit 6d432ff)
+DECODE_SWEEP = [(32, 1, False), (16, 1, False), (64, 4, False), (8, 1, False)]
 
 
 def decode_sweep(N: int = 256) -> dict:
@@ -262,8 +260,8 @@ def decode_sweep(N: int = 256) -> dict:
     ref_pool = pool0.clone()
     ref_o = call(ref_pool, KDAKernelConfig())
     out = {}
-    for bv, warps, units, evict in DECODE_SWEEP:
-        cfg = KDAKernelConfig(decode_block_v=bv, decode_num_warps=warps, decode_units=units, decode_evict_first=evict)
+    for bv, warps, evict in DECODE_SWEEP:
+        cfg = KDAKernelConfig(decode_block_v=bv, decode_num_warps=warps, decode_evict_first=evict)
         try:
             pool = pool0.clone()
             o = call(pool, cfg)
@@ -273,8 +271,8 @@ def decode_sweep(N: int = 256) -> dict:
             r["state_TBps"] = 2 * N * H * K * V * 4 / (r["us"] * 1e-6) / 1e12
         except Exception as exc:  # noqa: BLE001 - the other variants still run
             r = {"error": repr(exc)[:300]}
-        out[f"bv{bv}_w{warps}_u{units}" + ("_evict" if evict else "")] = r
-        print(f"  decode N={N} block_v={bv} warps={warps} units={units} evict_first={evict}: " + " ".join(
+        out[f"bv{bv}_w{warps}" + ("_evict" if evict else "")] = r
+        print(f"  decode N={N} block_v={bv} warps={warps} evict_first={evict}: " + " ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     return out
 
@@ -289,16 +287,10 @@ def copy_bandwidth(gib: int = 4) -> float:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
     "default": {},
-    "separate_kernels": dict(fused_forward=False),
-    "fused_w4": dict(num_warps_fused=4),
-    "fused_w16": dict(num_warps_fused=16),
-    "fused_1_per_sm": dict(fused_programs_per_sm=1),
-    "fused_4_per_sm": dict(fused_programs_per_sm=4),
-    "fused_8_per_sm": dict(fused_programs_per_sm=8),
-    "fwd_state_block_v16": dict(fwd_state_block_v=16),
+    "l2norm_separate": dict(l2norm_in_kernels=False),
     "fwd_state_block_v64": dict(fwd_state_block_v=64),
-    "fwd_state_w8": dict(num_warps_state=8),
-    "fwd_state_stages2": dict(num_stages_state=2),
+    "bwd_intra_whole_k": dict(bwd_intra_k_split=1),
+    "score_all_tf32": dict(bwd_score_precision="tf32", bwd_score_precision_diag=None),
 }
 
 

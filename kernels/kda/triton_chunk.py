@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.kda.common import L2NORM_EPS, check_cu_seqlens_values
+from kernels.kda.common import check_cu_seqlens_values
 from kernels.kda.triton_chunk_bwd import bwd_gate_kernel, bwd_inter_kernel, bwd_intra_kernel, bwd_state_kernel
 from kernels.kda.triton_chunk_fwd import (
     fwd_state_kernel,
@@ -14,7 +14,6 @@ from kernels.kda.triton_chunk_fwd import (
     solve_kernel,
     wu_kernel,
 )
-from kernels.kda.triton_chunk_fused import fwd_intra_fused_kernel
 from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
 from kernels.kda.triton_l2norm import l2norm_bwd, l2norm_fwd
 
@@ -52,24 +51,15 @@ def seq_layout(
             to_device(starts.to(torch.int32), device))
 
 
-def _fused_programs(n_tiles: int, device: torch.device, per_sm: int) -> int:
-    """Programs of the fused forward's persistent grid: `per_sm` per multiprocessor (3 on the CPU interpreter,
-    so its loop over chunks and the reused workspace are exercised)."""
-    if device.type != "cuda":
-        return max(1, min(n_tiles, 3))
-    return max(1, min(n_tiles, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
-
-
 def kda_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, use_gate: bool, lower_bound: float | None,
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, cu: torch.Tensor, chunk_indices: torch.Tensor,
-    chunk_offsets: torch.Tensor, cfg: KDAKernelConfig, save_for_backward: bool = True, use_l2norm: bool = False,
+    chunk_offsets: torch.Tensor, cfg: KDAKernelConfig, save_for_backward: bool = True, norm_in_kernels: bool = False,
 ) -> dict[str, torch.Tensor | None]:
-    """Flattened inputs: q, k [T, H, K] (raw: with `use_l2norm` they are normalised here); v [T, HV, V];
-    f [T, HV, K]; beta [T, HV] probabilities. Without `save_for_backward` what only the backward reads (h, vn,
-    gcum, Akk, Ai, the normalised q, k) is returned empty (h and vn, and on the fused path all of it, unwritten). Bounded gates
-    take the fused kernel (`cfg.fused_forward`); the others the separate kernels."""
+    """Flattened inputs: q, k [T, H, K]; v [T, HV, V]; f [T, HV, K]; beta [T, HV] probabilities. Without
+    `save_for_backward` the states h and new values vn are not written (returned empty). With `norm_in_kernels`
+    (bounded gates) q and k are raw and the scores and w/u kernels l2-normalise the rows they load."""
     T, H, K = q.shape
     HV, V = v.shape[1:]
     N = cu.numel() - 1
@@ -79,78 +69,54 @@ def kda_fwd(
     NC = chunk_indices.shape[0]
     dev = q.device
     prec = cfg.dot_precision(q.dtype)
+    gcum = torch.empty(T, HV, K, dtype=torch.float32, device=dev)
     safe = lower_bound is not None
-    work_dtype = cfg.work_dtype or v.dtype
-    f32 = dict(dtype=torch.float32, device=dev)
+    BKG = min(cfg.gate_block_k, BK)
+    gate_cumsum_kernel[(NC, HV, triton.cdiv(K, BKG))](
+        f, dt_bias, A_log, gcum, cu, chunk_indices, lower_bound if safe else 0.0,
+        HV=HV, K=K, BT=BT, BK=BKG, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=use_gate and dt_bias is not None,
+        num_warps=cfg.num_warps_gate,
+    )
     Aqk = torch.empty(T, HV, BT, dtype=k.dtype, device=dev)  # only ever a bf16 dot operand
+    Akk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
     qg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
     kg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
+    intra_scores_kernel[(NC, HV, BT // BC)](
+        q, k, gcum, Aqk, Akk, qg, kg, cu, chunk_indices, scale,
+        H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, L2NORM=norm_in_kernels,
+        num_warps=cfg.num_warps_scores,
+    )
+    Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
+    solve_kernel[(NC, HV)](beta, Akk, Ai, cu, chunk_indices, H=H, HV=HV, BT=BT, BC=BC,
+                           num_warps=cfg.num_warps_solve)
+    work_dtype = cfg.work_dtype or v.dtype
     w = torch.empty(T, HV, K, dtype=work_dtype, device=dev)
     u = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
-    qn = q_rstd = kn = k_rstd = glast = None
-    if safe and cfg.fused_forward:
-        n_tiles = NC * HV
-        P = _fused_programs(n_tiles, dev, cfg.fused_programs_per_sm)
-        if save_for_backward:
-            gcum, Akk, Ai = torch.empty(T, HV, K, **f32), torch.empty(T, HV, BT, **f32), torch.empty(T, HV, BT, **f32)
-            if use_l2norm:
-                qn, kn = torch.empty_like(q), torch.empty_like(k)
-                q_rstd, k_rstd = torch.empty(T * H, **f32), torch.empty(T * H, **f32)
-        else:  # one chunk's workspace per program
-            gcum, Akk, Ai = torch.empty(P * BT, K, **f32), torch.empty(P * BT, BT, **f32), torch.empty(P * BT, BT, **f32)
-        glast = torch.empty(max(NC, 1), HV, K, **f32)
-        fwd_intra_fused_kernel[(P,)](
-            q, k, v, f, beta, dt_bias, A_log, qn, kn, q_rstd, k_rstd, gcum, Akk, Ai, glast, Aqk, qg, kg, w, u,
-            cu, chunk_indices, n_tiles, scale, lower_bound, L2NORM_EPS,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_GATE=use_gate,
-            HAS_BIAS=use_gate and dt_bias is not None, L2NORM=use_l2norm, STORE_SAVED=save_for_backward,
-            DOT_PREC=prec, num_warps=cfg.num_warps_fused,
-        )
-    else:
-        if use_l2norm:
-            (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
-            q, k = qn, kn
-        gcum = torch.empty(T, HV, K, **f32)
-        BKG = min(cfg.gate_block_k, BK)
-        gate_cumsum_kernel[(NC, HV, triton.cdiv(K, BKG))](
-            f, dt_bias, A_log, gcum, cu, chunk_indices, lower_bound if safe else 0.0,
-            HV=HV, K=K, BT=BT, BK=BKG, USE_GATE=use_gate, BOUNDED=safe, HAS_BIAS=use_gate and dt_bias is not None,
-            num_warps=cfg.num_warps_gate,
-        )
-        Akk = torch.empty(T, HV, BT, **f32)
-        intra_scores_kernel[(NC, HV, BT // BC)](
-            q, k, gcum, Aqk, Akk, qg, kg, cu, chunk_indices, scale,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, num_warps=cfg.num_warps_scores,
-        )
-        Ai = torch.empty(T, HV, BT, **f32)
-        solve_kernel[(NC, HV)](beta, Akk, Ai, cu, chunk_indices, H=H, HV=HV, BT=BT, BC=BC,
-                               num_warps=cfg.num_warps_solve)
-        BVU = min(64, BV)
-        wu_kernel[(NC, HV, 1 + triton.cdiv(V, BVU))](
-            k, v, beta, gcum, Ai, w, u, cu, chunk_indices,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVU, DOT_PREC=prec, num_warps=cfg.num_warps_solve,
-        )
+    BVU = min(64, BV)
+    wu_kernel[(NC, HV, 1 + triton.cdiv(V, BVU))](
+        k, v, beta, gcum, Ai, w, u, cu, chunk_indices,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVU, DOT_PREC=prec, L2NORM=norm_in_kernels,
+        num_warps=cfg.num_warps_solve,
+    )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
     if save_for_backward:
         h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
         vn = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
     else:  # never written: the kernel only needs pointers of the right type
         h, vn = torch.empty(1, dtype=state_dtype, device=dev), torch.empty(1, dtype=work_dtype, device=dev)
-    ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     BVS = min(cfg.fwd_state_block_v, triton.next_power_of_2(V))
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
     fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
-        kg, gcum, glast, w, u, vn, h, h0, ht, qg, Aqk, o, cu, chunk_offsets,
+        kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, DOT_PREC=prec,
-        STORE_SAVED=save_for_backward, GLAST=glast is not None, num_warps=cfg.num_warps_state,
-        num_stages=cfg.num_stages_state,
+        STORE_SAVED=save_for_backward, num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
-    if not save_for_backward:  # what only the backward reads
-        h, vn, gcum, Akk, Ai = (x.new_empty(0) for x in (h, vn, gcum, Akk, Ai))
-        qn = q_rstd = kn = k_rstd = None
+    if not save_for_backward:
+        h, vn = h.new_empty(0), vn.new_empty(0)
     return dict(o=o, ht=ht, gcum=gcum, Aqk=Aqk, Akk=Akk, Ai=Ai, w=w, u=u, h=h, vn=vn, qg=qg, kg=kg,
-                chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, qn=qn, q_rstd=q_rstd, kn=kn, k_rstd=k_rstd)
+                chunk_indices=chunk_indices, chunk_offsets=chunk_offsets)
 
 
 def kda_bwd(
@@ -261,6 +227,12 @@ def _some(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None or x.numel() == 0 else x
 
 
+def _norm_in_kernels(cfg: KDAKernelConfig, use_l2norm: bool, lower_bound: float | None, save_for_backward: bool) -> bool:
+    """Without autograd nothing reads the normalised q, k but the scores and w/u kernels, which (bounded gates:
+    they load whole rows of K) normalise the rows they load instead of a separate l2norm pass."""
+    return use_l2norm and lower_bound is not None and not save_for_backward and cfg.l2norm_in_kernels
+
+
 @torch.library.custom_op("taper::chunk_kda_fwd", mutates_args=())
 def chunk_kda_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
@@ -270,18 +242,23 @@ def chunk_kda_fwd_op(
 ) -> list[torch.Tensor]:
     """Flattened q, k [B*T, H, K], v [B*T, HV, V], f [B*T, HV, K], beta [B*T, HV] (probabilities).
     Returns [o, final state, normalised q, its rstd, normalised k, its rstd, *_SAVED] (empty when absent;
-    h, vn, gcum, Akk, Ai and the normalised q, k also without `save_for_backward`, which a forward with no input
-    needing a gradient passes)."""
+    h and vn also without `save_for_backward`, which a forward with no input needing a gradient passes, and then
+    for bounded gates the normalised q, k too)."""
     cfg = _config(config)
     q, k, v, f, beta = (x.contiguous() for x in (q, k, v, f, beta))
     cu, chunk_indices, chunk_offsets = _layout(batch, q.shape[0] // batch, cu_seqlens, cfg.chunk_size, q.device)
-    saved = kda_fwd(q, k, v, f, beta, scale, initial_state, output_final_state, use_gate, lower_bound, A_log,
-                    dt_bias, cu, chunk_indices, chunk_offsets, cfg, save_for_backward, use_l2norm)
+    qn = q_rstd = kn = k_rstd = None
+    norm_in_kernels = _norm_in_kernels(cfg, use_l2norm, lower_bound, save_for_backward)
+    if use_l2norm and not norm_in_kernels:
+        (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
+    saved = kda_fwd(qn if qn is not None else q, kn if kn is not None else k, v, f, beta, scale, initial_state,
+                    output_final_state, use_gate, lower_bound, A_log, dt_bias, cu, chunk_indices, chunk_offsets, cfg,
+                    save_for_backward, norm_in_kernels)
     # outputs may not alias the layout cache: fixed-length batches return empty ones and look them up again
     fixed = cu_seqlens is None
     saved["chunk_indices"] = chunk_indices.new_empty(0) if fixed else chunk_indices
     saved["chunk_offsets"] = chunk_offsets.new_empty(0) if fixed else chunk_offsets
-    return [saved["o"], _none(saved["ht"], q), *(_none(saved[n], q) for n in ("qn", "q_rstd", "kn", "k_rstd")),
+    return [saved["o"], _none(saved["ht"], q), *(_none(x, q) for x in (qn, q_rstd, kn, k_rstd)),
             *(saved[n] for n in _SAVED)]
 
 
@@ -303,15 +280,15 @@ def _(q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, batch, scale,
     def e(*shape, dtype):
         return q.new_empty(shape, dtype=dtype)
 
+    norm_in_kernels = _norm_in_kernels(cfg, use_l2norm, lower_bound, save_for_backward)
     norm = [e(T, H, K, dtype=q.dtype), e(T * H, dtype=f32), e(T, H, K, dtype=k.dtype), e(T * H, dtype=f32)] \
-        if use_l2norm and save_for_backward else [e(0, dtype=q.dtype) for _ in range(4)]
+        if use_l2norm and not norm_in_kernels else [e(0, dtype=q.dtype) for _ in range(4)]
     saved = dict(gcum=e(T, HV, K, dtype=f32), Aqk=e(T, HV, BT, dtype=k.dtype), Akk=e(T, HV, BT, dtype=f32),
                  Ai=e(T, HV, BT, dtype=f32), w=e(T, HV, K, dtype=work), u=e(T, HV, V, dtype=work),
                  h=e(NC, HV, K, V, dtype=state), vn=e(T, HV, V, dtype=work), qg=e(T, HV, K, dtype=k.dtype),
                  kg=e(T, HV, K, dtype=k.dtype), chunk_indices=e(0, dtype=i32), chunk_offsets=e(0, dtype=i32))
     if not save_for_backward:
-        saved.update(h=e(0, dtype=state), vn=e(0, dtype=work), gcum=e(0, dtype=f32), Akk=e(0, dtype=f32),
-                     Ai=e(0, dtype=f32))
+        saved.update(h=e(0, dtype=state), vn=e(0, dtype=work))
     if cu_seqlens is not None:  # fixed-length layouts come from the cache in the backward
         saved.update(chunk_indices=e(NC, 2, dtype=i32), chunk_offsets=e(N, dtype=i32))
     ht = e(N, HV, K, V, dtype=f32) if output_final_state else e(0, dtype=q.dtype)

@@ -89,13 +89,24 @@ def _block_reference(gcum, bos, chunk_start, i, i_hv, o_k, m_k, HV: tl.constexpr
 
 
 @triton.jit
+def _rows(x, off, m, L2NORM: tl.constexpr):
+    """Rows of q or k in fp32; with L2NORM normalised here and rounded to the input dtype, as l2norm_fwd
+    stores them (a forward without autograd skips that kernel; only bounded gates, whose kernels load whole
+    rows of K)."""
+    b_x = tl.load(x + off, mask=m, other=0.0).to(tl.float32)
+    if L2NORM:
+        b_x = (b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]).to(x.dtype.element_ty).to(tl.float32)
+    return b_x
+
+
+@triton.jit
 def _right_factor(k, gcum, bos, rows, T, ref, i_h, i_hv, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
-                  K: tl.constexpr):
+                  K: tl.constexpr, L2NORM: tl.constexpr):
     """k_s e^(ref - Gam_s) in fp32 for the rows of an earlier sub-block (zero outside the sequence)."""
     m = (rows < T)[:, None] & m_k[None, :]
     b_g = tl.load(gcum + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m, other=0.0)
-    b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.0)
-    return b_k.to(tl.float32) * tl.where(m, tl.exp(ref[None, :] - b_g), 0.0)
+    b_k = _rows(k, (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], m, L2NORM)
+    return b_k * tl.where(m, tl.exp(ref[None, :] - b_g), 0.0)
 
 
 @triton.jit
@@ -157,7 +168,7 @@ def _diag_block_pairwise(x, k, g, rows, row_ok, xk_head, xk_stride, g_head, g_st
 def intra_scores_kernel(
     q, k, gcum, Aqk, Akk, qg, kg, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr, L2NORM: tl.constexpr = False,
 ):
     """Row block i = program_id(2) of one chunk and value head: its rows of Aqk (incl. diagonal, times
     scale) and Akk (strictly lower), and of the gated qg = scale q e^Gam and kg = k e^(Gam_last - Gam)
@@ -178,8 +189,8 @@ def intra_scores_kernel(
     b_g_i = tl.load(gcum + g_off_i, mask=m_i, other=0.0)
     ref = _block_reference(gcum, bos, i_t * BT, i, i_hv, o_k, m_k, HV, K, BC)
     e_left = tl.where(m_i, tl.exp(b_g_i - ref[None, :]), 0.0)
-    b_q = tl.load(q + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
-    b_k = tl.load(k + qk_off_i, mask=m_i, other=0.0).to(tl.float32)
+    b_q = _rows(q, qk_off_i, m_i, L2NORM)
+    b_k = _rows(k, qk_off_i, m_i, L2NORM)
     g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
     tl.store(qg + g_off_i, (b_q * tl.where(m_i, tl.exp(b_g_i), 0.0) * scale).to(qg.dtype.element_ty), mask=m_i)
     tl.store(kg + g_off_i, (b_k * tl.where(m_i, tl.exp(g_last[None, :] - b_g_i), 0.0)).to(kg.dtype.element_ty),
@@ -191,7 +202,7 @@ def intra_scores_kernel(
     for j in tl.static_range(NB):
         if j < i:
             k_right = _right_factor(k, gcum, bos, i_t * BT + j * BC + o_i, T, ref, i_h, i_hv, o_k, m_k,
-                                    H, HV, K).to(k.dtype.element_ty)
+                                    H, HV, K, L2NORM).to(k.dtype.element_ty)
             s_qk = tl.dot(q_left, tl.trans(k_right), input_precision=DOT_PREC)
             s_kk = tl.dot(k_left, tl.trans(k_right), input_precision=DOT_PREC)
             tl.store(Aqk + a_off + j * BC, s_qk.to(Aqk.dtype.element_ty), mask=m_a)
@@ -273,7 +284,7 @@ def solve_kernel(
 def wu_kernel(
     k, v, beta, gcum, Ai, w, u, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, L2NORM: tl.constexpr = False,
 ):
     """w = Ai (beta K e^Gam) (program_id(2) == 0) or one BV-column tile of u = Ai (beta V) (the others),
     whole-chunk dots on the lower-triangular Ai."""
@@ -289,10 +300,10 @@ def wu_kernel(
     if s == 0:
         o_k = tl.arange(0, BK)
         m_tk = ok[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = _rows(k, (bos + rows)[:, None] * (H * K) + i_h * K + o_k[None, :], m_tk, L2NORM)
         tk_off = (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
         b_g = tl.load(gcum + tk_off, mask=m_tk, other=0.0)
-        kb = (b_k.to(tl.float32) * tl.where(m_tk, tl.exp(b_g), 0.0) * b_b[:, None]).to(dt)
+        kb = (b_k * tl.where(m_tk, tl.exp(b_g), 0.0) * b_b[:, None]).to(dt)
         tl.store(w + tk_off, tl.dot(b_M, kb, input_precision=DOT_PREC).to(w.dtype.element_ty), mask=m_tk)
     else:
         o_v = (s - 1) * BV + tl.arange(0, BV)
@@ -304,16 +315,16 @@ def wu_kernel(
 
 @triton.jit
 def fwd_state_kernel(
-    kg, gcum, glast, w, u, vn, h, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets,
+    kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    STORE_SAVED: tl.constexpr = True, GLAST: tl.constexpr = False,
+    STORE_SAVED: tl.constexpr = True,
 ):
     """Sequential over a sequence's chunks; one program per (V tile, sequence, value head). Each chunk's
     output o = (Q e^Gam) h + Aqk vn comes from the state while it is in registers (an output kernel of its
     own re-read h and vn: H200, 32K, forward 3.83 -> 3.61 ms without it). Without STORE_SAVED (a forward
     without autograd) the per-chunk states h and the new values vn, which only the backward reads, are not
-    written. With GLAST the gate at each chunk's end comes from glast [NC, HV, K] instead of gcum."""
+    written."""
     i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
     o_t = tl.arange(0, BT)
     b_h = _start_state(h0, i_n, i_hv, s_off, m_kv, HV, K, V, BK, BV, HAS_H0)
@@ -336,10 +347,7 @@ def fwd_state_kernel(
         b_o = tl.dot(b_qg, b_h.to(h.dtype.element_ty).to(dt), input_precision=DOT_PREC)
         b_o += tl.dot(b_A.to(dt), b_vn.to(vn.dtype.element_ty).to(dt), input_precision=DOT_PREC)
         tl.store(o + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        if GLAST:
-            g_last = tl.load(glast + ((c0 + it) * HV + i_hv) * K + o_k, mask=o_k < K, other=0.0)
-        else:
-            g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
+        g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
         b_kg = tl.load(kg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PREC)
     if STORE_FINAL:

@@ -18,10 +18,7 @@ class KDAKernelConfig:
     num_warps_gate: int = 4
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
     work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
-    # bounded gates: l2norm, gate + cumsum, scores, solve and w/u as one kernel per chunk (triton_chunk_fused.py)
-    fused_forward: bool = False  # H200, 32K: 7.3 ms fused against 3.4 ms separate (session 16)
-    num_warps_fused: int = 8
-    fused_programs_per_sm: int = 2  # its persistent grid
+    l2norm_in_kernels: bool = True  # forward without autograd, bounded gates: no separate l2norm pass over q, k
     num_warps_scores: int = 4
     num_warps_solve: int = 2  # solve and w/u (H200, 32K: forward 4.15 -> 3.94 ms against 4 warps)
     num_warps_state: int = 4
@@ -42,7 +39,6 @@ class KDAKernelConfig:
     fp32_dot_precision: str = "ieee"
     decode_block_v: int = 32
     decode_num_warps: int = 1  # H200, 256 sequences: 423 us at 4 warps, 355 at 1 (fla-core 0.6.0: 375)
-    decode_units: int = 1  # (sequence, value head) units per decode program, the next one's state prefetched
     decode_evict_first: bool = False  # L2 eviction hint on the state slots' load and store (read once, written once)
 
     def __post_init__(self) -> None:

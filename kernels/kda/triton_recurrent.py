@@ -1,5 +1,5 @@
-"""Triton recurrent KDA for decode: one program per (V tile, a run of (sequence, value head) units), each unit's
-state tile in registers (fp32) across the sequence's tokens, read from and written back to its slot."""
+"""Triton recurrent KDA for decode: one program per (V tile, sequence, value head), the state tile in
+registers (fp32) across the sequence's tokens, read from and written back to its slot."""
 
 from __future__ import annotations
 
@@ -13,97 +13,74 @@ from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
 
 
 @triton.jit
-def _unit_state(h0, slots, unit, limit, s_off, m_kv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                EVICT: tl.constexpr):
-    """Slot (-1: padded row or no unit) and fp32 state tile of unit = sequence * HV + value head."""
-    i_n, i_hv = unit // HV, unit % HV
-    live = unit < limit
-    slot = i_n.to(tl.int64)
-    if HAS_SLOTS:
-        slot = tl.load(slots + tl.where(live, i_n, 0)).to(tl.int64)
-    slot = tl.where(live, slot, -1)
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        # each state tile is read once and written once: EVICT keeps it from displacing what is reused in L2
-        ptr = h0 + (tl.maximum(slot, 0) * HV + i_hv) * K * V + s_off
-        m = m_kv & (s_off * 0 + slot >= 0)
-        if EVICT:
-            b_h += tl.load(ptr, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        else:
-            b_h += tl.load(ptr, mask=m, other=0.0).to(tl.float32)
-    return slot, b_h
-
-
-@triton.jit
 def recurrent_kda_kernel(
-    q, k, v, f, beta, dt_bias, a_log, o, h0, ht, cu_seqlens, slots, scale, lower_bound, n_units,
+    q, k, v, f, beta, dt_bias, a_log, o, h0, ht, cu_seqlens, slots, scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    UNITS: tl.constexpr, HAS_H0: tl.constexpr, HAS_SLOTS: tl.constexpr, STORE_FINAL: tl.constexpr,
-    INPLACE: tl.constexpr, USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EVICT: tl.constexpr,
+    HAS_H0: tl.constexpr, HAS_SLOTS: tl.constexpr, STORE_FINAL: tl.constexpr, INPLACE: tl.constexpr,
+    USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, EVICT: tl.constexpr,
 ):
-    """One program per (V tile, UNITS consecutive units), a unit being a (sequence, value head): the units of a
-    program are the heads of one slot, adjacent in memory, and the next unit's state tile is loaded while this
-    one is computed and stored, so a program keeps a tile's bytes in flight instead of waiting on each load."""
-    i_v = tl.program_id(0)
-    first = tl.program_id(1) * UNITS
-    limit = tl.minimum(first + UNITS, n_units)
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
-    s_off = o_k[:, None] * V + o_v[None, :]
-    slot_next, h_next = _unit_state(h0, slots, first, limit, s_off, m_kv, HV, K, V, BK, BV, HAS_H0, HAS_SLOTS, EVICT)
-    for j in range(UNITS):
-        unit = first + j
-        slot, b_h = slot_next, h_next
-        slot_next, h_next = _unit_state(h0, slots, unit + 1, limit, s_off, m_kv, HV, K, V, BK, BV, HAS_H0, HAS_SLOTS,
-                                        EVICT)
-        if unit < limit:
-            i_n, i_hv = unit // HV, unit % HV
-            i_h = i_hv // (HV // H)
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-            if slot < 0:  # padded row: zero output, no state touched
-                for t in range(bos, eos):
-                    tl.store(o + t * (HV * V) + i_hv * V + o_v,
-                             tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=m_v)
-                if STORE_FINAL:
-                    tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, tl.zeros([BK, BV], dtype=tl.float32), mask=m_kv)
+    slot = i_n
+    if HAS_SLOTS:
+        slot = tl.load(slots + i_n).to(tl.int64)
+    if slot < 0:  # padded row: zero output, no state touched
+        for t in range(bos, eos):
+            tl.store(o + t * (HV * V) + i_hv * V + o_v, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty),
+                     mask=m_v)
+        if STORE_FINAL:
+            tl.store(ht + (i_n * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                     tl.zeros([BK, BV], dtype=tl.float32), mask=m_kv)
+    else:
+        s_off = o_k[:, None] * V + o_v[None, :]
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_H0:
+            # each state tile is read once and written once: EVICT keeps it from displacing what is reused in L2
+            if EVICT:
+                b_h += tl.load(h0 + (slot * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0,
+                               eviction_policy="evict_first").to(tl.float32)
             else:
-                bias = tl.zeros([BK], dtype=tl.float32)
-                if HAS_BIAS:
-                    bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                a = 0.0
-                if USE_GATE and not BOUNDED:
-                    a = tl.load(a_log + i_hv).to(tl.float32)
-                for t in range(bos, eos):
-                    b_q = tl.load(q + t * (H * K) + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                    b_k = tl.load(k + t * (H * K) + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                    if L2NORM:
-                        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
-                        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
-                    b_v = tl.load(v + t * (HV * V) + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-                    b_g = tl.load(f + t * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-                    if USE_GATE:
-                        b_g = tl.where(m_k, gate_fn(b_g + bias, a, lower_bound, BOUNDED), 0.0)
-                    b_b = tl.load(beta + t * HV + i_hv).to(tl.float32)
-                    if BETA_SIGMOID:
-                        b_b = tl.sigmoid(b_b)
-                    b_h = b_h * tl.exp(b_g)[:, None]
-                    err = b_v - tl.sum(b_h * b_k[:, None], 0)
-                    b_h += (b_b * b_k)[:, None] * err[None, :]
-                    b_o = tl.sum(b_h * (b_q * scale)[:, None], 0)
-                    tl.store(o + t * (HV * V) + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-                if INPLACE:
-                    ptr = h0 + (slot * HV + i_hv) * K * V + s_off
-                    if EVICT:
-                        tl.store(ptr, b_h.to(h0.dtype.element_ty), mask=m_kv, eviction_policy="evict_first")
-                    else:
-                        tl.store(ptr, b_h.to(h0.dtype.element_ty), mask=m_kv)
-                if STORE_FINAL:
-                    tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
+                b_h += tl.load(h0 + (slot * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+        bias = tl.zeros([BK], dtype=tl.float32)
+        if HAS_BIAS:
+            bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        a = 0.0
+        if USE_GATE and not BOUNDED:
+            a = tl.load(a_log + i_hv).to(tl.float32)
+        for t in range(bos, eos):
+            b_q = tl.load(q + t * (H * K) + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_k = tl.load(k + t * (H * K) + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            if L2NORM:
+                b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
+                b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+            b_v = tl.load(v + t * (HV * V) + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            b_g = tl.load(f + t * (HV * K) + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            if USE_GATE:
+                b_g = tl.where(m_k, gate_fn(b_g + bias, a, lower_bound, BOUNDED), 0.0)
+            b_b = tl.load(beta + t * HV + i_hv).to(tl.float32)
+            if BETA_SIGMOID:
+                b_b = tl.sigmoid(b_b)
+            b_h = b_h * tl.exp(b_g)[:, None]
+            err = b_v - tl.sum(b_h * b_k[:, None], 0)
+            b_h += (b_b * b_k)[:, None] * err[None, :]
+            b_o = tl.sum(b_h * (b_q * scale)[:, None], 0)
+            tl.store(o + t * (HV * V) + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if INPLACE:
+            if EVICT:
+                tl.store(h0 + (slot * HV + i_hv) * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv,
+                         eviction_policy="evict_first")
+            else:
+                tl.store(h0 + (slot * HV + i_hv) * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv)
+        if STORE_FINAL:
+            tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
 
 
 def fused_recurrent_kda_triton(
@@ -129,11 +106,10 @@ def fused_recurrent_kda_triton(
         raise ValueError("initial_state must be contiguous to be updated in place")
     store_final = not inplace and (output_final_state or ssm_state_indices is not None)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if store_final else None
-    units = max(1, min(cfg.decode_units, N * HV))
-    recurrent_kda_kernel[(triton.cdiv(V, BV), triton.cdiv(N * HV, units))](
+    recurrent_kda_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, v, g, beta, dt_bias, A_log, o, initial_state, ht, cu, ssm_state_indices, scale,
-        lower_bound if lower_bound is not None else 0.0, N * HV,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, UNITS=units, HAS_H0=initial_state is not None,
+        lower_bound if lower_bound is not None else 0.0,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_H0=initial_state is not None,
         HAS_SLOTS=ssm_state_indices is not None, STORE_FINAL=store_final, INPLACE=inplace,
         USE_GATE=use_gate_in_kernel, BOUNDED=lower_bound is not None, HAS_BIAS=dt_bias is not None,
         L2NORM=use_qk_l2norm_in_kernel, BETA_SIGMOID=use_beta_sigmoid_in_kernel, EVICT=cfg.decode_evict_first,

@@ -149,8 +149,9 @@ def expanded_grads_case(seed):
 
 
 def no_grad_case(seed):
-    """A forward without autograd skips the states and new values only the backward reads: its output and
-    final state equal those of a forward that saves them, and the fp64 reference's."""
+    """A forward without autograd skips the states and new values only the backward reads, and (bounded gate)
+    normalises q, k inside the scores and w/u kernels: its output and final state equal those of a forward that
+    saves them, and the fp64 reference's."""
     x = make_inputs(1, 70, 1, 2, 32, 16, initial_state=True, seed=seed, gate="bounded", cu_seqlens=[0, 37, 70])
     kw = x.kwargs
 
@@ -279,17 +280,14 @@ def main() -> None:
         # the backward-intra kernel on all of K in one program (the default splits K=32 in two)
         "bwd_intra_whole_k": chunk_case(1, 70, 1, 2, 32, 16, 32, 8, gate="bounded", cu_seqlens=[0, 37, 70],
                                         config=KDAKernelConfig(bwd_intra_k_split=1)),
-        # the bounded-gate forward on the separate kernels (the fused kernel is the default for bounded gates)
-        "bounded_separate_kernels": chunk_case(1, 70, 1, 2, 32, 16, 32, 14, gate="bounded", cu_seqlens=[0, 37, 70],
-                                               config=KDAKernelConfig(fused_forward=False)),
-        # a precomputed g with its promised lower bound: the fused kernel without the in-kernel gate, 4 x 16 rows
+        # a precomputed g with its promised lower bound: the all-tl.dot path without the in-kernel gate, 4 x 16 rows
         "precomputed_bounded": chunk_case(1, 100, 2, 2, 16, 32, 64, 15, gate="precomputed", l2norm=False,
                                           lower_bound_given=True),
         "decode_slots": decode_case(5),
         "decode_varlen": decode_varlen_case(6),
-        # several units per program (the next one's state prefetched), a last program with fewer, value tiles of 8
-        "decode_slots_units": decode_case(5, KDAKernelConfig(decode_units=3, decode_block_v=8)),
-        "decode_varlen_units": decode_varlen_case(6, KDAKernelConfig(decode_units=4, decode_block_v=8)),
+        # value tiles of 8: two programs per head
+        "decode_slots_bv8": decode_case(5, KDAKernelConfig(decode_block_v=8)),
+        "decode_varlen_bv8": decode_varlen_case(6, KDAKernelConfig(decode_block_v=8)),
         "custom_op": custom_op_case(9),
         "expanded_grads": expanded_grads_case(10),
         "attn_res": attn_res_case(11),
