@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels.kda import chunk_kda, fused_recurrent_kda
-from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu, slots_contiguous
+from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu, conv_silu_prefill_cpu, slots_contiguous
 from model.layers.kda import KimiDeltaAttention
 from model.vllm_plugin.fused import FusedLinear, derived_arrays, fused
 
@@ -98,13 +99,10 @@ def _decode(
     """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] (logits) -> o [n, HV, V]."""
     if (qkv.device.type == "cpu" and conv_state.dtype == recurrent_state.dtype == torch.float32
             and slots_contiguous(recurrent_state)):
-        conv_weight, dt_bias, a_log = derived_arrays(
-            layer, "decode", lambda: (layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight,
-                                      layer.dt_bias, layer.A_log),
-            lambda *_: (layer.conv_weight().squeeze(1).t(), layer.dt_bias, layer.A_log),
-        )()
+        dt_bias, a_log = derived_arrays(layer, "decode_gate", lambda: (layer.dt_bias, layer.A_log),
+                                        lambda *params: params)()
         return conv_recurrent_kda_decode_cpu(
-            qkv, conv_weight, conv_state.transpose(-1, -2), f, beta, num_heads=layer.num_heads,
+            qkv, _conv_weight_rows(layer), conv_state.transpose(-1, -2), f, beta, num_heads=layer.num_heads,
             scale=layer.head_dim**-0.5, lower_bound=layer.gate_kwargs()["lower_bound"], A_log=a_log,
             dt_bias=dt_bias, slots=slots, pool=recurrent_state,
         ).to(qkv.dtype)
@@ -116,6 +114,13 @@ def _decode(
         inplace_final_state=True, **_kernel_kwargs(layer),
     )
     return o[:, 0]
+
+
+def _conv_weight_rows(layer: KimiDeltaAttention) -> np.ndarray:
+    """The q|k|v conv weights as one fp32 [W, C] array (tap W-1 the newest), cached until a weight changes."""
+    return derived_arrays(layer, "conv_rows", lambda: (layer.q_conv1d.weight, layer.k_conv1d.weight,
+                                                       layer.v_conv1d.weight),
+                          lambda *_: (layer.conv_weight().squeeze(1).t(),))()[0]
 
 
 def _prefill_conv(
@@ -165,13 +170,24 @@ def _prefill(
     """Back-to-back prompts (chunks): qkv [T, C] ... -> o [T, HV, V]; slots updated with the final states."""
     idx = slots.long()
     keep = None if has_initial_state is None else has_initial_state.to(torch.bool)
-    conv_init = conv_state.index_select(0, idx)
     rec_init = recurrent_state.index_select(0, idx).float()
     if keep is not None:
-        conv_init = conv_init * keep[:, None, None].to(conv_init.dtype)
         rec_init = rec_init * keep[:, None, None, None].to(rec_init.dtype)
-    q, k, v, new_conv = _prefill_conv(layer, qkv, conv_init, query_start_loc)
-    conv_state.index_copy_(0, idx, new_conv.to(conv_state.dtype))
+    if qkv.device.type == "cpu" and conv_state.dtype == torch.float32:
+        # one compiled pass, the pool advanced in place: the torch form's passes over [T, C] (the row
+        # layout, four multiply-adds, SiLU, the gather of token rows, q/k/v copies) cost more than the rest
+        # of the layer's prefill but its projections on a CPU with AMX (NOTES, session 16)
+        T = qkv.shape[0]
+        q, k, v = conv_silu_prefill_cpu(qkv, _conv_weight_rows(layer), conv_state.transpose(-1, -2),
+                                        query_start_loc, slots, has_initial_state, layer.key_dim)
+        q, k = q.view(T, layer.num_heads, layer.head_dim), k.view(T, layer.num_heads, layer.head_dim)
+        v = v.view(T, layer.num_v_heads, layer.v_head_dim)
+    else:
+        conv_init = conv_state.index_select(0, idx)
+        if keep is not None:
+            conv_init = conv_init * keep[:, None, None].to(conv_init.dtype)
+        q, k, v, new_conv = _prefill_conv(layer, qkv, conv_init, query_start_loc)
+        conv_state.index_copy_(0, idx, new_conv.to(conv_state.dtype))
     o, final = chunk_kda(
         q[None], k[None], v[None], f[None], beta[None],
         initial_state=rec_init, output_final_state=True, cu_seqlens=query_start_loc, **_kernel_kwargs(layer),

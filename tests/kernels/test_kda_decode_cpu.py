@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kda_inputs import make_inputs, rel_err
 
 from kernels.kda import fused_recurrent_kda, naive_recurrent_kda
-from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu
+from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu, conv_silu_prefill_cpu
 
 
 @pytest.mark.parametrize("inplace", [True, False])
@@ -144,3 +144,36 @@ def test_conv_and_recurrence_in_one_decode_step_match_their_torch_forms(gate: st
     untouched[used] = False
     assert torch.equal(conv_pool[untouched], conv_before[untouched]) and torch.equal(pool[untouched], pool_before[untouched])
     assert torch.equal(pages[:, HV * K * V:], pages_before[:, HV * K * V:])
+
+
+def test_prefill_conv_and_silu_in_one_pass_match_conv1d() -> None:
+    """`conv_silu_prefill_cpu` against fp64 `conv1d` + SiLU per sequence: sequences shorter and longer than
+    the window, an empty one, fresh and continued histories, a pool with other data between its slots;
+    inputs up to +-40 so the SiLU's exp spans its range."""
+    W, Cq, Cv, slots = 4, 8, 12, 7
+    C = 2 * Cq + Cv
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 2, 19, 19, 20, 33])
+    idx = torch.tensor([5, 0, 3, 6, 2])
+    keep = torch.tensor([True, False, True, True, True])
+    x = torch.randn(int(cu[-1]), C, generator=gen) * 8
+    x[5] *= 5
+    weight = torch.randn(W, C, generator=gen)
+    pages = torch.randn(slots, 2 * (W - 1) * C, generator=gen)
+    pool = pages[:, :(W - 1) * C].view(slots, W - 1, C)
+    pool_before, pages_before = pool.clone(), pages.clone()
+
+    q, k, v = conv_silu_prefill_cpu(x, weight, pool, cu, idx, keep, key_dim=Cq)
+
+    y = torch.cat([q, k, v], dim=1)
+    for r in range(len(idx)):
+        a, b, s = int(cu[r]), int(cu[r + 1]), int(idx[r])
+        hist = pool_before[s] if keep[r] else torch.zeros(W - 1, C)
+        ext = torch.cat([hist, x[a:b]]).double()  # [W-1+L, C], oldest first
+        if b > a:
+            ref = F.silu(F.conv1d(ext.t()[None], weight.double().t()[:, None], groups=C)[0].t())
+            assert rel_err(y[a:b], ref) < 1e-6
+        assert torch.equal(pool[s], ext[-(W - 1):].float())
+    untouched = [i for i in range(slots) if i not in idx.tolist()]
+    assert torch.equal(pool[untouched], pool_before[untouched])
+    assert torch.equal(pages[:, (W - 1) * C:], pages_before[:, (W - 1) * C:])
