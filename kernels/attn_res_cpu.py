@@ -14,7 +14,7 @@ from numba import float32, njit, void
 
 
 @njit(void(float32[:, :, ::1], float32[::1], float32, float32[::1], float32, float32[:, ::1]),
-      cache=True, fastmath=True, nogil=True)
+      cache=True, fastmath=True, nogil=True, error_model="numpy")  # numpy's: no per-division zero check
 def attn_res_rmsnorm_rows(candidates, key, eps, norm_weight, norm_eps, out):  # pragma: no cover - compiled
     """candidates [N, T, d] -> out [T, d]: each token's depth mix, RMS-normalised and scaled."""
     N, T, d = candidates.shape

@@ -10,9 +10,12 @@ from numba import boolean, float32, int32, int64, njit, void
 from kernels.kda.common import L2NORM_EPS
 
 _VEC = float32[::1]
+# numpy's error model: a division by zero gives inf instead of raising, and without that check on every
+# division LLVM can vectorise the loops that divide
+_COMPILE = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
 
-@njit(void(float32[:, ::1], _VEC, _VEC, _VEC, _VEC, _VEC, _VEC, _VEC), cache=True, fastmath=True, nogil=True)
+@njit(void(float32[:, ::1], _VEC, _VEC, _VEC, _VEC, _VEC, _VEC, _VEC), **_COMPILE)
 def _sweep(S, a, bk, err, c, f, ks, qs):  # pragma: no cover - compiled
     """S <- Diag(a) S + bk err^T, then ks = S^T c and qs = S^T f (c, f: the next token's decayed k, q)."""
     K, V = S.shape
@@ -32,29 +35,28 @@ _ROWS = float32[:, :, ::1]
 _INDEX = int64[::1]
 
 # exp(x) = 2^k 2^f for the nearest integer k and |f| <= 1/2: 2^f = e^(f ln 2) by its Taylor polynomial to
-# degree 6 (relative error < 1e-7), 2^k built in the float's exponent bits. Written as array loops LLVM
-# vectorises; numba's np.exp calls libm once per value (~16 ns on an AVX2 CPU, 3.7x this SiLU over a row).
+# degree 6 (relative error < 1e-7), 2^k built in the float's exponent bits: a loop LLVM vectorises, where
+# numba's np.exp calls libm once per value (~16 ns on an AVX2 CPU).
 _LOG2E, _LN2 = np.float32(1.4426950408889634), np.float32(0.6931471805599453)
 
 
-@njit(void(_VEC, _VEC, int32[::1]), cache=True, fastmath=True, nogil=True)
-def silu_inplace(x, mantissa, exponent):  # pragma: no cover - compiled
-    """x <- x sigmoid(x) = x / (1 + exp(-x)); mantissa, exponent: scratch of x's length."""
-    n = x.shape[0]
-    for i in range(n):
+@njit(void(_VEC, int32[::1]), **_COMPILE)
+def silu_inplace(x, exponent):  # pragma: no cover - compiled
+    """x <- x sigmoid(x) = x / (1 + exp(-x)); exponent: int32 scratch of x's length (2^k's bits are stored
+    and read back as a float, which LLVM turns into a register bitcast)."""
+    scale = exponent.view(np.float32)
+    for i in range(x.shape[0]):
         t = min(max(-x[i], np.float32(-87.0)), np.float32(87.0)) * _LOG2E
         k = np.floor(t + np.float32(0.5))
         f = (t - k) * _LN2
-        mantissa[i] = np.float32(1.0) + f * (np.float32(1.0) + f * (np.float32(0.5) + f * (
-            np.float32(1.0 / 6.0) + f * (np.float32(1.0 / 24.0) + f * (np.float32(1.0 / 120.0) + f * np.float32(1.0 / 720.0))))))
+        p = np.float32(1.0) + f * (np.float32(1.0) + f * (np.float32(0.5) + f * (np.float32(1.0 / 6.0) + f * (
+            np.float32(1.0 / 24.0) + f * (np.float32(1.0 / 120.0) + f * np.float32(1.0 / 720.0))))))
         exponent[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    scale = exponent.view(np.float32)
-    for i in range(n):
-        x[i] = x[i] / (np.float32(1.0) + mantissa[i] * scale[i])
+        x[i] = x[i] / (np.float32(1.0) + p * scale[i])
 
 
 @njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], _INDEX, _INDEX, _INDEX, boolean[::1],
-           float32[:, ::1], float32[:, ::1], float32[:, ::1]), cache=True, fastmath=True, nogil=True)
+           float32[:, ::1], float32[:, ::1], float32[:, ::1]), **_COMPILE)
 def conv_silu_rows(x, conv_w, conv_pool, starts, ends, slots, keep, yq, yk, yv):  # pragma: no cover - compiled
     """The causal depthwise conv + SiLU over back-to-back sequences: x [T, C] pre-conv inputs (q|k|v
     channels), conv_w [W, C] (tap W-1 the newest), conv_pool [P, W-1, C] the W-1 inputs before each
@@ -66,7 +68,6 @@ def conv_silu_rows(x, conv_w, conv_pool, starts, ends, slots, keep, yq, yk, yv):
     Cq = yq.shape[1]
     hist = np.empty((W1, C), np.float32)
     acc = np.empty(C, np.float32)
-    mantissa = np.empty(C, np.float32)
     exponent = np.empty(C, np.int32)
     for r in range(starts.shape[0]):
         a, b, s = starts[r], ends[r], slots[r]
@@ -85,7 +86,7 @@ def conv_silu_rows(x, conv_w, conv_pool, starts, ends, slots, keep, yq, yk, yv):
                     row = t - a + tap  # = W1 + (t - back - a): the history row
                     for c in range(C):
                         acc[c] += conv_w[tap, c] * hist[row, c]
-            silu_inplace(acc, mantissa, exponent)
+            silu_inplace(acc, exponent)
             for c in range(Cq):
                 yq[t, c] = acc[c]
                 yk[t, c] = acc[Cq + c]
@@ -98,7 +99,7 @@ def conv_silu_rows(x, conv_w, conv_pool, starts, ends, slots, keep, yq, yk, yv):
 
 
 @njit(void(_ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1], float32, boolean, _INDEX, _INDEX, _INDEX,
-           _VEC, int64, _ROWS), cache=True, fastmath=True, nogil=True)
+           _VEC, int64, _ROWS), **_COMPILE)
 def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slot_stride, o):  # pragma: no cover
     """q, k, decay [R, HV, K]; v [R, HV, V]; beta [R, HV] (rows = tokens); sequence n is rows
     starts[n] .. ends[n]-1 and continues the state of slot slots[n] ([HV, K, V] contiguous at
@@ -155,7 +156,7 @@ def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slo
 
 @njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], float32[:, :, ::1], float32[:, ::1], boolean,
            float32, _VEC, _VEC, int64, float32, boolean, _INDEX, _VEC, int64, _ROWS),
-      cache=True, fastmath=True, nogil=True)
+      **_COMPILE)
 def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound, a_log, dt_bias, H, scale, l2norm,
                     slots, pool, slot_stride, o):  # pragma: no cover - compiled
     """One token for each of n sequences, from the pre-conv channels to the KDA output: qkv [n, C] (q|k|v
@@ -174,7 +175,6 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
     decay = np.ones((n, HV, K), np.float32)
     beta = np.zeros((n, HV), np.float32)
     y = np.empty(C, np.float32)
-    mantissa = np.empty(C, np.float32)
     exponent = np.empty(C, np.int32)
     for r in range(n):
         s = slots[r]
@@ -190,7 +190,7 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
             for tap in range(W1 - 1):
                 conv_pool[s, tap, c] = conv_pool[s, tap + 1, c]
             conv_pool[s, W1 - 1, c] = x
-        silu_inplace(y, mantissa, exponent)
+        silu_inplace(y, exponent)
         for h in range(HV):
             hq = h // G  # q/k head h serves value heads h*G .. h*G+G-1
             for i in range(K):
