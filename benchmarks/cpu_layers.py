@@ -1,0 +1,134 @@
+"""Taper's serving layers on the CPU without vLLM, one torch thread, thread-CPU ms (best of a few calls), in
+bf16 and fp32: the KDA token mixer as the engine runs it (`kda_forward_with_state`: a prefill of one T-token
+prompt, a decode step of 8 sequences), the MoE layer (the HF module in eval mode) and the matmul shapes
+behind them, at the serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not
+installed, e.g. to see where a bf16/AMX CPU spends a layer's time. Prints a table and writes JSON.
+
+    python benchmarks/cpu_layers.py [--lengths 4096 16384] [--profile] [--out benchmarks/results/cpu_layers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.machine import describe, machine_info  # noqa: E402
+from model.config import TaperConfig  # noqa: E402
+from model.layers.kda import KimiDeltaAttention  # noqa: E402
+from model.layers.moe import StableLatentMoE  # noqa: E402
+from model.vllm_plugin.kda_ops import (  # noqa: E402
+    KDABatch,
+    conv_state_shape,
+    kda_forward_with_state,
+    recurrent_state_shape,
+)
+
+DECODE_SEQUENCES = 8
+
+
+def serving_config() -> TaperConfig:
+    """The Taper model of `benchmarks/serving.py` (vocabulary aside)."""
+    return TaperConfig.preset(
+        "tiny", hidden_size=256, num_hidden_layers=8, full_attn_layers=[3, 7], kda_num_heads=4, kda_head_dim=64,
+        num_attention_heads=8, qk_head_dim=32, v_head_dim=32, kv_lora_rank=128, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=128, moe_latent_size=128, shared_expert_intermediate_size=256,
+        intermediate_size=768,
+    )
+
+
+def cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """The fastest of `repeats` calls in thread-CPU ms, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return 1e3 * best
+
+
+def prefill_batch(T: int) -> KDABatch:
+    return KDABatch(num_decodes=0, query_start_loc=torch.tensor([0, T], dtype=torch.int32),
+                    state_indices=torch.tensor([1], dtype=torch.int32), has_initial_state=torch.tensor([False]))
+
+
+def run(lengths: list[int], profile: bool) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = serving_config()
+    rows: list[dict[str, Any]] = []
+    profiles: dict[str, str] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+
+        def row(case: str, fn: Callable[[], Any], repeats: int, name: str = name) -> None:
+            rows.append(dict(case=case, dtype=name, ms=cpu_ms(fn, repeats)))
+
+        for M, K, N in [(8, 256, 900), (8, 128, 2048), (4096, 256, 900), (4096, 128, 2048)]:
+            x, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
+            row(f"linear {M} x {K} -> {N}", partial(torch.nn.functional.linear, x, w), 20 if M < 64 else 3)
+        kda = KimiDeltaAttention(cfg, 0).eval().to(dtype)
+        moe = StableLatentMoE(cfg).eval().to(dtype)
+        with torch.no_grad():
+            for T in lengths:
+                x = torch.randn(T, cfg.hidden_size, dtype=dtype)
+                conv = torch.randn(4, *conv_state_shape(kda))
+                rec = torch.randn(4, *recurrent_state_shape(kda))
+                row(f"KDA layer prefill 1 x {T}", partial(kda_forward_with_state, kda, x, conv, rec, prefill_batch(T)), 2)
+                row(f"MoE layer (HF) 1 x {T}", partial(moe, x[None]), 2)
+                if profile and T == lengths[0]:
+                    from torch.profiler import ProfilerActivity
+                    from torch.profiler import profile as torch_profile
+
+                    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                        kda_forward_with_state(kda, x, conv, rec, prefill_batch(T))
+                    profiles[f"KDA layer prefill 1 x {T} {name}"] = prof.key_averages(group_by_input_shape=True).table(
+                        sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=32,
+                        max_shapes_column_width=56)
+            n = DECODE_SEQUENCES
+            conv = torch.randn(2 * n, *reversed(conv_state_shape(kda))).transpose(-1, -2)  # the engine's layout
+            rec = torch.randn(2 * n, *recurrent_state_shape(kda))
+            batch = KDABatch(num_decodes=n, query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                             state_indices=torch.arange(n, dtype=torch.int32) * 2, has_initial_state=None)
+            x = torch.randn(n, cfg.hidden_size, dtype=dtype)
+            row(f"KDA layer decode {n} sequences", partial(kda_forward_with_state, kda, x, conv, rec, batch), 50)
+            row(f"MoE layer (HF) decode {n} tokens", partial(moe, x[None]), 50)
+    return dict(machine=machine_info(), threads=1, rows=rows, profiles=profiles)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(describe(result["machine"]))
+    by_case: dict[str, dict[str, float]] = {}
+    for r in result["rows"]:
+        by_case.setdefault(r["case"], {})[r["dtype"]] = r["ms"]
+    print(f"{'case':<36} {'bf16 ms':>10} {'fp32 ms':>10}")
+    for case, ms in by_case.items():
+        print(f"{case:<36} {ms.get('bfloat16', float('nan')):>10.3f} {ms.get('float32', float('nan')):>10.3f}")
+    for title, table in result["profiles"].items():
+        print(f"\n{title}\n{table}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--profile", action="store_true", help="torch profiler table of the first prefill, per dtype")
+    ap.add_argument("--out", default="benchmarks/results/cpu_layers.json")
+    args = ap.parse_args()
+    result = run(args.lengths, args.profile)
+    print_table(result)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
