@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.kda_cpu import cpu_seconds  # noqa: E402
 from benchmarks.machine import describe, machine_info  # noqa: E402
 from model.config import TaperConfig  # noqa: E402
 from model.layers.kda import KimiDeltaAttention  # noqa: E402
@@ -46,17 +46,6 @@ def serving_config() -> TaperConfig:
     )
 
 
-def cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
-    """The fastest of `repeats` calls in thread-CPU ms, after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - start)
-    return 1e3 * best
-
-
 def prefill_batch(T: int) -> KDABatch:
     return KDABatch(num_decodes=0, query_start_loc=torch.tensor([0, T], dtype=torch.int32),
                     state_indices=torch.tensor([1], dtype=torch.int32), has_initial_state=torch.tensor([False]))
@@ -72,7 +61,7 @@ def run(lengths: list[int], profile: bool) -> dict[str, Any]:
         name = str(dtype).removeprefix("torch.")
 
         def row(case: str, fn: Callable[[], Any], repeats: int, name: str = name) -> None:
-            rows.append(dict(case=case, dtype=name, ms=cpu_ms(fn, repeats)))
+            rows.append(dict(case=case, dtype=name, ms=1e3 * cpu_seconds(fn, repeats)))
 
         for M, K, N in [(8, 256, 900), (8, 128, 2048), (4096, 256, 900), (4096, 128, 2048)]:
             x, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
