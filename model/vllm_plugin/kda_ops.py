@@ -5,9 +5,9 @@ A step's tokens are the requests' new tokens back to back, decodes (one token ea
 owns one slot of two pools: the conv state `[slots, C, W-1]` (the last W-1 pre-conv inputs of the
 concatenated q|k|v channels, oldest first, as `KimiDeltaAttention.short_conv` keeps it) and the recurrent
 state `[slots, HV, K, V]` (fp32). Prefill runs `chunk_kda` over the variable-length prompts, continuing
-from a request's slot where it already has state (e.g. the second chunk of a chunked prefill); decode
-runs `fused_recurrent_kda` on the slots in place (on CPU with fp32 pools, the conv and the recurrence as
-one compiled call). The math itself (projections, conv, gate, output) is the HF layer's, with its
+from a request's slot where it already has state (e.g. the second chunk of a chunked prefill), after the
+conv (on CPU with an fp32 conv pool, one compiled pass); decode runs `fused_recurrent_kda` on the slots in
+place (on CPU with fp32 pools, the conv and the recurrence as one compiled call). The math itself (projections, conv, gate, output) is the HF layer's, with its
 parameters; the projections that read x run as one concatenated matmul and the decode conv as a
 multiply-sum (a decode step is dominated by the count of small ops).
 """
@@ -175,8 +175,8 @@ def _prefill(
         rec_init = rec_init * keep[:, None, None, None].to(rec_init.dtype)
     if qkv.device.type == "cpu" and conv_state.dtype == torch.float32:
         # one compiled pass, the pool advanced in place: the torch form's passes over [T, C] (the row
-        # layout, four multiply-adds, SiLU, the gather of token rows, q/k/v copies) cost more than the rest
-        # of the layer's prefill but its projections on a CPU with AMX (NOTES, session 16)
+        # layout, four multiply-adds, SiLU, the gather of token rows, q/k/v copies) cost about as much as
+        # the recurrence itself on a CPU with AMX (NOTES, session 16)
         T = qkv.shape[0]
         q, k, v = conv_silu_prefill_cpu(qkv, _conv_weight_rows(layer), conv_state.transpose(-1, -2),
                                         query_start_loc, slots, has_initial_state, layer.key_dim)
