@@ -5,7 +5,7 @@ is an error rather than a second compile."""
 from __future__ import annotations
 
 import numpy as np
-from numba import boolean, float32, int32, int64, njit, void
+from numba import boolean, float32, int16, int32, int64, njit, void
 
 from kernels.kda.common import L2NORM_EPS
 
@@ -55,47 +55,57 @@ def silu_inplace(x, exponent):  # pragma: no cover - compiled
         x[i] = x[i] / (np.float32(1.0) + p * scale[i])
 
 
-@njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], _INDEX, _INDEX, _INDEX, boolean[::1],
-           float32[:, ::1], float32[:, ::1], float32[:, ::1]), **_COMPILE)
-def conv_silu_rows(x, conv_w, conv_pool, starts, ends, slots, keep, yq, yk, yv):  # pragma: no cover - compiled
-    """The causal depthwise conv + SiLU over back-to-back sequences: x [T, C] pre-conv inputs (q|k|v
-    channels), conv_w [W, C] (tap W-1 the newest), conv_pool [P, W-1, C] the W-1 inputs before each
-    sequence (oldest first; used where keep, zeros elsewhere), replaced in place by each sequence's last
-    W-1 inputs; sequence r is rows starts[r]..ends[r]-1 with its slot slots[r]. Writes y = SiLU(conv)
+@njit(void(float32[:, :], int16[:, :], boolean, float32[:, ::1], float32[:, :, :], _INDEX, _INDEX, _INDEX,
+           boolean[::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]), **_COMPILE)
+def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots, keep, yq, yk,
+                   yv):  # pragma: no cover - compiled
+    """The causal depthwise conv + SiLU over back-to-back sequences: the pre-conv inputs (q|k|v channels)
+    are x [T, C], or with from_bf16 x_bf16 [T, C], bf16 values as their bits (any strides: e.g. a column
+    slice of a projection); conv_w [W, C] (tap W-1 the newest); conv_pool [P, W-1, C] the W-1 inputs before
+    each sequence (oldest first; used where keep, zeros elsewhere), replaced in place by each sequence's
+    last W-1 inputs; sequence r is rows starts[r]..ends[r]-1 with its slot slots[r]. Writes y = SiLU(conv)
     split by channel into yq [T, Cq], yk [T, Cq], yv [T, C - 2 Cq]."""
-    C = x.shape[1]
+    C = conv_w.shape[1]
     W1 = conv_pool.shape[1]
+    W = W1 + 1
     Cq = yq.shape[1]
-    hist = np.empty((W1, C), np.float32)
+    window = np.empty((W, C), np.float32)  # a ring: sequence position p (history first) in row p % W
+    bits = np.empty(C, np.int32)
+    as_float = bits.view(np.float32)
     acc = np.empty(C, np.float32)
     exponent = np.empty(C, np.int32)
     for r in range(starts.shape[0]):
         a, b, s = starts[r], ends[r], slots[r]
         for tap in range(W1):
             for c in range(C):
-                hist[tap, c] = conv_pool[s, tap, c] if keep[r] else np.float32(0.0)
+                window[tap, c] = conv_pool[s, tap, c] if keep[r] else np.float32(0.0)
         for t in range(a, b):
+            p = t - a + W1
+            row = p % W
+            if from_bf16:  # a bf16 value is the top half of the fp32 with the same bits
+                for c in range(C):
+                    bits[c] = np.int32(x_bf16[t, c]) << np.int32(16)
+                for c in range(C):
+                    window[row, c] = as_float[c]
+            else:
+                for c in range(C):
+                    window[row, c] = x[t, c]
             for c in range(C):
-                acc[c] = conv_w[W1, c] * x[t, c]
+                acc[c] = conv_w[W1, c] * window[row, c]
             for tap in range(W1):
-                back = W1 - tap  # tap reads the input `back` rows before t
-                if t - back >= a:
-                    for c in range(C):
-                        acc[c] += conv_w[tap, c] * x[t - back, c]
-                else:
-                    row = t - a + tap  # = W1 + (t - back - a): the history row
-                    for c in range(C):
-                        acc[c] += conv_w[tap, c] * hist[row, c]
+                src = (p - W1 + tap) % W
+                for c in range(C):
+                    acc[c] += conv_w[tap, c] * window[src, c]
             silu_inplace(acc, exponent)
             for c in range(Cq):
                 yq[t, c] = acc[c]
                 yk[t, c] = acc[Cq + c]
             for c in range(C - 2 * Cq):
                 yv[t, c] = acc[2 * Cq + c]
-        for tap in range(W1):  # the sequence's last W-1 inputs, reaching into the history if it is shorter
-            pos = b - W1 + tap
+        for tap in range(W1):  # the last W-1 positions: tokens, or history where the sequence is shorter
+            src = (b - a + tap) % W
             for c in range(C):
-                conv_pool[s, tap, c] = x[pos, c] if pos >= a else hist[pos - a + W1, c]
+                conv_pool[s, tap, c] = window[src, c]
 
 
 @njit(void(_ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1], float32, boolean, _INDEX, _INDEX, _INDEX,

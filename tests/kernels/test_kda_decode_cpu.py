@@ -146,10 +146,11 @@ def test_conv_and_recurrence_in_one_decode_step_match_their_torch_forms(gate: st
     assert torch.equal(pages[:, HV * K * V:], pages_before[:, HV * K * V:])
 
 
-def test_prefill_conv_and_silu_in_one_pass_match_conv1d() -> None:
+@pytest.mark.parametrize("inputs", ["fp32", "fp32 column slice", "bf16 column slice"])
+def test_prefill_conv_and_silu_in_one_pass_match_conv1d(inputs: str) -> None:
     """`conv_silu_prefill_cpu` against fp64 `conv1d` + SiLU per sequence: sequences shorter and longer than
     the window, an empty one, fresh and continued histories, a pool with other data between its slots;
-    inputs up to +-40 so the SiLU's exp spans its range."""
+    inputs up to +-40 so the SiLU's exp spans its range, given as they are or as a projection's columns."""
     W, Cq, Cv, slots = 4, 8, 12, 7
     C = 2 * Cq + Cv
     gen = torch.Generator().manual_seed(3)
@@ -158,6 +159,11 @@ def test_prefill_conv_and_silu_in_one_pass_match_conv1d() -> None:
     keep = torch.tensor([True, False, True, True, True])
     x = torch.randn(int(cu[-1]), C, generator=gen) * 8
     x[5] *= 5
+    if inputs != "fp32":  # the q|k|v columns of a wider projection output, as the engine passes them
+        wide = torch.randn(len(x), C + 5, generator=gen)
+        wide[:, 2:2 + C] = x
+        x = wide.to(torch.bfloat16 if inputs.startswith("bf16") else torch.float32)[:, 2:2 + C]
+        assert not x.is_contiguous()
     weight = torch.randn(W, C, generator=gen)
     pages = torch.randn(slots, 2 * (W - 1) * C, generator=gen)
     pool = pages[:, :(W - 1) * C].view(slots, W - 1, C)
@@ -169,7 +175,7 @@ def test_prefill_conv_and_silu_in_one_pass_match_conv1d() -> None:
     for r in range(len(idx)):
         a, b, s = int(cu[r]), int(cu[r + 1]), int(idx[r])
         hist = pool_before[s] if keep[r] else torch.zeros(W - 1, C)
-        ext = torch.cat([hist, x[a:b]]).double()  # [W-1+L, C], oldest first
+        ext = torch.cat([hist, x[a:b].float()]).double()  # [W-1+L, C], oldest first
         if b > a:
             ref = F.silu(F.conv1d(ext.t()[None], weight.double().t()[:, None], groups=C)[0].t())
             assert rel_err(y[a:b], ref) < 1e-6
