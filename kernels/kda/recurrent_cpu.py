@@ -100,26 +100,27 @@ def conv_silu_prefill_cpu(
     slots: torch.Tensor, has_initial_state: torch.Tensor | None, key_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The KDA short conv + SiLU of a prefill, as one compiled pass: x [T, C] the pre-conv q|k|v channels
-    (fp32 or bf16, any strides) of back-to-back sequences (query_start_loc [n+1]), conv_weight [W, C], conv_pool [P, W-1, C] fp32 (any
-    strides) whose slot slots[r] holds the inputs before sequence r (used where has_initial_state, None:
-    everywhere; zeros elsewhere) and receives its last W-1 inputs. Returns q, k [T, key_dim] and
-    v [T, C - 2 key_dim], fp32 and contiguous, as the recurrence reads them."""
+    of back-to-back sequences (query_start_loc [n+1]; fp32 or bf16, any strides), conv_weight [W, C],
+    conv_pool [P, W-1, C] fp32 (any strides) whose slot slots[r] holds the inputs before sequence r (used
+    where has_initial_state, None: everywhere; zeros elsewhere) and receives its last W-1 inputs. Returns
+    q, k [T, key_dim] and v [T, C - 2 key_dim], fp32 and contiguous, as the recurrence reads them."""
     if conv_pool.dtype != torch.float32 or conv_pool.device.type != "cpu":
         raise ValueError(f"conv_pool must be fp32 on the CPU, got {conv_pool.dtype} on {conv_pool.device}")
     T, C = x.shape
-    from_bf16 = x.dtype == torch.bfloat16  # read as its bits where it lies: a cast of a strided slice is slow
-    values = x.detach() if x.dtype in (torch.float32, torch.bfloat16) else x.detach().float()
+    x = x.detach() if x.dtype in (torch.float32, torch.bfloat16) else x.detach().float()
+    # bf16 is read as its bits where it lies: casting a strided column slice first costs more than the pass
+    from_bf16 = x.dtype == torch.bfloat16
+    values = np.empty((0, 0), np.float32) if from_bf16 else x.numpy()
+    bits = x.view(torch.int16).numpy() if from_bf16 else np.empty((0, 0), np.int16)
     bounds = query_start_loc.to(torch.int64)
     keep = (torch.ones(len(slots), dtype=torch.bool) if has_initial_state is None
             else has_initial_state.to(torch.bool).contiguous())
     q, k, v = torch.empty(T, key_dim), torch.empty(T, key_dim), torch.empty(T, C - 2 * key_dim)
     from kernels.kda.recurrent_cpu_numba import conv_silu_rows
 
-    unused_f32, unused_bits = np.empty((0, 0), np.float32), np.empty((0, 0), np.int16)
-    conv_silu_rows(unused_f32 if from_bf16 else values.numpy(), values.view(torch.int16).numpy() if from_bf16
-                   else unused_bits, from_bf16, _f32(conv_weight), conv_pool.detach().numpy(), bounds[:-1].contiguous().numpy(),
-                   bounds[1:].contiguous().numpy(), slots.to(torch.int64).contiguous().numpy(), keep.numpy(),
-                   q.numpy(), k.numpy(), v.numpy())
+    conv_silu_rows(values, bits, from_bf16, _f32(conv_weight), conv_pool.detach().numpy(),
+                   bounds[:-1].contiguous().numpy(), bounds[1:].contiguous().numpy(),
+                   slots.to(torch.int64).contiguous().numpy(), keep.numpy(), q.numpy(), k.numpy(), v.numpy())
     return q, k, v
 
 
