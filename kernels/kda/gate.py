@@ -1,6 +1,7 @@
 """The KDA forget gate, in log space. This file is its home: the torch form (CPU paths, tests) and the
-Triton form that the CUDA kernels inline. The CPU decode loop (`recurrent_cpu_numba.conv_kda_decode`)
-writes the same two formulas in numba, which cannot call either; its tests compare it with this one.
+Triton form that the CUDA kernels inline. The CPU recurrence's gate loop
+(`recurrent_cpu_numba.gate_decay_rows`) writes the same two formulas in numba, which cannot call either; its
+tests compare it with this one.
 
 Bounded (DESIGN section 2):   g = lower_bound * sigmoid(f + dt_bias),   so g in (lower_bound, 0).
 Unbounded (for comparison):   g = -exp(A_log) * softplus(f + dt_bias).

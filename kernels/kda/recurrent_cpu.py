@@ -51,19 +51,30 @@ def recurrent_kda_cpu(
     HV, V = pool.shape[1], pool.shape[3]
     with torch.no_grad():
         # the l2norm runs in the kernel: a few multiply-adds per token there, several tensor passes here
+        # ... and the gate too: one compiled pass instead of torch's four over [B, T, HV, K]
         qe, ke, ve, ge, be = preprocess(
-            q, k, v, g, beta, dtype=torch.float32, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound, A_log=A_log,
-            dt_bias=dt_bias,
+            q, k, v, g, beta, dtype=torch.float32, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=None, A_log=None, dt_bias=None,
         )
         rows = B * T
-        arrays = [x.reshape(rows, *x.shape[2:]).contiguous().numpy() for x in (qe, ke, ve, torch.exp(ge), be)]
-        o = torch.zeros(B, T, HV, V)
+        qa, ka, va, ba = (x.reshape(rows, *x.shape[2:]).contiguous().numpy() for x in (qe, ke, ve, be))
+        from kernels.kda.recurrent_cpu_numba import gate_decay_rows, kda_rows  # numba loads on first use
+
+        K = qe.shape[-1]
+        if use_gate_in_kernel:
+            bounded = lower_bound is not None
+            decay = np.empty((rows, HV, K), np.float32)
+            gate_decay_rows(ge.reshape(rows, HV * K).contiguous().numpy(),
+                            _f32(torch.zeros(HV * K) if dt_bias is None else dt_bias.reshape(-1)), bounded,
+                            np.float32(lower_bound if bounded else 0.0),
+                            np.zeros(HV, np.float32) if bounded else _f32(A_log.reshape(-1)), K,
+                            decay.reshape(rows, HV * K))
+        else:
+            decay = torch.exp(ge).reshape(rows, HV, K).contiguous().numpy()
+        o = torch.empty(B, T, HV, V)
         starts, ends = sequence_rows(T, B, cu_seqlens)
         index = [x.to("cpu", torch.int64).contiguous().numpy() for x in (starts, ends, slots)]
-        from kernels.kda.recurrent_cpu_numba import kda_rows  # numba loads where the CPU path first runs
-
-        kda_rows(*arrays, np.float32(scale), use_qk_l2norm_in_kernel, *index, *_flat_slots(pool),
+        kda_rows(qa, ka, va, decay, ba, np.float32(scale), use_qk_l2norm_in_kernel, *index, *_flat_slots(pool),
                  o.view(rows, HV, V).numpy())
     return o
 

@@ -40,19 +40,47 @@ _INDEX = int64[::1]
 _LOG2E, _LN2 = np.float32(1.4426950408889634), np.float32(0.6931471805599453)
 
 
+@njit(inline="always", **_COMPILE)
+def _exp_parts(x):  # pragma: no cover - compiled
+    """exp(x) = p * 2^k for x clamped to [-87, 87]: p, and 2^k's float bits (the caller stores them in an int32
+    array and reads them back through a float32 view, which LLVM turns into a register bitcast)."""
+    t = min(max(x, np.float32(-87.0)), np.float32(87.0)) * _LOG2E
+    k = np.floor(t + np.float32(0.5))
+    f = (t - k) * _LN2
+    p = np.float32(1.0) + f * (np.float32(1.0) + f * (np.float32(0.5) + f * (np.float32(1.0 / 6.0) + f * (
+        np.float32(1.0 / 24.0) + f * (np.float32(1.0 / 120.0) + f * np.float32(1.0 / 720.0))))))
+    return p, (np.int32(k) + np.int32(127)) << np.int32(23)
+
+
 @njit(void(_VEC, int32[::1]), **_COMPILE)
 def silu_inplace(x, exponent):  # pragma: no cover - compiled
-    """x <- x sigmoid(x) = x / (1 + exp(-x)); exponent: int32 scratch of x's length (2^k's bits are stored
-    and read back as a float, which LLVM turns into a register bitcast)."""
+    """x <- x sigmoid(x) = x / (1 + exp(-x)); exponent: int32 scratch of x's length."""
     scale = exponent.view(np.float32)
     for i in range(x.shape[0]):
-        t = min(max(-x[i], np.float32(-87.0)), np.float32(87.0)) * _LOG2E
-        k = np.floor(t + np.float32(0.5))
-        f = (t - k) * _LN2
-        p = np.float32(1.0) + f * (np.float32(1.0) + f * (np.float32(0.5) + f * (np.float32(1.0 / 6.0) + f * (
-            np.float32(1.0 / 24.0) + f * (np.float32(1.0 / 120.0) + f * np.float32(1.0 / 720.0))))))
-        exponent[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        p, exponent[i] = _exp_parts(-x[i])
         x[i] = x[i] / (np.float32(1.0) + p * scale[i])
+
+
+@njit(void(float32[:, ::1], _VEC, boolean, float32, _VEC, int64, float32[:, ::1]), **_COMPILE)
+def gate_decay_rows(f, dt_bias, bounded, lower_bound, a_log, K, decay):  # pragma: no cover - compiled
+    """The forget gate's decay exp(g) for rows of raw gate inputs: f, decay [R, HV*K], dt_bias [HV*K].
+    Bounded: g = lower_bound * sigmoid(f + dt_bias); else g = -exp(a_log[h]) * softplus(f + dt_bias) with
+    a_log [HV] (softplus as torch computes it: linear above 20). The two formulas of `kernels/kda/gate.py`,
+    which this loop cannot call."""
+    n = f.shape[1]
+    bits = np.empty((2, n), np.int32)
+    scale = bits.view(np.float32)
+    for r in range(f.shape[0]):
+        if bounded:  # two loops, not a branch in one: the bounded one vectorises
+            for c in range(n):
+                p, bits[0, c] = _exp_parts(-(f[r, c] + dt_bias[c]))
+                g = lower_bound / (np.float32(1.0) + p * scale[0, c])
+                p, bits[1, c] = _exp_parts(g)
+                decay[r, c] = p * scale[1, c]
+        else:
+            for c in range(n):
+                x = f[r, c] + dt_bias[c]
+                decay[r, c] = np.exp(-np.exp(a_log[c // K]) * (x if x > np.float32(20.0) else np.log1p(np.exp(x))))
 
 
 @njit(void(float32[:, :], int16[:, :], boolean, float32[:, ::1], float32[:, :, :], _INDEX, _INDEX, _INDEX,
@@ -114,7 +142,7 @@ def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slo
     """q, k, decay [R, HV, K]; v [R, HV, V]; beta [R, HV] (rows = tokens); sequence n is rows
     starts[n] .. ends[n]-1 and continues the state of slot slots[n] ([HV, K, V] contiguous at
     pool[slots[n] * slot_stride], updated in place: a serving engine's pool has other state between its
-    slots); slots[n] < 0 skips it. o [R, HV, V] gets the outputs of the sequences' rows. With `l2norm`, q and
+    slots); slots[n] < 0 skips it (zero output). o [R, HV, V] gets the outputs of the sequences' rows. With `l2norm`, q and
     k are divided by sqrt(|x|^2 + L2NORM_EPS) here (fla's in-kernel l2norm)."""
     HV, K = q.shape[1], q.shape[2]
     V = v.shape[2]
@@ -127,6 +155,7 @@ def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slo
     f = np.empty(K, np.float32)
     for n in range(slots.shape[0]):
         if slots[n] < 0:
+            o[starts[n]:ends[n]] = 0.0
             continue
         for h in range(HV):
             start = slots[n] * slot_stride + h * K * V
@@ -182,7 +211,7 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
     q = np.zeros((n, HV, K), np.float32)
     k = np.zeros((n, HV, K), np.float32)
     v = np.zeros((n, HV, V), np.float32)
-    decay = np.ones((n, HV, K), np.float32)
+    decay = np.empty((n, HV, K), np.float32)
     beta = np.zeros((n, HV), np.float32)
     y = np.empty(C, np.float32)
     exponent = np.empty(C, np.int32)
@@ -206,14 +235,9 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
             for i in range(K):
                 q[r, h, i] = y[hq * K + i]
                 k[r, h, i] = y[H * K + hq * K + i]
-                x = f[r, h, i] + dt_bias[h * K + i]
-                if bounded:
-                    g = lower_bound / (np.float32(1.0) + np.exp(-x))
-                else:  # softplus as torch computes it (linear above 20)
-                    g = -np.exp(a_log[h]) * (x if x > np.float32(20.0) else np.log1p(np.exp(x)))
-                decay[r, h, i] = np.exp(g)
             for j in range(V):
                 v[r, h, j] = y[2 * H * K + h * V + j]
             beta[r, h] = np.float32(1.0) / (np.float32(1.0) + np.exp(-beta_logits[r, h]))
+    gate_decay_rows(f.reshape((n, HV * K)), dt_bias, bounded, lower_bound, a_log, K, decay.reshape((n, HV * K)))
     starts = np.arange(n, dtype=np.int64)
     kda_rows(q, k, v, decay, beta, scale, l2norm, starts, starts + 1, slots, pool, slot_stride, o)

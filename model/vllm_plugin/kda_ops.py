@@ -216,7 +216,7 @@ def kda_forward_with_state(
     if nd == batch.num_requests:  # decode-only step
         o = _decode(layer, qkv, f, beta, conv_state, recurrent_state, batch.state_indices)
     else:
-        o = qkv.new_zeros(T, layer.num_v_heads, layer.v_head_dim)
+        o = qkv.new_empty(T, layer.num_v_heads, layer.v_head_dim)  # every row is written below
         if nd > 0:
             o[:nd] = _decode(layer, qkv[:nd], f[:nd], beta[:nd], conv_state, recurrent_state,
                              batch.state_indices[:nd])
