@@ -135,6 +135,24 @@ def conv_silu_prefill_cpu(
     return q, k, v
 
 
+def gated_rms_norm_cpu(o: torch.Tensor, gate: torch.Tensor, weight: Array, eps: float) -> torch.Tensor:
+    """`GatedRMSNorm` (model/layers/norm.py) over KDA's output heads as one compiled pass: o [T, HV, V] fp32,
+    gate [T, HV*V] fp32 or bf16 (any strides; bf16 read as its bits), weight [V]. Returns [T, HV*V] in
+    gate's dtype. torch's form makes ~8 passes over [T, HV, V], each slow in bf16 on a CPU."""
+    T, HV, V = o.shape
+    gate = gate.detach() if gate.dtype in (torch.float32, torch.bfloat16) else gate.detach().float()
+    from_bf16 = gate.dtype == torch.bfloat16
+    out = torch.empty(T, HV * V, dtype=gate.dtype)
+    no_f32, no_bits = np.empty((0, 0), np.float32), np.empty((0, 0), np.int16)
+    from kernels.kda.recurrent_cpu_numba import gated_rms_norm_rows
+
+    gated_rms_norm_rows(o.detach().contiguous().numpy(), no_f32 if from_bf16 else gate.numpy(),
+                        gate.view(torch.int16).numpy() if from_bf16 else no_bits, from_bf16, _f32(weight),
+                        np.float32(eps), no_f32 if from_bf16 else out.numpy(),
+                        out.view(torch.int16).numpy() if from_bf16 else no_bits, from_bf16)
+    return out
+
+
 def _f32(x: Array) -> np.ndarray:
     """A contiguous fp32 numpy array of x (x itself when it is one)."""
     if isinstance(x, np.ndarray):

@@ -241,3 +241,45 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
     gate_decay_rows(f.reshape((n, HV * K)), dt_bias, bounded, lower_bound, a_log, K, decay.reshape((n, HV * K)))
     starts = np.arange(n, dtype=np.int64)
     kda_rows(q, k, v, decay, beta, scale, l2norm, starts, starts + 1, slots, pool, slot_stride, o)
+
+
+@njit(void(float32[:, :, ::1], float32[:, :], int16[:, :], boolean, _VEC, float32, float32[:, ::1], int16[:, ::1],
+           boolean), **_COMPILE)
+def gated_rms_norm_rows(o, gate, gate_bf16, gate_from_bf16, weight, eps, out, out_bf16,
+                        to_bf16):  # pragma: no cover - compiled
+    """KDA's output norm, out = o / rms(o) * weight * sigmoid(gate) per head: o [R, HV, V]; the gate [R, HV*V]
+    as fp32 `gate` or, with gate_from_bf16, bf16 bits `gate_bf16` (any strides); out [R, HV*V] as fp32 `out`
+    or, with to_bf16, bf16 bits `out_bf16` (rounded to nearest even)."""
+    R, HV, V = o.shape
+    n = HV * V
+    g = np.empty(n, np.float32)
+    bits = np.empty(n, np.int32)
+    as_float = bits.view(np.float32)
+    for r in range(R):
+        if gate_from_bf16:
+            for c in range(n):
+                bits[c] = np.int32(gate_bf16[r, c]) << np.int32(16)
+            for c in range(n):
+                g[c] = as_float[c]
+        else:
+            for c in range(n):
+                g[c] = gate[r, c]
+        for c in range(n):  # sigmoid(g)
+            p, bits[c] = _exp_parts(-g[c])
+            g[c] = np.float32(1.0) / (np.float32(1.0) + p * as_float[c])
+        for h in range(HV):
+            ss = np.float32(0.0)
+            for j in range(V):
+                ss += o[r, h, j] * o[r, h, j]
+            inv = np.float32(1.0) / np.sqrt(ss / np.float32(V) + eps)
+            for j in range(V):
+                g[h * V + j] *= o[r, h, j] * inv * weight[j]
+        if to_bf16:  # round to nearest even: add 0x7FFF plus the lowest kept bit, keep the top 16 bits
+            for c in range(n):
+                as_float[c] = g[c]
+            for c in range(n):
+                b = bits[c]
+                out_bf16[r, c] = np.int16((b + np.int32(0x7FFF) + ((b >> np.int32(16)) & np.int32(1))) >> np.int32(16))
+        else:
+            for c in range(n):
+                out[r, c] = g[c]

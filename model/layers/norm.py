@@ -23,7 +23,8 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm(o) * sigmoid(gate) over the last dim (one head's channels)."""
+    """RMSNorm(o) * sigmoid(gate) over the last dim (one head's channels). The CPU serving path runs the same
+    formula as one compiled pass (`kernels.kda.recurrent_cpu.gated_rms_norm_cpu`)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()

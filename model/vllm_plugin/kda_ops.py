@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kda import chunk_kda, fused_recurrent_kda
-from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu, conv_silu_prefill_cpu, slots_contiguous
+from kernels.kda.recurrent_cpu import (
+    conv_recurrent_kda_decode_cpu,
+    conv_silu_prefill_cpu,
+    gated_rms_norm_cpu,
+    slots_contiguous,
+)
 from model.layers.kda import KimiDeltaAttention
 from model.vllm_plugin.fused import FusedLinear, derived_arrays, fused
 
@@ -216,7 +221,9 @@ def kda_forward_with_state(
     if nd == batch.num_requests:  # decode-only step
         o = _decode(layer, qkv, f, beta, conv_state, recurrent_state, batch.state_indices)
     else:
-        o = qkv.new_empty(T, layer.num_v_heads, layer.v_head_dim)  # every row is written below
+        # every row is written below; fp32 on CPU, where the output norm's compiled pass reads it
+        o = qkv.new_empty(T, layer.num_v_heads, layer.v_head_dim, dtype=torch.float32 if qkv.device.type == "cpu"
+                          else qkv.dtype)
         if nd > 0:
             o[:nd] = _decode(layer, qkv[:nd], f[:nd], beta[:nd], conv_state, recurrent_state,
                              batch.state_indices[:nd])
@@ -226,8 +233,13 @@ def kda_forward_with_state(
         o[t0:] = _prefill(layer, qkv[t0:], f[t0:], beta[t0:], conv_state, recurrent_state, qsl,
                           batch.state_indices[nd:], has_init)
     # = layer.output(o, xs), with W_ga x from the fused projection
-    gate = layer.g_b_proj(gate_low).unflatten(-1, (layer.num_v_heads, layer.v_head_dim))
-    out = layer.o_proj(layer.o_norm(o, gate).flatten(-2))
+    gate = layer.g_b_proj(gate_low)
+    if o.device.type == "cpu" and o.dtype == torch.float32:
+        (norm_weight,) = derived_arrays(layer, "o_norm", lambda: (layer.o_norm.weight,), lambda *params: params)()
+        normed = gated_rms_norm_cpu(o, gate, norm_weight, layer.o_norm.eps)
+    else:
+        normed = layer.o_norm(o, gate.unflatten(-1, (layer.num_v_heads, layer.v_head_dim))).flatten(-2)
+    out = layer.o_proj(normed)
     if T == x.shape[0]:
         return out
     y = x.new_zeros(x.shape)

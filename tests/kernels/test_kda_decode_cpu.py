@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from kda_inputs import make_inputs, rel_err
 
 from kernels.kda import fused_recurrent_kda, naive_recurrent_kda
-from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu, conv_silu_prefill_cpu
+from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu, conv_silu_prefill_cpu, gated_rms_norm_cpu
+from model.layers.norm import GatedRMSNorm
 
 
 @pytest.mark.parametrize("inplace", [True, False])
@@ -183,3 +184,25 @@ def test_prefill_conv_and_silu_in_one_pass_match_conv1d(inputs: str) -> None:
     untouched = [i for i in range(slots) if i not in idx.tolist()]
     assert torch.equal(pool[untouched], pool_before[untouched])
     assert torch.equal(pages[:, (W - 1) * C:], pages_before[:, (W - 1) * C:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_norm_in_one_pass_matches_the_gated_rms_norm(dtype: torch.dtype) -> None:
+    """KDA's output norm as the CPU engine runs it, against fp64 and the torch module: a strided gate (a
+    column slice of a projection), bf16 read as its bits and written rounded to nearest even."""
+    gen = torch.Generator().manual_seed(5)
+    T, HV, V = 37, 3, 16
+    o = torch.randn(T, HV, V, generator=gen) * 3
+    gate = (torch.randn(T, 2 * HV * V, generator=gen) * 4).to(dtype)[:, ::2]
+    norm = GatedRMSNorm(V, eps=1e-6)
+    norm.weight.data = torch.randn(V, generator=gen)
+    got = gated_rms_norm_cpu(o, gate, norm.weight, norm.eps)
+    g64 = gate.double().unflatten(-1, (HV, V))
+    ref64 = o.double() * torch.rsqrt(o.double().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    ref64 = (ref64 * torch.sigmoid(g64)).flatten(-2)
+    with torch.no_grad():
+        module = norm(o, gate.unflatten(-1, (HV, V))).flatten(-2)
+    assert got.dtype == dtype and got.shape == (T, HV * V)
+    bound = 1e-6 if dtype == torch.float32 else 4e-3  # bf16: half an ulp of the rounded output
+    assert rel_err(got, ref64) < bound
+    assert rel_err(got, module) <= max(bound, 2 * rel_err(module, ref64))
