@@ -79,11 +79,14 @@ def run(lengths: list[int], profile: bool) -> dict[str, Any]:
                     from torch.profiler import ProfilerActivity
                     from torch.profiler import profile as torch_profile
 
-                    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                        kda_forward_with_state(kda, x, conv, rec, prefill_batch(T))
-                    profiles[f"KDA layer prefill 1 x {T} {name}"] = prof.key_averages(group_by_input_shape=True).table(
-                        sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=32,
-                        max_shapes_column_width=56)
+                    for title, fn in ((f"KDA layer prefill 1 x {T} {name}", partial(
+                            kda_forward_with_state, kda, x, conv, rec, prefill_batch(T))),
+                                      (f"MoE layer (HF) 1 x {T} {name}", partial(moe, x[None]))):
+                        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                            fn()
+                        profiles[title] = prof.key_averages(group_by_input_shape=True).table(
+                            sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=32,
+                            max_shapes_column_width=56)
             n = DECODE_SEQUENCES
             conv = torch.randn(2 * n, *reversed(conv_state_shape(kda))).transpose(-1, -2)  # the engine's layout
             rec = torch.randn(2 * n, *recurrent_state_shape(kda))
@@ -110,7 +113,7 @@ def print_table(result: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--profile", action="store_true", help="torch profiler table of the first prefill, per dtype")
+    ap.add_argument("--profile", action="store_true", help="torch profiler tables of the KDA and MoE prefills at the first length, per dtype")
     ap.add_argument("--out", default="benchmarks/results/cpu_layers.json")
     args = ap.parse_args()
     result = run(args.lengths, args.profile)
