@@ -125,6 +125,9 @@ def check_vs_naive(name, B, T, H, HV, K, V, cu=None, unbounded=False, f_shift=0.
     o_r, s_r, g_r = grads(lambda xx, h: naive(xx, h, cu_t, **kw), x, h0, do, dht)
     res = {"o": rel(o, o_r), "final_state": rel(s, s_r)}
     res.update({f"d{n}": rel(g[n], g_r[n]) for n in g})
+    with torch.no_grad():  # the forward without autograd runs other kernels (bounded gates)
+        o_ng, s_ng = ours(x, h0, True, cu_t, **kw)
+    res["o_nograd"], res["state_nograd"] = rel(o_ng, o_r), rel(s_ng, s_r)
     if fla_chunk_kda is not None and not unbounded:
         o_f, s_f, g_f = grads(lambda xx, h: fla(xx, h, True, cu_t), x, h0, do, dht)
         res["fla_o"] = rel(o_f, o_r)
@@ -143,6 +146,9 @@ def check_vs_fla(T: int) -> dict:
     o_f, s_f, g_f = grads(lambda xx, h: fla(xx, h, True), x, h0, do, dht)
     res = {"o": rel(o, o_f), "final_state": rel(s, s_f)}
     res.update({f"d{n}": rel(g[n], g_f[n]) for n in g})
+    with torch.no_grad():
+        o_ng, s_ng = ours(x, h0, True)
+    res["o_nograd"], res["state_nograd"] = rel(o_ng, o_f), rel(s_ng, s_f)
     print(f"  ours vs fla T={T}: " + " ".join(f"{k}={v:.1e}" for k, v in res.items()), flush=True)
     return res
 
@@ -285,12 +291,12 @@ def copy_bandwidth(gib: int = 4) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
-VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants
+VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants (the forward's, this round)
     "default": {},
-    "l2norm_separate": dict(l2norm_in_kernels=False),
-    "fwd_state_block_v64": dict(fwd_state_block_v=64),
-    "bwd_intra_whole_k": dict(bwd_intra_k_split=1),
-    "score_all_tf32": dict(bwd_score_precision="tf32", bwd_score_precision_diag=None),
+    "separate_kernels": dict(infer_kernels=False),
+    "scores_chunk_first": dict(scores_row_block_first=False),
+    "solve_wu_2warps": dict(num_warps_solve_wu=2),
+    "solve_wu_block32": dict(infer_wu_block=32),
 }
 
 
@@ -314,7 +320,9 @@ def time_variants(T: int = 32768, forward_only: bool = False) -> dict:
             o, s, g = grads(lambda xx_, h, cfg=cfg: ours(xx_, h, True, config=cfg), xc, h0, do_c, dht)
             r = {"o": rel(o, o_r), "final_state": rel(s, s_r)}
             r.update({f"d{n}": rel(g[n], g_r[n]) for n in g})
-            with torch.no_grad():
+            with torch.no_grad():  # the forward without autograd runs other kernels (bounded gates)
+                o_ng, s_ng = ours(xc, h0, True, config=cfg)
+                r["o_nograd"], r["state_nograd"] = rel(o_ng, o_r), rel(s_ng, s_r)
                 r["fwd_ms"] = bench(lambda cfg=cfg: ours(x, config=cfg))
 
             def fwd_bwd(cfg=cfg):

@@ -14,6 +14,7 @@ from kernels.kda.triton_chunk_fwd import (
     solve_kernel,
     wu_kernel,
 )
+from kernels.kda.triton_chunk_infer import solve_wu_kernel
 from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
 from kernels.kda.triton_l2norm import l2norm_bwd, l2norm_fwd
 
@@ -51,6 +52,13 @@ def seq_layout(
             to_device(starts.to(torch.int32), device))
 
 
+def infer_kernels(cfg: KDAKernelConfig, lower_bound: float | None, save_for_backward: bool) -> bool:
+    """A forward without autograd with bounded gates (chunks of 2 or 4 sub-blocks) runs the solve and w/u as
+    one kernel (triton_chunk_infer.py): nothing reads the inverse afterwards, so it is not stored."""
+    return (cfg.infer_kernels and lower_bound is not None and not save_for_backward
+            and cfg.chunk_size // cfg.sub_chunk in (2, 4))
+
+
 def kda_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, use_gate: bool, lower_bound: float | None,
@@ -81,23 +89,35 @@ def kda_fwd(
     Akk = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
     qg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
     kg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
-    intra_scores_kernel[(NC, HV, BT // BC)](
-        q, k, gcum, Aqk, Akk, qg, kg, cu, chunk_indices, scale,
+    fused_wu = infer_kernels(cfg, lower_bound, save_for_backward)
+    kge = torch.empty(T, HV, K, dtype=k.dtype, device=dev) if fused_wu else None
+    row_first = fused_wu and cfg.scores_row_block_first
+    NB = BT // BC
+    intra_scores_kernel[(NB, NC, HV) if row_first else (NC, HV, NB)](
+        q, k, gcum, Aqk, Akk, qg, kg, kge, cu, chunk_indices, scale,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, L2NORM=norm_in_kernels,
-        num_warps=cfg.num_warps_scores,
+        STORE_KGE=fused_wu, ROW_BLOCK_FIRST=row_first, num_warps=cfg.num_warps_scores,
     )
-    Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
-    solve_kernel[(NC, HV)](beta, Akk, Ai, cu, chunk_indices, H=H, HV=HV, BT=BT, BC=BC,
-                           num_warps=cfg.num_warps_solve)
     work_dtype = cfg.work_dtype or v.dtype
     w = torch.empty(T, HV, K, dtype=work_dtype, device=dev)
     u = torch.empty(T, HV, V, dtype=work_dtype, device=dev)
-    BVU = min(64, BV)
-    wu_kernel[(NC, HV, 1 + triton.cdiv(V, BVU))](
-        k, v, beta, gcum, Ai, w, u, cu, chunk_indices,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVU, DOT_PREC=prec, L2NORM=norm_in_kernels,
-        num_warps=cfg.num_warps_solve,
-    )
+    if fused_wu:  # Ai stays in registers: not stored
+        BW = min(cfg.infer_wu_block, BK)
+        solve_wu_kernel[(NC, HV)](
+            beta, Akk, kge, v, w, u, cu, chunk_indices, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BW,
+            BV=min(cfg.infer_wu_block, triton.next_power_of_2(V)), DOT_PREC=prec, num_warps=cfg.num_warps_solve_wu,
+        )
+        Ai = Akk.new_empty(0)
+    else:
+        Ai = torch.empty(T, HV, BT, dtype=torch.float32, device=dev)
+        solve_kernel[(NC, HV)](beta, Akk, Ai, cu, chunk_indices, H=H, HV=HV, BT=BT, BC=BC,
+                               num_warps=cfg.num_warps_solve)
+        BVU = min(64, BV)
+        wu_kernel[(NC, HV, 1 + triton.cdiv(V, BVU))](
+            k, v, beta, gcum, Ai, w, u, cu, chunk_indices,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVU, DOT_PREC=prec, L2NORM=norm_in_kernels,
+            num_warps=cfg.num_warps_solve,
+        )
     state_dtype = cfg.state_dtype or (torch.float32 if q.dtype == torch.float32 else q.dtype)
     if save_for_backward:
         h = torch.empty(max(NC, 1), HV, K, V, dtype=state_dtype, device=dev)
@@ -289,6 +309,8 @@ def _(q, k, v, f, beta, A_log, dt_bias, initial_state, cu_seqlens, batch, scale,
                  kg=e(T, HV, K, dtype=k.dtype), chunk_indices=e(0, dtype=i32), chunk_offsets=e(0, dtype=i32))
     if not save_for_backward:
         saved.update(h=e(0, dtype=state), vn=e(0, dtype=work))
+    if infer_kernels(cfg, lower_bound, save_for_backward):
+        saved.update(Ai=e(0, dtype=f32))
     if cu_seqlens is not None:  # fixed-length layouts come from the cache in the backward
         saved.update(chunk_indices=e(NC, 2, dtype=i32), chunk_offsets=e(N, dtype=i32))
     ht = e(N, HV, K, V, dtype=f32) if output_final_state else e(0, dtype=q.dtype)

@@ -166,17 +166,26 @@ def _diag_block_pairwise(x, k, g, rows, row_ok, xk_head, xk_stride, g_head, g_st
 
 @triton.jit
 def intra_scores_kernel(
-    q, k, gcum, Aqk, Akk, qg, kg, cu_seqlens, chunk_indices, scale,
+    q, k, gcum, Aqk, Akk, qg, kg, kge, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr, L2NORM: tl.constexpr = False,
+    STORE_KGE: tl.constexpr = False, ROW_BLOCK_FIRST: tl.constexpr = False,
 ):
     """Row block i = program_id(2) of one chunk and value head: its rows of Aqk (incl. diagonal, times
     scale) and Akk (strictly lower), and of the gated qg = scale q e^Gam and kg = k e^(Gam_last - Gam)
     that the state and output kernels consume (so their loops carry no exponentials). q and k have H
     heads; value head i_hv reads head i_hv // (HV // H). One program per row block, not per chunk: a
-    whole chunk's blocks in one program needed ~240 registers per thread (12% occupancy on an H200)."""
-    _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
-    i = tl.program_id(2)
+    whole chunk's blocks in one program needed ~240 registers per thread (12% occupancy on an H200).
+    With STORE_KGE also kge = k e^Gam (the solve + w/u kernel of triton_chunk_infer.py reads it). With
+    ROW_BLOCK_FIRST the grid is (row block, chunk, head), so a chunk's row blocks, which re-read the earlier
+    blocks' k and gcum, run side by side."""
+    if ROW_BLOCK_FIRST:
+        i, i_hv = tl.program_id(0), tl.program_id(2)
+        i_h = i_hv // (HV // H)
+        _, i_t, bos, T = _chunk_coords(cu_seqlens, chunk_indices, tl.program_id(1))
+    else:
+        _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
+        i = tl.program_id(2)
     o_i = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -192,7 +201,10 @@ def intra_scores_kernel(
     b_q = _rows(q, qk_off_i, m_i, L2NORM)
     b_k = _rows(k, qk_off_i, m_i, L2NORM)
     g_last = _gate_at_chunk_end(gcum, bos, i_t * BT, T, i_hv, o_k, HV, K, BT)
-    tl.store(qg + g_off_i, (b_q * tl.where(m_i, tl.exp(b_g_i), 0.0) * scale).to(qg.dtype.element_ty), mask=m_i)
+    e_g = tl.where(m_i, tl.exp(b_g_i), 0.0)
+    tl.store(qg + g_off_i, (b_q * e_g * scale).to(qg.dtype.element_ty), mask=m_i)
+    if STORE_KGE:
+        tl.store(kge + g_off_i, (b_k * e_g).to(kge.dtype.element_ty), mask=m_i)
     tl.store(kg + g_off_i, (b_k * tl.where(m_i, tl.exp(g_last[None, :] - b_g_i), 0.0)).to(kg.dtype.element_ty),
              mask=m_i)
     q_left = (b_q * e_left * scale).to(k.dtype.element_ty)
@@ -227,15 +239,10 @@ def intra_scores_kernel(
 
 
 @triton.jit
-def solve_kernel(
-    beta, Akk, Ai, cu_seqlens, chunk_indices,
-    H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-):
-    """Ai = (I + L)^-1, L = diag(beta) Akk strictly lower, of one chunk and value head: the diagonal
-    blocks' inverses as one interleaved forward substitution (step r of every block together; row r of
-    L read from memory), then the off-diagonal blocks M_ij = -M_ii sum_m L_im M_mj row block by row
-    block, through Ai in memory (a barrier per row block)."""
-    _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
+def diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """(I + L_ii)^-1 - I of a chunk's diagonal blocks as one [NB, BC, BC] stack, L = diag(beta) Akk
+    (strictly lower in each block): an interleaved forward substitution, step r of every block together,
+    row r of L read from memory. Also returns the stack's offsets into [T, HV, BT] and their mask."""
     NB: tl.constexpr = BT // BC
     o_b = tl.arange(0, NB)
     o_i = tl.arange(0, BC)
@@ -253,6 +260,22 @@ def solve_kernel(
                      other=0.0) * beta_r  # [NB, BC]
         a = a + tl.sum(a[:, :, None] * Y, 1)
         Y = tl.where((o_i == r)[None, :, None], a[:, None, :], Y)
+    return Y, off, ok
+
+
+@triton.jit
+def solve_kernel(
+    beta, Akk, Ai, cu_seqlens, chunk_indices,
+    H: tl.constexpr, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    """Ai = (I + L)^-1, L = diag(beta) Akk strictly lower, of one chunk and value head: the diagonal
+    blocks' inverses as one interleaved forward substitution (step r of every block together; row r of
+    L read from memory), then the off-diagonal blocks M_ij = -M_ii sum_m L_im M_mj row block by row
+    block, through Ai in memory (a barrier per row block)."""
+    _, i_hv, i_h, i_t, bos, T = _chunk_head_coords(cu_seqlens, chunk_indices, H, HV)
+    NB: tl.constexpr = BT // BC
+    o_i = tl.arange(0, BC)
+    Y, off, ok = diag_inverses(beta, Akk, bos, i_t, T, i_hv, HV, BT, BC)
     eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
     tl.store(Ai + off, Y + eye[None, :, :], mask=ok)
     tl.debug_barrier()

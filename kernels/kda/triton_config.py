@@ -19,6 +19,14 @@ class KDAKernelConfig:
     state_dtype: torch.dtype | None = None  # per-chunk states h and their gradients; None: the input dtype
     work_dtype: torch.dtype | None = None  # w, u, vn, dvn between kernels; None: the input dtype
     l2norm_in_kernels: bool = True  # forward without autograd, bounded gates: no separate l2norm pass over q, k
+    # forward without autograd, bounded gates: solve and w/u as one kernel (triton_chunk_infer.py)
+    infer_kernels: bool = True
+    infer_wu_block: int = 64  # K / V columns per step of its w/u products
+    num_warps_solve_wu: int = 1  # H200, 32K, forward: 2.68 ms at 1 warp, 2.87 at 2, 3.08 at 4
+    # its intra-scores grid (row block, chunk, head): a chunk's row blocks, which re-read the earlier blocks' k
+    # and gcum, run side by side (H200, 32K, forward: 2.87 -> 2.71 ms against (chunk, head, row block)). The
+    # autograd path keeps (chunk, head, row block): not timed with the backward yet
+    scores_row_block_first: bool = True
     num_warps_scores: int = 4
     num_warps_solve: int = 2  # solve and w/u (H200, 32K: forward 4.15 -> 3.94 ms against 4 warps)
     num_warps_state: int = 4

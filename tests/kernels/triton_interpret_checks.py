@@ -148,19 +148,23 @@ def expanded_grads_case(seed):
                                                         strict=True)}
 
 
-def no_grad_case(seed):
-    """A forward without autograd skips the states and new values only the backward reads, and (bounded gate)
-    normalises q, k inside the scores and w/u kernels: its output and final state equal those of a forward that
-    saves them, and the fp64 reference's."""
-    x = make_inputs(1, 70, 1, 2, 32, 16, initial_state=True, seed=seed, gate="bounded", cu_seqlens=[0, 37, 70])
+def no_grad_case(seed, chunk=32, config=None, gate="bounded", cu_seqlens=(0, 37, 70), T=70, K=32):
+    """A forward without autograd skips the states and new values only the backward reads and, with bounded
+    gates, runs the solve and w/u as one kernel (triton_chunk_infer.py): its
+    output and final state equal those of a forward that saves them (to fp32 rounding; exactly with the
+    separate kernels), and the fp64 reference's."""
+    x = make_inputs(1, T, 1, 2, K, 16, initial_state=True, seed=seed, gate=gate, l2norm=gate != "precomputed",
+                    cu_seqlens=list(cu_seqlens))
     kw = x.kwargs
+    if gate == "precomputed":
+        kw["lower_bound"] = -5.0
 
     def run():
         return chunk_kda_triton(
-            *x.args(), scale=32**-0.5, initial_state=kw["initial_state"], output_final_state=True,
+            *x.args(), scale=K**-0.5, initial_state=kw["initial_state"], output_final_state=True,
             use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"], use_gate_in_kernel=kw.get("use_gate_in_kernel", False),
             use_beta_sigmoid_in_kernel=False, lower_bound=kw.get("lower_bound"), A_log=kw.get("A_log"),
-            dt_bias=kw.get("dt_bias"), cu_seqlens=kw.get("cu_seqlens"), chunk_size=32)
+            dt_bias=kw.get("dt_bias"), cu_seqlens=kw.get("cu_seqlens"), chunk_size=chunk, config=config)
 
     with torch.no_grad():
         o_fast, s_fast = run()
@@ -293,6 +297,11 @@ def main() -> None:
         "attn_res": attn_res_case(11),
         "short_conv": short_conv_case(13),
         "no_grad": no_grad_case(12),
+        # chunks of 4 sub-blocks with short ones, the w/u columns in two slices, the scores grid row blocks first
+        "no_grad_chunk64": no_grad_case(16, 64, KDAKernelConfig(infer_wu_block=16, scores_row_block_first=True),
+                                        cu_seqlens=(0, 37, 130, 150), T=150),
+        "no_grad_precomputed": no_grad_case(17, 64, gate="precomputed", cu_seqlens=(0, 100), T=100, K=16),
+        "no_grad_separate": no_grad_case(12, config=KDAKernelConfig(infer_kernels=False)),
     }
     print(json.dumps(results))
 
