@@ -7,15 +7,13 @@ from __future__ import annotations
 import numpy as np
 from numba import boolean, float32, int16, int32, int64, njit, void
 
+from kernels.cpu_math import COMPILE, bf16_to_f32_bits, exp_parts, f32_bits_to_bf16
 from kernels.kda.common import L2NORM_EPS
 
 _VEC = float32[::1]
-# numpy's error model: a division by zero gives inf instead of raising, and without that check on every
-# division LLVM can vectorise the loops that divide
-_COMPILE = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 
 
-@njit(void(float32[:, ::1], _VEC, _VEC, _VEC, _VEC, _VEC, _VEC, _VEC), **_COMPILE)
+@njit(void(float32[:, ::1], _VEC, _VEC, _VEC, _VEC, _VEC, _VEC, _VEC), **COMPILE)
 def _sweep(S, a, bk, err, c, f, ks, qs):  # pragma: no cover - compiled
     """S <- Diag(a) S + bk err^T, then ks = S^T c and qs = S^T f (c, f: the next token's decayed k, q)."""
     K, V = S.shape
@@ -34,34 +32,16 @@ def _sweep(S, a, bk, err, c, f, ks, qs):  # pragma: no cover - compiled
 _ROWS = float32[:, :, ::1]
 _INDEX = int64[::1]
 
-# exp(x) = 2^k 2^f for the nearest integer k and |f| <= 1/2: 2^f = e^(f ln 2) by its Taylor polynomial to
-# degree 6 (relative error < 1e-7), 2^k built in the float's exponent bits: a loop LLVM vectorises, where
-# numba's np.exp calls libm once per value (~16 ns on an AVX2 CPU).
-_LOG2E, _LN2 = np.float32(1.4426950408889634), np.float32(0.6931471805599453)
-
-
-@njit(inline="always", **_COMPILE)
-def _exp_parts(x):  # pragma: no cover - compiled
-    """exp(x) = p * 2^k for x clamped to [-87, 87]: p, and 2^k's float bits (the caller stores them in an int32
-    array and reads them back through a float32 view, which LLVM turns into a register bitcast)."""
-    t = min(max(x, np.float32(-87.0)), np.float32(87.0)) * _LOG2E
-    k = np.floor(t + np.float32(0.5))
-    f = (t - k) * _LN2
-    p = np.float32(1.0) + f * (np.float32(1.0) + f * (np.float32(0.5) + f * (np.float32(1.0 / 6.0) + f * (
-        np.float32(1.0 / 24.0) + f * (np.float32(1.0 / 120.0) + f * np.float32(1.0 / 720.0))))))
-    return p, (np.int32(k) + np.int32(127)) << np.int32(23)
-
-
-@njit(void(_VEC, int32[::1]), **_COMPILE)
+@njit(void(_VEC, int32[::1]), **COMPILE)
 def silu_inplace(x, exponent):  # pragma: no cover - compiled
     """x <- x sigmoid(x) = x / (1 + exp(-x)); exponent: int32 scratch of x's length."""
     scale = exponent.view(np.float32)
     for i in range(x.shape[0]):
-        p, exponent[i] = _exp_parts(-x[i])
+        p, exponent[i] = exp_parts(-x[i])
         x[i] = x[i] / (np.float32(1.0) + p * scale[i])
 
 
-@njit(void(float32[:, ::1], _VEC, boolean, float32, _VEC, int64, float32[:, ::1]), **_COMPILE)
+@njit(void(float32[:, ::1], _VEC, boolean, float32, _VEC, int64, float32[:, ::1]), **COMPILE)
 def gate_decay_rows(f, dt_bias, bounded, lower_bound, a_log, K, decay):  # pragma: no cover - compiled
     """The forget gate's decay exp(g) for rows of raw gate inputs: f, decay [R, HV*K], dt_bias [HV*K].
     Bounded: g = lower_bound * sigmoid(f + dt_bias); else g = -exp(a_log[h]) * softplus(f + dt_bias) with
@@ -73,9 +53,9 @@ def gate_decay_rows(f, dt_bias, bounded, lower_bound, a_log, K, decay):  # pragm
     for r in range(f.shape[0]):
         if bounded:  # two loops, not a branch in one: the bounded one vectorises
             for c in range(n):
-                p, bits[0, c] = _exp_parts(-(f[r, c] + dt_bias[c]))
+                p, bits[0, c] = exp_parts(-(f[r, c] + dt_bias[c]))
                 g = lower_bound / (np.float32(1.0) + p * scale[0, c])
-                p, bits[1, c] = _exp_parts(g)
+                p, bits[1, c] = exp_parts(g)
                 decay[r, c] = p * scale[1, c]
         else:
             for c in range(n):
@@ -84,7 +64,7 @@ def gate_decay_rows(f, dt_bias, bounded, lower_bound, a_log, K, decay):  # pragm
 
 
 @njit(void(float32[:, :], int16[:, :], boolean, float32[:, ::1], float32[:, :, :], _INDEX, _INDEX, _INDEX,
-           boolean[::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]), **_COMPILE)
+           boolean[::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]), **COMPILE)
 def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots, keep, yq, yk,
                    yv):  # pragma: no cover - compiled
     """The causal depthwise conv + SiLU over back-to-back sequences: the pre-conv inputs (q|k|v channels)
@@ -112,7 +92,7 @@ def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots,
             row = p % W
             if from_bf16:  # a bf16 value is the top half of the fp32 with the same bits
                 for c in range(C):
-                    bits[c] = np.int32(x_bf16[t, c]) << np.int32(16)
+                    bits[c] = bf16_to_f32_bits(x_bf16[t, c])
                 for c in range(C):
                     window[row, c] = as_float[c]
             else:
@@ -137,7 +117,7 @@ def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots,
 
 
 @njit(void(_ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1], float32, boolean, _INDEX, _INDEX, _INDEX,
-           _VEC, int64, _ROWS), **_COMPILE)
+           _VEC, int64, _ROWS), **COMPILE)
 def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slot_stride, o):  # pragma: no cover
     """q, k, decay [R, HV, K]; v [R, HV, V]; beta [R, HV] (rows = tokens); sequence n is rows
     starts[n] .. ends[n]-1 and continues the state of slot slots[n] ([HV, K, V] contiguous at
@@ -195,7 +175,7 @@ def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slo
 
 @njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], float32[:, :, ::1], float32[:, ::1], boolean,
            float32, _VEC, _VEC, int64, float32, boolean, _INDEX, _VEC, int64, _ROWS),
-      **_COMPILE)
+      **COMPILE)
 def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound, a_log, dt_bias, H, scale, l2norm,
                     slots, pool, slot_stride, o):  # pragma: no cover - compiled
     """One token for each of n sequences, from the pre-conv channels to the KDA output: qkv [n, C] (q|k|v
@@ -244,7 +224,7 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
 
 
 @njit(void(float32[:, :, ::1], float32[:, :], int16[:, :], boolean, _VEC, float32, float32[:, ::1], int16[:, ::1],
-           boolean), **_COMPILE)
+           boolean), **COMPILE)
 def gated_rms_norm_rows(o, gate, gate_bf16, gate_from_bf16, weight, eps, out, out_bf16,
                         to_bf16):  # pragma: no cover - compiled
     """KDA's output norm, out = o / rms(o) * weight * sigmoid(gate) per head: o [R, HV, V]; the gate [R, HV*V]
@@ -258,14 +238,14 @@ def gated_rms_norm_rows(o, gate, gate_bf16, gate_from_bf16, weight, eps, out, ou
     for r in range(R):
         if gate_from_bf16:
             for c in range(n):
-                bits[c] = np.int32(gate_bf16[r, c]) << np.int32(16)
+                bits[c] = bf16_to_f32_bits(gate_bf16[r, c])
             for c in range(n):
                 g[c] = as_float[c]
         else:
             for c in range(n):
                 g[c] = gate[r, c]
         for c in range(n):  # sigmoid(g)
-            p, bits[c] = _exp_parts(-g[c])
+            p, bits[c] = exp_parts(-g[c])
             g[c] = np.float32(1.0) / (np.float32(1.0) + p * as_float[c])
         for h in range(HV):
             ss = np.float32(0.0)
@@ -274,12 +254,11 @@ def gated_rms_norm_rows(o, gate, gate_bf16, gate_from_bf16, weight, eps, out, ou
             inv = np.float32(1.0) / np.sqrt(ss / np.float32(V) + eps)
             for j in range(V):
                 g[h * V + j] *= o[r, h, j] * inv * weight[j]
-        if to_bf16:  # round to nearest even: add 0x7FFF plus the lowest kept bit, keep the top 16 bits
+        if to_bf16:
             for c in range(n):
                 as_float[c] = g[c]
             for c in range(n):
-                b = bits[c]
-                out_bf16[r, c] = np.int16((b + np.int32(0x7FFF) + ((b >> np.int32(16)) & np.int32(1))) >> np.int32(16))
+                out_bf16[r, c] = f32_bits_to_bf16(bits[c])
         else:
             for c in range(n):
                 out[r, c] = g[c]

@@ -6,12 +6,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.situ_glu_cpu import situ_glu_cpu
+
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_linear: float) -> torch.Tensor:
-    """The soft-capped GLU activation (~SwiGLU for small inputs). Returns the input dtype."""
+    """The soft-capped GLU activation (~SwiGLU for small inputs). Returns the input dtype. On CPU without
+    autograd (serving, evaluation) the same formula runs as one compiled pass (`kernels/situ_glu_cpu.py`)."""
+    if _compiled_cpu_pass_applies(gate, up):
+        return situ_glu_cpu(gate, up, beta, beta_linear)
     a, u = gate.float(), up.float()
     h = (beta * torch.tanh(a / beta) * torch.sigmoid(a)) * (beta_linear * torch.tanh(u / beta_linear))
     return h.to(gate.dtype)
+
+
+def _compiled_cpu_pass_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    needs_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    return (gate.device.type == "cpu" and not needs_grad and not torch.compiler.is_compiling()
+            and gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16))
 
 
 class SiTUGLUMLP(nn.Module):

@@ -27,6 +27,7 @@ from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
 from model.layers.moe import Router, StableLatentMoE
+from model.layers.situ_glu import situ_glu
 from model.vllm_plugin.fused import fused
 from model.vllm_plugin.kda_ops import (
     KDABatch,
@@ -34,7 +35,6 @@ from model.vllm_plugin.kda_ops import (
     kda_forward_with_state,
     recurrent_state_shape,
 )
-from model.vllm_plugin.situ_glu_fast import situ_glu_fast
 
 
 def oriented_conv_state_shape(channels_first: tuple[int, int]) -> tuple[int, int]:
@@ -319,7 +319,7 @@ class VllmStableLatentMoE(StableLatentMoE):
             y = self.experts(z, expert_ids, weights)
         out = self.latent_up(self.latent_norm(y).to(x.dtype))
         if shared is not None:  # = shared(x)
-            out = out + shared.down_proj(situ_glu_fast(outs[1], outs[2], shared.beta, shared.beta_linear))
+            out = out + shared.down_proj(situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear))
         return out
 
     def _input_linears(self, with_router: bool) -> tuple[torch.nn.Module, ...]:
@@ -333,7 +333,7 @@ class VllmStableLatentMoE(StableLatentMoE):
         n, inter = experts.n_experts, experts.intermediate_size
         N, ell = z.shape
         gate_up = (z @ experts.gate_up_proj.reshape(n * 2 * inter, ell).t()).view(N, n, 2 * inter)
-        h = situ_glu_fast(*gate_up.split(inter, dim=-1), experts.beta, experts.beta_linear)  # [N, n, I]
+        h = situ_glu(*gate_up.split(inter, dim=-1), experts.beta, experts.beta_linear)  # [N, n, I]
         out = torch.bmm(h.transpose(0, 1), experts.down_proj.transpose(1, 2))  # [n, N, l]
         combine = weights.new_zeros(N, n).scatter_(1, expert_ids, weights)  # [N, n] fp32
         return torch.bmm(out.permute(1, 2, 0).float(), combine.unsqueeze(-1)).squeeze(-1)
@@ -343,6 +343,6 @@ class VllmStableLatentMoE(StableLatentMoE):
         experts = self.experts
         gate_up = experts.gate_up_proj[expert_ids]  # [N, k, 2I, l]
         a, u = torch.einsum("nl,nkil->nki", z, gate_up).split(experts.intermediate_size, dim=-1)
-        h = situ_glu_fast(a, u, experts.beta, experts.beta_linear)
+        h = situ_glu(a, u, experts.beta, experts.beta_linear)
         out = torch.einsum("nki,nkli->nkl", h, experts.down_proj[expert_ids])
         return (out.float() * weights[..., None]).sum(1)

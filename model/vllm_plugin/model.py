@@ -31,7 +31,7 @@ from kernels.attn_res_cpu import attn_res_rmsnorm_rows
 from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.norm import RMSNorm
-from model.layers.situ_glu import SiTUGLUMLP
+from model.layers.situ_glu import SiTUGLUMLP, situ_glu
 from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
 from model.vllm_plugin.fused import derived_arrays, drop_fused, fused
 from model.vllm_plugin.layers import (
@@ -41,7 +41,6 @@ from model.vllm_plugin.layers import (
     kda_state_dtypes,
     kda_state_shapes,
 )
-from model.vllm_plugin.situ_glu_fast import situ_glu_fast
 
 logger = init_logger("vllm.taper")  # under "vllm": printed by the engine's own log handler
 
@@ -106,7 +105,7 @@ class VllmSiTUGLUMLP(SiTUGLUMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = fused(self, "gate_up", lambda: (self.gate_proj, self.up_proj))(x)
-        return self.down_proj(situ_glu_fast(gate, up, self.beta, self.beta_linear))
+        return self.down_proj(situ_glu(gate, up, self.beta, self.beta_linear))
 
 
 class TaperDecoderLayer(nn.Module):

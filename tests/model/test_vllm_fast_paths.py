@@ -116,17 +116,12 @@ def test_inference_expert_selection_equals_the_routers() -> None:
 
 
 def test_fewer_op_forms_match_hf() -> None:
-    from model.layers.situ_glu import SiTUGLUMLP, situ_glu
+    from model.layers.situ_glu import SiTUGLUMLP
     from model.vllm_plugin.model import VllmSiTUGLUMLP
-    from model.vllm_plugin.situ_glu_fast import situ_glu_fast
 
     torch.manual_seed(4)
     x = torch.randn(5, 3, 24) * 3
     close = dict(rtol=1e-5, atol=1e-6)
-    a, u = torch.randn(6, 40) * 10, torch.randn(6, 40) * 40  # beyond both caps
-    torch.testing.assert_close(situ_glu_fast(a, u, 4.0, 25.0), situ_glu(a, u, 4.0, 25.0), **close)
-    ab, ub = a.bfloat16(), u.bfloat16()  # other dtypes take the HF function itself
-    assert torch.equal(situ_glu_fast(ab, ub, 4.0, 25.0), situ_glu(ab, ub, 4.0, 25.0))
     hf = SiTUGLUMLP(24, 40, 4.0, 25.0)
     served = VllmSiTUGLUMLP(24, 40, 4.0, 25.0)
     served.load_state_dict(hf.state_dict())
