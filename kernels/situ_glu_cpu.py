@@ -83,7 +83,10 @@ def situ_glu_cpu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_linear:
         raise ValueError(f"gate and up must be fp32 or bf16 of one shape, got {gate.dtype} {tuple(gate.shape)} "
                          f"and {up.dtype} {tuple(up.shape)}")
     shape = gate.shape
-    gate, up = gate.detach().reshape(-1, shape[-1]), up.detach().reshape(-1, shape[-1])
+    # as few tensor ops as can be: a decode step calls this once per MLP and MoE layer
+    gate, up = (x.detach() if x.requires_grad else x for x in (gate, up))
+    if gate.dim() != 2:
+        gate, up = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
     out = torch.empty(gate.shape, dtype=gate.dtype)
     bf16 = gate.dtype == torch.bfloat16
     if bf16:
@@ -92,4 +95,4 @@ def situ_glu_cpu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_linear:
     else:
         situ_glu_rows(gate.numpy(), up.numpy(), _NO_BF16, _NO_BF16, False, np.float32(beta),
                       np.float32(beta_linear), out.numpy(), _NO_BF16, False)
-    return out.view(shape)
+    return out if len(shape) == 2 else out.view(shape)
