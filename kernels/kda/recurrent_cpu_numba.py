@@ -122,8 +122,8 @@ def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slo
     """q, k, decay [R, HV, K]; v [R, HV, V]; beta [R, HV] (rows = tokens); sequence n is rows
     starts[n] .. ends[n]-1 and continues the state of slot slots[n] ([HV, K, V] contiguous at
     pool[slots[n] * slot_stride], updated in place: a serving engine's pool has other state between its
-    slots); slots[n] < 0 skips it (zero output). o [R, HV, V] gets the outputs of the sequences' rows. With `l2norm`, q and
-    k are divided by sqrt(|x|^2 + L2NORM_EPS) here (fla's in-kernel l2norm)."""
+    slots); slots[n] < 0 skips it (zero output). o [R, HV, V] gets the outputs of the sequences' rows. With
+    `l2norm`, q and k are divided by sqrt(|x|^2 + L2NORM_EPS) here (fla's in-kernel l2norm)."""
     HV, K = q.shape[1], q.shape[2]
     V = v.shape[2]
     ks = np.empty(V, np.float32)

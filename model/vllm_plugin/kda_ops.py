@@ -101,7 +101,8 @@ def _decode(
     layer: KimiDeltaAttention, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
     conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
 ) -> torch.Tensor:
-    """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] (logits) -> o [n, HV, V]."""
+    """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] (logits) -> o [n, HV, V]
+    (fp32 on the CPU's compiled path, else qkv's dtype)."""
     if (qkv.device.type == "cpu" and conv_state.dtype == recurrent_state.dtype == torch.float32
             and slots_contiguous(recurrent_state)):
         dt_bias, a_log = derived_arrays(layer, "decode_gate", lambda: (layer.dt_bias, layer.A_log),
@@ -110,7 +111,7 @@ def _decode(
             qkv, _conv_weight_rows(layer), conv_state.transpose(-1, -2), f, beta, num_heads=layer.num_heads,
             scale=layer.head_dim**-0.5, lower_bound=layer.gate_kwargs()["lower_bound"], A_log=a_log,
             dt_bias=dt_bias, slots=slots, pool=recurrent_state,
-        ).to(qkv.dtype)
+        )  # fp32, as the output norm's compiled pass reads it
     idx = slots.long()
     q, k, v = _decode_conv(layer, qkv, conv_state, idx)
     # Batch rows are the sequences (T = 1); the pool's slots are read and written in place.
