@@ -50,33 +50,48 @@ def recurrent_kda_cpu(
     B, T, _, _ = q.shape
     HV, V = pool.shape[1], pool.shape[3]
     with torch.no_grad():
-        # the l2norm runs in the kernel: a few multiply-adds per token there, several tensor passes here
-        # ... and the gate too: one compiled pass instead of torch's four over [B, T, HV, K]
-        qe, ke, ve, ge, be = preprocess(
+        # the l2norm runs in the kernel: a few multiply-adds per token there, several tensor passes here; the
+        # gate too, in one compiled pass that reads a bf16 input as its bits (torch: a cast and four passes)
+        if use_gate_in_kernel:
+            g = _gate_decay(g, lower_bound, A_log, dt_bias)
+        qe, ke, ve, decay, be = preprocess(
             q, k, v, g, beta, dtype=torch.float32, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=None, A_log=None, dt_bias=None,
         )
+        if not use_gate_in_kernel:  # g is the log-decay
+            decay = torch.exp(decay)
         rows = B * T
-        qa, ka, va, ba = (x.reshape(rows, *x.shape[2:]).contiguous().numpy() for x in (qe, ke, ve, be))
-        from kernels.kda.recurrent_cpu_numba import gate_decay_rows, kda_rows  # numba loads on first use
+        qa, ka, va, da, ba = (x.reshape(rows, *x.shape[2:]).contiguous().numpy() for x in (qe, ke, ve, decay, be))
+        from kernels.kda.recurrent_cpu_numba import kda_rows  # numba loads on first use
 
-        K = qe.shape[-1]
-        if use_gate_in_kernel:
-            bounded = lower_bound is not None
-            decay = np.empty((rows, HV, K), np.float32)
-            gate_decay_rows(ge.reshape(rows, HV * K).contiguous().numpy(),
-                            _f32(torch.zeros(HV * K) if dt_bias is None else dt_bias.reshape(-1)), bounded,
-                            np.float32(lower_bound if bounded else 0.0),
-                            np.zeros(HV, np.float32) if bounded else _f32(A_log.reshape(-1)), K,
-                            decay.reshape(rows, HV * K))
-        else:
-            decay = torch.exp(ge).reshape(rows, HV, K).contiguous().numpy()
         o = torch.empty(B, T, HV, V)
         starts, ends = sequence_rows(T, B, cu_seqlens)
         index = [x.to("cpu", torch.int64).contiguous().numpy() for x in (starts, ends, slots)]
-        kda_rows(qa, ka, va, decay, ba, np.float32(scale), use_qk_l2norm_in_kernel, *index, *_flat_slots(pool),
+        kda_rows(qa, ka, va, da, ba, np.float32(scale), use_qk_l2norm_in_kernel, *index, *_flat_slots(pool),
                  o.view(rows, HV, V).numpy())
     return o
+
+
+def _gate_decay(f: torch.Tensor, lower_bound: float | None, A_log: torch.Tensor | None,
+                dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """exp(kda_gate(f)) as one compiled pass: f [..., HV, K] (fp32, bf16 read as its bits, else cast) ->
+    fp32 of f's shape."""
+    HV, K = f.shape[-2:]
+    f = f.detach()
+    if f.dtype not in (torch.float32, torch.bfloat16):
+        f = f.float()
+    from_bf16 = f.dtype == torch.bfloat16
+    flat = f.reshape(-1, HV * K).contiguous()
+    decay = torch.empty(flat.shape)
+    bounded = lower_bound is not None
+    from kernels.kda.recurrent_cpu_numba import gate_decay_rows
+
+    gate_decay_rows(np.empty((0, 0), np.float32) if from_bf16 else flat.numpy(),
+                    flat.view(torch.int16).numpy() if from_bf16 else np.empty((0, 0), np.int16), from_bf16,
+                    _f32(torch.zeros(HV * K) if dt_bias is None else dt_bias.reshape(-1)), bounded,
+                    np.float32(lower_bound if bounded else 0.0),
+                    np.zeros(HV, np.float32) if bounded else _f32(A_log.reshape(-1)), K, decay.numpy())
+    return decay.view(f.shape)
 
 
 def conv_recurrent_kda_decode_cpu(

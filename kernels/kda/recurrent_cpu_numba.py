@@ -41,26 +41,36 @@ def silu_inplace(x, exponent):  # pragma: no cover - compiled
         x[i] = x[i] / (np.float32(1.0) + p * scale[i])
 
 
-@njit(void(float32[:, ::1], _VEC, boolean, float32, _VEC, int64, float32[:, ::1]), **COMPILE)
-def gate_decay_rows(f, dt_bias, bounded, lower_bound, a_log, K, decay):  # pragma: no cover - compiled
-    """The forget gate's decay exp(g) for rows of raw gate inputs: f, decay [R, HV*K], dt_bias [HV*K].
-    Bounded: g = lower_bound * sigmoid(f + dt_bias); else g = -exp(a_log[h]) * softplus(f + dt_bias) with
-    a_log [HV] (softplus as torch computes it: linear above 20). The two formulas of `kernels/kda/gate.py`,
-    which this loop cannot call."""
-    n = f.shape[1]
+@njit(void(float32[:, ::1], int16[:, ::1], boolean, _VEC, boolean, float32, _VEC, int64, float32[:, ::1]), **COMPILE)
+def gate_decay_rows(f, f_bf16, from_bf16, dt_bias, bounded, lower_bound, a_log, K,
+                    decay):  # pragma: no cover - compiled
+    """The forget gate's decay exp(g) for rows of raw gate inputs: f [R, HV*K] fp32, or with from_bf16 its
+    bf16 bits f_bf16; dt_bias [HV*K]; decay [R, HV*K]. Bounded: g = lower_bound * sigmoid(f + dt_bias); else
+    g = -exp(a_log[h]) * softplus(f + dt_bias) with a_log [HV] (softplus as torch computes it: linear above
+    20). The two formulas of `kernels/kda/gate.py`, which this loop cannot call."""
+    R, n = f_bf16.shape if from_bf16 else f.shape
+    x = np.empty(n, np.float32)
     bits = np.empty((2, n), np.int32)
     scale = bits.view(np.float32)
-    for r in range(f.shape[0]):
+    for r in range(R):
+        if from_bf16:
+            for c in range(n):
+                bits[0, c] = bf16_to_f32_bits(f_bf16[r, c])
+            for c in range(n):
+                x[c] = scale[0, c] + dt_bias[c]
+        else:
+            for c in range(n):
+                x[c] = f[r, c] + dt_bias[c]
         if bounded:  # two loops, not a branch in one: the bounded one vectorises
             for c in range(n):
-                p, bits[0, c] = exp_parts(-(f[r, c] + dt_bias[c]))
+                p, bits[0, c] = exp_parts(-x[c])
                 g = lower_bound / (np.float32(1.0) + p * scale[0, c])
                 p, bits[1, c] = exp_parts(g)
                 decay[r, c] = p * scale[1, c]
         else:
             for c in range(n):
-                x = f[r, c] + dt_bias[c]
-                decay[r, c] = np.exp(-np.exp(a_log[c // K]) * (x if x > np.float32(20.0) else np.log1p(np.exp(x))))
+                y = x[c]
+                decay[r, c] = np.exp(-np.exp(a_log[c // K]) * (y if y > np.float32(20.0) else np.log1p(np.exp(y))))
 
 
 @njit(void(float32[:, :], int16[:, :], boolean, float32[:, ::1], float32[:, :, :], _INDEX, _INDEX, _INDEX,
@@ -218,7 +228,8 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
             for j in range(V):
                 v[r, h, j] = y[2 * H * K + h * V + j]
             beta[r, h] = np.float32(1.0) / (np.float32(1.0) + np.exp(-beta_logits[r, h]))
-    gate_decay_rows(f.reshape((n, HV * K)), dt_bias, bounded, lower_bound, a_log, K, decay.reshape((n, HV * K)))
+    gate_decay_rows(f.reshape((n, HV * K)), np.empty((0, 0), np.int16), False, dt_bias, bounded, lower_bound, a_log,
+                    K, decay.reshape((n, HV * K)))
     starts = np.arange(n, dtype=np.int64)
     kda_rows(q, k, v, decay, beta, scale, l2norm, starts, starts + 1, slots, pool, slot_stride, o)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from kda_inputs import make_inputs, rel_err
 
-from kernels.kda import fused_recurrent_kda, naive_recurrent_kda
+from kernels.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
 from kernels.kda.recurrent_cpu import conv_recurrent_kda_decode_cpu, conv_silu_prefill_cpu, gated_rms_norm_cpu
 from model.layers.norm import GatedRMSNorm
 
@@ -206,3 +206,19 @@ def test_output_norm_in_one_pass_matches_the_gated_rms_norm(dtype: torch.dtype) 
     bound = 1e-6 if dtype == torch.float32 else 4e-3  # bf16: half an ulp of the rounded output
     assert rel_err(got, ref64) < bound
     assert rel_err(got, module) <= max(bound, 2 * rel_err(module, ref64))
+
+
+@pytest.mark.parametrize("gate", ["bounded", "unbounded"])
+def test_prefill_reads_a_bf16_gate_input_as_its_bits(gate: str) -> None:
+    """The compiled prefill's gate pass on a bf16 gate input (read as bits, no cast) equals the same values
+    given in fp32, and both match the naive recurrence."""
+    x = make_inputs(1, 40, 2, 2, 16, 8, gate=gate, beta_logits=True, seed=11)
+    g_bf16 = x.g.bfloat16()
+    args = list(x.args())
+    args[3] = g_bf16
+    o_bits, s_bits = chunk_kda(*args, output_final_state=True, **x.kwargs)
+    args[3] = g_bf16.float()
+    o_f32, s_f32 = chunk_kda(*args, output_final_state=True, **x.kwargs)
+    assert torch.equal(o_bits, o_f32) and torch.equal(s_bits, s_f32)
+    o_ref, s_ref = naive_recurrent_kda(*args, output_final_state=True, **x.kwargs)
+    assert rel_err(o_bits, o_ref) < 1e-5 and rel_err(s_bits, s_ref) < 1e-5
