@@ -8,6 +8,7 @@ editing this file, delete the callers' cache files (`__pycache__/*.nbi`, `*.nbc`
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit
 
 # numpy's error model: a division by zero gives inf instead of raising, and without that check on every
@@ -44,3 +45,47 @@ def bf16_to_f32_bits(value):  # pragma: no cover - compiled
 def f32_bits_to_bf16(bits):  # pragma: no cover - compiled
     """The bf16 (int16 bits) nearest to an fp32 given as its int32 bits, ties to even."""
     return np.int16((bits + np.int32(0x7FFF) + ((bits >> np.int32(16)) & np.int32(1))) >> np.int32(16))
+
+
+@njit(inline="always", **COMPILE)
+def load_row(values, bf16_bits, from_bf16, r, out, bits):  # pragma: no cover - compiled
+    """out <- row r of `values` (fp32) or, with from_bf16, of `bf16_bits` (bf16 as int16 bits); bits: int32
+    scratch of out's length."""
+    if from_bf16:
+        for c in range(out.shape[0]):
+            bits[c] = bf16_to_f32_bits(bf16_bits[r, c])
+        as_float = bits.view(np.float32)
+        for c in range(out.shape[0]):
+            out[c] = as_float[c]
+    else:
+        for c in range(out.shape[0]):
+            out[c] = values[r, c]
+
+
+@njit(inline="always", **COMPILE)
+def store_row(row, values, bf16_bits, to_bf16, r, bits):  # pragma: no cover - compiled
+    """Row r of `values` (fp32) or, with to_bf16, of `bf16_bits` (rounded to nearest even) <- row; bits:
+    int32 scratch of row's length."""
+    if to_bf16:
+        as_float = bits.view(np.float32)
+        for c in range(row.shape[0]):
+            as_float[c] = row[c]
+        for c in range(row.shape[0]):
+            bf16_bits[r, c] = f32_bits_to_bf16(bits[c])
+    else:
+        for c in range(row.shape[0]):
+            values[r, c] = row[c]
+
+
+_NO_F32 = np.empty((0, 0), np.float32)
+_NO_BF16 = np.empty((0, 0), np.int16)
+
+
+def f32_or_bf16_bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A 2-d CPU tensor as the compiled loops take it: (fp32 values, bf16 bits, is_bf16), the unused one
+    empty. bf16 stays where it lies (any strides), read as its int16 bits; other dtypes are cast to fp32."""
+    if x.requires_grad:  # (a decode step calls this a few times per layer: no needless tensor ops)
+        x = x.detach()
+    if x.dtype == torch.bfloat16:
+        return _NO_F32, x.view(torch.int16).numpy(), True
+    return (x if x.dtype == torch.float32 else x.float()).numpy(), _NO_BF16, False

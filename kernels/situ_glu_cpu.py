@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from numba import boolean, float32, int16, njit, void
 
-from kernels.cpu_math import COMPILE, bf16_to_f32_bits, exp_parts, f32_bits_to_bf16
+from kernels.cpu_math import COMPILE, exp_parts, f32_or_bf16_bits, load_row, store_row
 
 # below it tanh is its odd Taylor series to x^9 (error < 1e-9 relative); above it 1 - 2 / (1 + e^2x) loses
 # nothing to cancellation
@@ -42,17 +42,8 @@ def situ_glu_rows(gate, up, gate_bf16, up_bf16, from_bf16, beta, beta_linear, ou
     bits = np.empty((4, n), np.int32)
     as_float = bits.view(np.float32)
     for r in range(N):
-        if from_bf16:
-            for c in range(n):
-                bits[0, c] = bf16_to_f32_bits(gate_bf16[r, c])
-                bits[1, c] = bf16_to_f32_bits(up_bf16[r, c])
-            for c in range(n):
-                a[c] = as_float[0, c]
-                u[c] = as_float[1, c]
-        else:
-            for c in range(n):
-                a[c] = gate[r, c]
-                u[c] = up[r, c]
+        load_row(gate, gate_bf16, from_bf16, r, a, bits[0])
+        load_row(up, up_bf16, from_bf16, r, u, bits[1])
         for c in range(n):
             ga = a[c] / beta
             gu = u[c] / beta_linear
@@ -62,18 +53,7 @@ def situ_glu_rows(gate, up, gate_bf16, up_bf16, from_bf16, beta, beta_linear, ou
             sig = np.float32(1.0) / (np.float32(1.0) + q * as_float[1, c])
             h = (beta * _tanh(ga, p * as_float[0, c]) * sig) * (beta_linear * _tanh(gu, w * as_float[2, c]))
             a[c] = h
-        if to_bf16:
-            for c in range(n):
-                as_float[3, c] = a[c]
-            for c in range(n):
-                out_bf16[r, c] = f32_bits_to_bf16(bits[3, c])
-        else:
-            for c in range(n):
-                out[r, c] = a[c]
-
-
-_NO_F32 = np.empty((0, 0), np.float32)
-_NO_BF16 = np.empty((0, 0), np.int16)
+        store_row(a, out, out_bf16, to_bf16, r, bits[3])
 
 
 def situ_glu_cpu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_linear: float) -> torch.Tensor:
@@ -83,16 +63,12 @@ def situ_glu_cpu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_linear:
         raise ValueError(f"gate and up must be fp32 or bf16 of one shape, got {gate.dtype} {tuple(gate.shape)} "
                          f"and {up.dtype} {tuple(up.shape)}")
     shape = gate.shape
-    # as few tensor ops as can be: a decode step calls this once per MLP and MoE layer
-    gate, up = (x.detach() if x.requires_grad else x for x in (gate, up))
-    if gate.dim() != 2:
+    if gate.dim() != 2:  # (no reshape where none is needed: a decode step calls this once per MLP and MoE layer)
         gate, up = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    bf16 = gate.dtype == torch.bfloat16
-    if bf16:
-        situ_glu_rows(_NO_F32, _NO_F32, gate.view(torch.int16).numpy(), up.view(torch.int16).numpy(), True,
-                      np.float32(beta), np.float32(beta_linear), _NO_F32, out.view(torch.int16).numpy(), True)
-    else:
-        situ_glu_rows(gate.numpy(), up.numpy(), _NO_BF16, _NO_BF16, False, np.float32(beta),
-                      np.float32(beta_linear), out.numpy(), _NO_BF16, False)
+    gate_f32, gate_bits, bf16 = f32_or_bf16_bits(gate)
+    up_f32, up_bits, _ = f32_or_bf16_bits(up)
+    out_f32, out_bits, _ = f32_or_bf16_bits(out)
+    situ_glu_rows(gate_f32, up_f32, gate_bits, up_bits, bf16, np.float32(beta), np.float32(beta_linear), out_f32,
+                  out_bits, bf16)
     return out if len(shape) == 2 else out.view(shape)

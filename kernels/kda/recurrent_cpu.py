@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.cpu_math import f32_or_bf16_bits
 from kernels.kda.common import preprocess, sequence_rows
 
 Array = torch.Tensor | np.ndarray
@@ -77,18 +78,13 @@ def _gate_decay(f: torch.Tensor, lower_bound: float | None, A_log: torch.Tensor 
     """exp(kda_gate(f)) as one compiled pass: f [..., HV, K] (fp32, bf16 read as its bits, else cast) ->
     fp32 of f's shape."""
     HV, K = f.shape[-2:]
-    f = f.detach()
-    if f.dtype not in (torch.float32, torch.bfloat16):
-        f = f.float()
-    from_bf16 = f.dtype == torch.bfloat16
     flat = f.reshape(-1, HV * K).contiguous()
     decay = torch.empty(flat.shape)
     bounded = lower_bound is not None
     from kernels.kda.recurrent_cpu_numba import gate_decay_rows
 
-    gate_decay_rows(np.empty((0, 0), np.float32) if from_bf16 else flat.numpy(),
-                    flat.view(torch.int16).numpy() if from_bf16 else np.empty((0, 0), np.int16), from_bf16,
-                    _f32(torch.zeros(HV * K) if dt_bias is None else dt_bias.reshape(-1)), bounded,
+    gate_decay_rows(*f32_or_bf16_bits(flat), _f32(torch.zeros(HV * K) if dt_bias is None else dt_bias.reshape(-1)),
+                    bounded,
                     np.float32(lower_bound if bounded else 0.0),
                     np.zeros(HV, np.float32) if bounded else _f32(A_log.reshape(-1)), K, decay.numpy())
     return decay.view(f.shape)
@@ -133,18 +129,14 @@ def conv_silu_prefill_cpu(
     if conv_pool.dtype != torch.float32 or conv_pool.device.type != "cpu":
         raise ValueError(f"conv_pool must be fp32 on the CPU, got {conv_pool.dtype} on {conv_pool.device}")
     T, C = x.shape
-    x = x.detach() if x.dtype in (torch.float32, torch.bfloat16) else x.detach().float()
-    # bf16 is read as its bits where it lies: casting a strided column slice first costs more than the pass
-    from_bf16 = x.dtype == torch.bfloat16
-    values = np.empty((0, 0), np.float32) if from_bf16 else x.numpy()
-    bits = x.view(torch.int16).numpy() if from_bf16 else np.empty((0, 0), np.int16)
     bounds = query_start_loc.to(torch.int64)
     keep = (torch.ones(len(slots), dtype=torch.bool) if has_initial_state is None
             else has_initial_state.to(torch.bool).contiguous())
     q, k, v = torch.empty(T, key_dim), torch.empty(T, key_dim), torch.empty(T, C - 2 * key_dim)
     from kernels.kda.recurrent_cpu_numba import conv_silu_rows
 
-    conv_silu_rows(values, bits, from_bf16, _f32(conv_weight), conv_pool.detach().numpy(),
+    # bf16 is read as its bits where it lies: casting a strided column slice first costs more than the pass
+    conv_silu_rows(*f32_or_bf16_bits(x), _f32(conv_weight), conv_pool.detach().numpy(),
                    bounds[:-1].contiguous().numpy(), bounds[1:].contiguous().numpy(),
                    slots.to(torch.int64).contiguous().numpy(), keep.numpy(), q.numpy(), k.numpy(), v.numpy())
     return q, k, v
@@ -155,16 +147,12 @@ def gated_rms_norm_cpu(o: torch.Tensor, gate: torch.Tensor, weight: Array, eps: 
     gate [T, HV*V] fp32 or bf16 (any strides; bf16 read as its bits), weight [V]. Returns [T, HV*V] in
     gate's dtype. torch's form makes ~8 passes over [T, HV, V], each slow in bf16 on a CPU."""
     T, HV, V = o.shape
-    gate = gate.detach() if gate.dtype in (torch.float32, torch.bfloat16) else gate.detach().float()
-    from_bf16 = gate.dtype == torch.bfloat16
-    out = torch.empty(T, HV * V, dtype=gate.dtype)
-    no_f32, no_bits = np.empty((0, 0), np.float32), np.empty((0, 0), np.int16)
+    gate_f32, gate_bits, from_bf16 = f32_or_bf16_bits(gate)
+    out = torch.empty(T, HV * V, dtype=torch.bfloat16 if from_bf16 else torch.float32)
     from kernels.kda.recurrent_cpu_numba import gated_rms_norm_rows
 
-    gated_rms_norm_rows(o.detach().contiguous().numpy(), no_f32 if from_bf16 else gate.numpy(),
-                        gate.view(torch.int16).numpy() if from_bf16 else no_bits, from_bf16, _f32(weight),
-                        np.float32(eps), no_f32 if from_bf16 else out.numpy(),
-                        out.view(torch.int16).numpy() if from_bf16 else no_bits, from_bf16)
+    gated_rms_norm_rows(o.detach().contiguous().numpy(), gate_f32, gate_bits, from_bf16, _f32(weight),
+                        np.float32(eps), *f32_or_bf16_bits(out))
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import boolean, float32, int16, int32, int64, njit, void
 
-from kernels.cpu_math import COMPILE, bf16_to_f32_bits, exp_parts, f32_bits_to_bf16
+from kernels.cpu_math import COMPILE, exp_parts, load_row, store_row
 from kernels.kda.common import L2NORM_EPS
 
 _VEC = float32[::1]
@@ -53,14 +53,9 @@ def gate_decay_rows(f, f_bf16, from_bf16, dt_bias, bounded, lower_bound, a_log, 
     bits = np.empty((2, n), np.int32)
     scale = bits.view(np.float32)
     for r in range(R):
-        if from_bf16:
-            for c in range(n):
-                bits[0, c] = bf16_to_f32_bits(f_bf16[r, c])
-            for c in range(n):
-                x[c] = scale[0, c] + dt_bias[c]
-        else:
-            for c in range(n):
-                x[c] = f[r, c] + dt_bias[c]
+        load_row(f, f_bf16, from_bf16, r, x, bits[0])
+        for c in range(n):
+            x[c] += dt_bias[c]
         if bounded:  # two loops, not a branch in one: the bounded one vectorises
             for c in range(n):
                 p, bits[0, c] = exp_parts(-x[c])
@@ -89,7 +84,6 @@ def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots,
     Cq = yq.shape[1]
     window = np.empty((W, C), np.float32)  # a ring: sequence position p (history first) in row p % W
     bits = np.empty(C, np.int32)
-    as_float = bits.view(np.float32)
     acc = np.empty(C, np.float32)
     exponent = np.empty(C, np.int32)
     for r in range(starts.shape[0]):
@@ -100,14 +94,7 @@ def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots,
         for t in range(a, b):
             p = t - a + W1
             row = p % W
-            if from_bf16:  # a bf16 value is the top half of the fp32 with the same bits
-                for c in range(C):
-                    bits[c] = bf16_to_f32_bits(x_bf16[t, c])
-                for c in range(C):
-                    window[row, c] = as_float[c]
-            else:
-                for c in range(C):
-                    window[row, c] = x[t, c]
+            load_row(x, x_bf16, from_bf16, t, window[row], bits)
             for c in range(C):
                 acc[c] = conv_w[W1, c] * window[row, c]
             for tap in range(W1):
@@ -247,14 +234,7 @@ def gated_rms_norm_rows(o, gate, gate_bf16, gate_from_bf16, weight, eps, out, ou
     bits = np.empty(n, np.int32)
     as_float = bits.view(np.float32)
     for r in range(R):
-        if gate_from_bf16:
-            for c in range(n):
-                bits[c] = bf16_to_f32_bits(gate_bf16[r, c])
-            for c in range(n):
-                g[c] = as_float[c]
-        else:
-            for c in range(n):
-                g[c] = gate[r, c]
+        load_row(gate, gate_bf16, gate_from_bf16, r, g, bits)
         for c in range(n):  # sigmoid(g)
             p, bits[c] = exp_parts(-g[c])
             g[c] = np.float32(1.0) / (np.float32(1.0) + p * as_float[c])
@@ -265,11 +245,4 @@ def gated_rms_norm_rows(o, gate, gate_bf16, gate_from_bf16, weight, eps, out, ou
             inv = np.float32(1.0) / np.sqrt(ss / np.float32(V) + eps)
             for j in range(V):
                 g[h * V + j] *= o[r, h, j] * inv * weight[j]
-        if to_bf16:
-            for c in range(n):
-                as_float[c] = g[c]
-            for c in range(n):
-                out_bf16[r, c] = f32_bits_to_bf16(bits[c])
-        else:
-            for c in range(n):
-                out[r, c] = g[c]
+        store_row(g, out, out_bf16, to_bf16, r, bits)
