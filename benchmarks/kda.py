@@ -154,23 +154,31 @@ def check_vs_fla(T: int) -> dict:
 
 
 def check_decode() -> dict:
+    """Both decode layouts (see decode_inputs; "rows" runs the one-token kernel when it is on) against the fp64
+    recurrence, on a pool with a padded row."""
     N, HV, K, V, slots = 64, 32, 128, 128, 80
     x = make(1, N, HV, HV, K, V, seed=3)
-    pool = torch.randn(slots, HV, K, V, device=DEV) * 0.5
-    before = pool.clone()
+    pool0 = torch.randn(slots, HV, K, V, device=DEV) * 0.5
     idx = torch.randperm(slots, device=DEV)[:N]
     idx[5] = -1
-    cu = torch.arange(N + 1, device=DEV)
-    o, _ = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=cu,
-                               ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                               use_beta_sigmoid_in_kernel=True, lower_bound=LB, dt_bias=x["dt_bias"])
     valid = idx >= 0
     xv = {k: (v[:, valid] if v.dim() > 1 else v) for k, v in x.items()}
     xv1 = {k: (v.transpose(0, 1) if v.dim() > 1 else v) for k, v in xv.items()}  # one sequence per row
-    o_r, s_r = naive(xv1, before[idx[valid]])
-    res = {"o": rel(o[0, valid], o_r[:, 0]), "slots": rel(pool[idx[valid]], s_r),
-           "padded_row_zero": bool((o[0, ~valid] == 0).all())}
-    print("  decode vs fp64 naive: " + " ".join(f"{k}={v}" for k, v in res.items()), flush=True)
+    o_r, s_r = naive(xv1, pool0[idx[valid]])
+    res = {}
+    for layout in ("cu", "rows"):
+        xl = x if layout == "cu" else {k: (v.transpose(0, 1).contiguous() if v.dim() > 1 else v) for k, v in x.items()}
+        cu = torch.arange(N + 1, device=DEV) if layout == "cu" else None
+        pool = pool0.clone()
+        o, _ = fused_recurrent_kda(xl["q"], xl["k"], xl["v"], xl["g"], xl["beta"], initial_state=pool, cu_seqlens=cu,
+                                   ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                   use_beta_sigmoid_in_kernel=True, lower_bound=LB, dt_bias=xl["dt_bias"])
+        o = o.reshape(N, HV, V)
+        res[layout] = {"o": rel(o[valid], o_r[:, 0]), "slots": rel(pool[idx[valid]], s_r),
+                       "padded_row_zero": bool((o[~valid] == 0).all()),
+                       "others_untouched": bool(torch.equal(pool[~torch.isin(torch.arange(slots, device=DEV), idx)],
+                                                            pool0[~torch.isin(torch.arange(slots, device=DEV), idx)]))}
+    print("  decode vs fp64 naive: " + str(res), flush=True)
     return res
 
 
@@ -211,74 +219,115 @@ def time_chunk(T: int, impls: tuple[str, ...] = ("ours", "fla"), parts: tuple[st
 
 
 def time_decode(N: int) -> dict:
+    """Ours and fla's decode step at N sequences in both input layouts (see decode_inputs): "rows" is how the
+    model serves ([N, 1, ...] without cu_seqlens), "cu" the layout of earlier rounds' numbers."""
     H, K, V = 32, 128, 128
-    x = make(1, N, H, H, K, V, seed=4)
     pool = torch.randn(N + 8, H, K, V, device=DEV)
     idx = torch.randperm(N + 8, device=DEV)[:N].to(torch.int32)
-    cu = torch.arange(N + 1, device=DEV, dtype=torch.int32)
     res = {}
+    for layout in ("rows", "cu"):
+        x, cu = decode_inputs(N, layout)
+        suffix = "" if layout == "rows" else "_cu"
 
-    def run_ours():
-        fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=cu,
-                            ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                            use_beta_sigmoid_in_kernel=True, lower_bound=LB, dt_bias=x["dt_bias"])
+        def run_ours(x=x, cu=cu):
+            fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=cu,
+                                ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                use_beta_sigmoid_in_kernel=True, lower_bound=LB, dt_bias=x["dt_bias"])
 
-    res["ours_us"] = bench(run_ours) * 1e3
-    if fla_recurrent_fwd is not None:
-        def run_fla():
-            fla_recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=None, dt_bias=x["dt_bias"],
-                              initial_state=pool, inplace_final_state=True, cu_seqlens=cu.long(),
-                              ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                              use_beta_sigmoid_in_kernel=True, lower_bound=LB)
-        try:
-            res["fla_us"] = bench(run_fla) * 1e3
-        except Exception as exc:  # noqa: BLE001
-            res["fla_error"] = repr(exc)[:300]
+        res[f"ours_us{suffix}"] = bench(run_ours) * 1e3
+        if fla_recurrent_fwd is not None:
+            def run_fla(x=x, cu=cu):
+                fla_recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=None, dt_bias=x["dt_bias"],
+                                  initial_state=pool, inplace_final_state=True,
+                                  cu_seqlens=None if cu is None else cu.long(), ssm_state_indices=idx,
+                                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                  use_beta_sigmoid_in_kernel=True, lower_bound=LB)
+            try:
+                res[f"fla_us{suffix}"] = bench(run_fla) * 1e3
+            except Exception as exc:  # noqa: BLE001
+                res[f"fla_error{suffix}"] = repr(exc)[:300]
     state_bytes = 2 * N * H * K * V * 4
     res["ours_state_TBps"] = state_bytes / (res["ours_us"] * 1e-6) / 1e12
     return res
 
 
-# (block_v, warps, L2 evict-first hint on the state slots); earlier rounds swept block_v 16-128 at 1-8 warps (the
-# hint moved nothing; several units per program with the next state prefetched was slower: commit 6d432ff)
-DECODE_SWEEP = [(32, 1, False), (16, 1, False), (64, 4, False), (8, 1, False)]
+# name -> (KDAKernelConfig overrides, layout): "rows" is the serving call's [N, 1, ...] inputs without cu_seqlens
+# (the one-token kernel's case), "cu" one row of N tokens with cu_seqlens = arange (the general kernel always).
+# Earlier rounds swept the general kernel's block_v 8-128 at 1-8 warps, its evict-first hint, and several units per
+# program with the next state prefetched into registers (commit 6d432ff): 351-816 us, none better than 32 / 1 warp.
+DECODE_SWEEP = {
+    "general_bv32_w1_cu": ({}, "cu"),
+    "general_bv32_w1_rows": ({}, "rows"),
+    "step_bv32_w2_s3_p4": (dict(decode_step=True, decode_step_block_v=32, decode_step_warps=2,
+                                decode_step_programs_per_sm=4), "rows"),
+    "step_tma_bv16_w1_s3_p4": (dict(decode_step=True, decode_step_tma=True, decode_step_programs_per_sm=4), "rows"),
+    "step_tma_bv32_w2_s3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2),
+                            "rows"),
+    "step_tma_bv32_w2_s3_p4": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2,
+                                    decode_step_programs_per_sm=4), "rows"),
+    "step_tma_bv32_w2_s3_p3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2,
+                                    decode_step_programs_per_sm=3), "rows"),
+    "step_tma_bv32_w2_s2_p6": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2,
+                                    decode_step_stages=2, decode_step_programs_per_sm=6), "rows"),
+    "step_tma_bv32_w2_s4_p3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2,
+                                    decode_step_stages=4, decode_step_programs_per_sm=3), "rows"),
+    "step_tma_bv64_w4_s2_p3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=64, decode_step_warps=4,
+                                    decode_step_stages=2, decode_step_programs_per_sm=3), "rows"),
+}
+
+
+def decode_inputs(N: int, layout: str, seed: int = 4) -> tuple[dict, torch.Tensor | None]:
+    """Decode inputs of N sequences, one token each: [1, N, ...] with cu_seqlens (layout "cu") or [N, 1, ...]
+    without (layout "rows"); the same values either way."""
+    H, K, V = 32, 128, 128
+    x = make(1, N, H, H, K, V, seed=seed)
+    if layout == "cu":
+        return x, torch.arange(N + 1, device=DEV, dtype=torch.int32)
+    return {n: (t.transpose(0, 1).contiguous() if t.dim() > 1 else t) for n, t in x.items()}, None
 
 
 def decode_sweep(N: int = 256) -> dict:
-    """Decode kernel block sizes at N sequences: us, TB/s of state traffic, and the relative difference of
-    output and slots from the default config's (each variant on the same inputs and pool)."""
+    """Decode kernels and block sizes at N sequences: us, TB/s of state traffic, and the relative difference of
+    output and slots from the default general kernel's (each variant on the same inputs and pool)."""
     from kernels.kda.triton_config import KDAKernelConfig
     from kernels.kda.triton_recurrent import fused_recurrent_kda_triton
 
     H, K, V = 32, 128, 128
-    x = make(1, N, H, H, K, V, seed=4)
     pool0 = torch.randn(N + 8, H, K, V, device=DEV)
     idx = torch.randperm(N + 8, device=DEV)[:N].to(torch.int32)
-    cu = torch.arange(N + 1, device=DEV, dtype=torch.int32)
 
-    def call(pool, cfg):
+    def call(pool, cfg, layout):
+        x, cu = decode_inputs(N, layout)
         return fused_recurrent_kda_triton(
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K ** -0.5, initial_state=pool,
             output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, lower_bound=LB, A_log=None, dt_bias=x["dt_bias"], cu_seqlens=cu,
-            ssm_state_indices=idx, inplace_final_state=True, config=cfg)[0]
+            ssm_state_indices=idx, inplace_final_state=True, config=cfg)[0].reshape(N, H, V)
 
     ref_pool = pool0.clone()
-    ref_o = call(ref_pool, KDAKernelConfig())
+    ref_o = call(ref_pool, KDAKernelConfig(), "cu")
     out = {}
-    for bv, warps, evict in DECODE_SWEEP:
-        cfg = KDAKernelConfig(decode_block_v=bv, decode_num_warps=warps, decode_evict_first=evict)
+    for name, (overrides, layout) in DECODE_SWEEP.items():
+        cfg = KDAKernelConfig(**overrides)
         try:
             pool = pool0.clone()
-            o = call(pool, cfg)
+            o = call(pool, cfg, layout)
             r = {"o_rel": rel(o, ref_o), "slots_rel": rel(pool, ref_pool)}
-            pool = pool0.clone()
-            r["us"] = bench(lambda cfg=cfg, pool=pool: call(pool, cfg)) * 1e3
+            x, cu = decode_inputs(N, layout)
+            from kernels.kda.triton_recurrent import fused_recurrent_kda_triton as fr
+
+            def run(cfg=cfg, x=x, cu=cu, pool=pool):
+                fr(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K ** -0.5, initial_state=pool,
+                   output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                   use_beta_sigmoid_in_kernel=True, lower_bound=LB, A_log=None, dt_bias=x["dt_bias"], cu_seqlens=cu,
+                   ssm_state_indices=idx, inplace_final_state=True, config=cfg)
+
+            r["us"] = bench(run) * 1e3
             r["state_TBps"] = 2 * N * H * K * V * 4 / (r["us"] * 1e-6) / 1e12
         except Exception as exc:  # noqa: BLE001 - the other variants still run
             r = {"error": repr(exc)[:300]}
-        out[f"bv{bv}_w{warps}" + ("_evict" if evict else "")] = r
-        print(f"  decode N={N} block_v={bv} warps={warps} evict_first={evict}: " + " ".join(
+        out[name] = r
+        print(f"  decode N={N} {name}: " + " ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     return out
 
@@ -293,11 +342,14 @@ def copy_bandwidth(gib: int = 4) -> float:
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants (the forward's, this round)
     "default": {},
-    "separate_kernels": dict(infer_kernels=False),
-    "scores_chunk_first": dict(scores_row_block_first=False),
-    "solve_wu_2warps": dict(num_warps_solve_wu=2),
-    "solve_wu_block32": dict(infer_wu_block=32),
+    "keep_upper_scores": dict(skip_upper_scores=False),
+    "state_t_bv32_w4_s3": dict(fwd_state_transposed=True, fwd_state_t_block_v=32),
+    "state_t_bv32_w4_s2": dict(fwd_state_transposed=True, fwd_state_t_block_v=32, num_stages_state_t=2),
+    "state_t_bv64_w4_s2": dict(fwd_state_transposed=True, num_stages_state_t=2),
+    "scores_rows_first_train": dict(scores_row_block_first_train=True),
 }
+# also timed forward+backward under --forward-only (variants that change the training path)
+FWDBWD_VARIANTS = ("default", "state_t_bv32_w4_s3", "scores_rows_first_train")
 
 
 def time_variants(T: int = 32768, forward_only: bool = False) -> dict:
@@ -328,7 +380,7 @@ def time_variants(T: int = 32768, forward_only: bool = False) -> dict:
             def fwd_bwd(cfg=cfg):
                 ours(xx, config=cfg)[0].backward(do)
 
-            if not forward_only:
+            if not forward_only or name in FWDBWD_VARIANTS:
                 r["fwdbwd_ms"] = bench(fwd_bwd, grad_to_none=list(leaves.values()))
         except Exception as exc:  # noqa: BLE001 - the other variants still run
             r = {"error": repr(exc)[:300]}
@@ -393,15 +445,17 @@ def print_tables(out: dict) -> None:
         o_f, o_b = r.get("ours_fwd_ms", nan), r.get("ours_fwdbwd_ms", nan)
         f_f, f_b = r.get("fla_fwd_ms", nan), r.get("fla_fwdbwd_ms", nan)
         print(f"| {T} | {o_f:.3f} | {f_f:.3f} | {f_f / o_f:.2f} | {o_b:.3f} | {f_b:.3f} | {f_b / o_b:.2f} |")
-    print("\n| decode seqs | ours us | fla us | fla/ours |")
-    print("|---|---|---|---|")
+    copy = out.get("copy_TBps")
+    print("\n| decode seqs | layout | ours us | fla us | fla/ours | ours % of copy |")
+    print("|---|---|---|---|---|---|")
     for N, r in out["decode"].items():
         if "error" in r:
             print(f"| {N} | error |")
             continue
-        fu = r.get("fla_us", float("nan"))
-        print(f"| {N} | {r['ours_us']:.1f} | {fu:.1f} | {fu / r['ours_us']:.2f} | "
-              f"{r['ours_state_TBps']:.2f} TB/s of state |")
+        for layout, suffix in (("rows", ""), ("cu", "_cu")):
+            ou, fu = r.get(f"ours_us{suffix}", float("nan")), r.get(f"fla_us{suffix}", float("nan"))
+            pct = 2 * N * 32 * 128 * 128 * 4 / (ou * 1e-6) / 1e12 / copy * 100 if isinstance(copy, float) else float("nan")
+            print(f"| {N} | {layout} | {ou:.1f} | {fu:.1f} | {fu / ou:.2f} | {pct:.0f}% |")
 
 
 def main() -> None:

@@ -27,9 +27,18 @@ class KDAKernelConfig:
     # and gcum, run side by side (H200, 32K, forward: 2.87 -> 2.71 ms against (chunk, head, row block)). The
     # autograd path keeps (chunk, head, row block): not timed with the backward yet
     scores_row_block_first: bool = True
+    scores_row_block_first_train: bool = False  # the same grid for the forward that saves for the backward
     num_warps_scores: int = 4
     num_warps_solve: int = 2  # solve and w/u (H200, 32K: forward 4.15 -> 3.94 ms against 4 warps)
     num_warps_state: int = 4
+    # the forward state kernel on the transposed state (fwd_state_t_kernel: state and new values as the
+    # dots' register operands); its value tile, warps and stages
+    fwd_state_transposed: bool = False
+    fwd_state_t_block_v: int = 64
+    num_warps_state_t: int = 4
+    num_stages_state_t: int = 3
+    # forward without autograd: the zero score blocks above the diagonal are not written (nothing reads them)
+    skip_upper_scores: bool = True
     num_warps_bwd: int = 4  # backward inter
     # K slice of backward inter's key side (one pass over V per slice). H200, 32K, fwd+bwd: 16.5 ms with
     # all of K at 8 warps, 15.6 with slices of 64 at 8 warps, 14.7 with slices of 32 at 4 warps
@@ -48,6 +57,15 @@ class KDAKernelConfig:
     decode_block_v: int = 32
     decode_num_warps: int = 1  # H200, 256 sequences: 423 us at 4 warps, 355 at 1 (fla-core 0.6.0: 375)
     decode_evict_first: bool = False  # L2 eviction hint on the state slots' load and store (read once, written once)
+    # one token per sequence (B rows of T = 1, no cu_seqlens): a persistent kernel whose loop over (sequence, head,
+    # value tile) units is software-pipelined, the next units' state tiles copied to shared memory while this one
+    # is computed (through TMA descriptors with decode_step_tma)
+    decode_step: bool = False
+    decode_step_block_v: int = 16
+    decode_step_warps: int = 1
+    decode_step_stages: int = 3
+    decode_step_programs_per_sm: int = 8
+    decode_step_tma: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:
@@ -67,7 +85,7 @@ class KDAKernelConfig:
         if dtype != torch.float32:
             return self
         score = "tf32" if self.fp32_dot_precision == "tf32" else "tf32x3"  # tf32x3: fp32 error, measured
-        return replace(self, num_stages_state=1, num_stages_bwd_state=1, num_stages_bwd_inter=1,
+        return replace(self, num_stages_state=1, num_stages_bwd_state=1, num_stages_bwd_inter=1, num_stages_state_t=1,
                        block_v=min(self.block_v, 32), bwd_score_precision=score,
                        bwd_score_precision_diag=None)
 

@@ -30,7 +30,7 @@ def results() -> dict:
 
 @pytest.mark.parametrize("case", ["bounded", "unbounded_varlen", "precomputed", "at_bound_chunk64",
                                   "varlen_short_chunks",
-                                  "bwd_intra_whole_k", "precomputed_bounded"])
+                                  "bwd_intra_whole_k", "precomputed_bounded", "state_t_varlen"])
 def test_triton_chunk_forward_and_gradients(results, case):
     r = results[case]
     assert r.pop("finite")
@@ -46,6 +46,14 @@ def test_triton_decode_state_slots(results, case):
     r = results[case]
     assert r["o"] < TOL and r["slots"] < TOL
     assert r["padded_zero"] and r["others_untouched"] and r["returned_pool"]
+
+
+@pytest.mark.parametrize("case", ["decode_step_slots", "decode_step_slots_tma", "decode_step_out_of_place",
+                                  "decode_step_no_slots", "decode_step_no_state"])
+def test_triton_decode_one_token_kernel(results, case):
+    r = results[case]
+    assert r["o"] < TOL and r["state"] < TOL
+    assert r["padded_zero"] and r["others_untouched"] and r.get("padded_state_zero", True)
 
 
 @pytest.mark.parametrize("case", ["decode_varlen", "decode_varlen_bv8"])
@@ -81,7 +89,8 @@ def test_fused_short_conv_matches_the_reference(results):
     assert not bad, f"relative errors over {TOL}: {bad}"
 
 
-@pytest.mark.parametrize("case", ["no_grad", "no_grad_chunk64", "no_grad_precomputed", "no_grad_separate"])
+@pytest.mark.parametrize("case", ["no_grad", "no_grad_chunk64", "no_grad_precomputed", "no_grad_separate",
+                                  "no_grad_state_t"])
 def test_forward_without_autograd_skips_saving_and_matches(results, case):
     r = results[case]
     if case == "no_grad_separate":  # the same kernels as the saving forward, less written

@@ -88,6 +88,37 @@ def decode_varlen_case(seed, config=None):
     return {"o": rel_err(o, o_ref), "final_state": rel_err(final, s_ref)}
 
 
+def decode_step_case(seed, config, slots=True, inplace=True, with_state=True):
+    """The one-token-per-row decode kernel (recurrent_kda_step_kernel) against the fp64 recurrence: slots with a
+    padded row, in place; or out of place with final states; or without an initial state."""
+    N, HV, n_slots = 5, 4, 7
+    x = make_inputs(N, 1, 2, HV, 32, 16, gate="bounded", beta_logits=True, seed=seed)
+    kw = dict(x.kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(n_slots if slots else N, HV, 32, 16, generator=gen)
+    before = pool.clone()
+    idx = torch.tensor([4, -1, 0, 6, 2]) if slots else None
+    o, final = fused_recurrent_kda_triton(
+        *x.args(), scale=32**-0.5, initial_state=pool if with_state else None, output_final_state=not inplace,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=kw["lower_bound"], A_log=None, dt_bias=kw["dt_bias"], cu_seqlens=None, ssm_state_indices=idx,
+        inplace_final_state=inplace, config=config,
+    )
+    valid = idx >= 0 if slots else torch.ones(N, dtype=torch.bool)
+    rows = idx[valid] if slots else torch.arange(N)
+    h0 = before[rows] if with_state else torch.zeros(int(valid.sum()), HV, 32, 16)
+    o_ref, s_ref = naive_recurrent_kda(*(t[valid] for t in x.args()), initial_state=h0, output_final_state=True, **kw)
+    res = {"o": rel_err(o[valid], o_ref), "padded_zero": bool((o[~valid] == 0).all())}
+    if inplace:
+        untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+        untouched[rows] = False
+        res.update(state=rel_err(pool[rows], s_ref), others_untouched=bool(torch.equal(pool[untouched], before[untouched])))
+    else:
+        res.update(state=rel_err(final[valid], s_ref), others_untouched=bool(torch.equal(pool, before)),
+                   padded_state_zero=bool((final[~valid] == 0).all()))
+    return res
+
+
 def custom_op_case(seed):
     """The chunk op as torch.compile sees it: torch.library's opcheck (schema, fake shapes against the real
     outputs, autograd registration) with and without cu_seqlens, and a compiled function through the op
@@ -292,6 +323,17 @@ def main() -> None:
         # value tiles of 8: two programs per head
         "decode_slots_bv8": decode_case(5, KDAKernelConfig(decode_block_v=8)),
         "decode_varlen_bv8": decode_varlen_case(6, KDAKernelConfig(decode_block_v=8)),
+        # the persistent one-token decode kernel: pointer loads in two value tiles; TMA descriptors; out of place
+        "decode_step_slots": decode_step_case(18, KDAKernelConfig(decode_step=True, decode_step_block_v=8)),
+        "decode_step_slots_tma": decode_step_case(19, KDAKernelConfig(decode_step=True, decode_step_block_v=16,
+                                                                      decode_step_tma=True)),
+        "decode_step_out_of_place": decode_step_case(20, KDAKernelConfig(decode_step=True), inplace=False),
+        "decode_step_no_slots": decode_step_case(21, KDAKernelConfig(decode_step=True), slots=False, inplace=False),
+        "decode_step_no_state": decode_step_case(22, KDAKernelConfig(decode_step=True), slots=False, inplace=False,
+                                                 with_state=False),
+        # the transposed forward state kernel, saving h and vn for the backward (gradients) and without autograd
+        "state_t_varlen": chunk_case(1, 150, 1, 2, 32, 16, 64, 23, gate="bounded", cu_seqlens=[0, 37, 130, 150],
+                                     config=KDAKernelConfig(fwd_state_transposed=True, fwd_state_t_block_v=16)),
         "custom_op": custom_op_case(9),
         "expanded_grads": expanded_grads_case(10),
         "attn_res": attn_res_case(11),
@@ -302,6 +344,8 @@ def main() -> None:
                                         cu_seqlens=(0, 37, 130, 150), T=150),
         "no_grad_precomputed": no_grad_case(17, 64, gate="precomputed", cu_seqlens=(0, 100), T=100, K=16),
         "no_grad_separate": no_grad_case(12, config=KDAKernelConfig(infer_kernels=False)),
+        "no_grad_state_t": no_grad_case(24, 64, KDAKernelConfig(fwd_state_transposed=True, fwd_state_t_block_v=8),
+                                        cu_seqlens=(0, 37, 130, 150), T=150),
     }
     print(json.dumps(results))
 
