@@ -255,10 +255,12 @@ def time_decode(N: int) -> dict:
 # (the one-token kernel's case), "cu" one row of N tokens with cu_seqlens = arange (the general kernel always).
 # Earlier rounds swept the general kernel's block_v 8-128 at 1-8 warps, its evict-first hint, and several units per
 # program with the next state prefetched into registers (commit 6d432ff): 351-816 us, none better than 32 / 1 warp.
+# Session 18's first call also timed the one-token kernel with pointer loads at 16 columns / 1 warp, 2 and 3 stages
+# (528, 432 us) and TMA at 16 columns with 4 stages or 16 programs per SM (356, 333 us).
 DECODE_SWEEP = {
-    "general_bv32_w1_cu": ({}, "cu"),
-    "general_bv32_w1_rows": ({}, "rows"),
-    "step_bv32_w2_s3_p4": (dict(decode_step=True, decode_step_block_v=32, decode_step_warps=2,
+    "general_bv32_w1_cu": (dict(decode_step=False), "cu"),
+    "general_bv32_w1_rows": (dict(decode_step=False), "rows"),
+    "step_bv32_w2_s3_p4": (dict(decode_step=True, decode_step_tma=False, decode_step_block_v=32, decode_step_warps=2,
                                 decode_step_programs_per_sm=4), "rows"),
     "step_tma_bv16_w1_s3_p4": (dict(decode_step=True, decode_step_tma=True, decode_step_programs_per_sm=4), "rows"),
     "step_tma_bv32_w2_s3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2),
@@ -340,16 +342,14 @@ def copy_bandwidth(gib: int = 4) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e12
 
 
-VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants (the forward's, this round)
+VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants (session 18 also timed a forward state
+    # kernel on the transposed state, and score blocks above the diagonal left unwritten: commit 25e88df)
     "default": {},
-    "keep_upper_scores": dict(skip_upper_scores=False),
-    "state_t_bv32_w4_s3": dict(fwd_state_transposed=True, fwd_state_t_block_v=32),
-    "state_t_bv32_w4_s2": dict(fwd_state_transposed=True, fwd_state_t_block_v=32, num_stages_state_t=2),
-    "state_t_bv64_w4_s2": dict(fwd_state_transposed=True, num_stages_state_t=2),
-    "scores_rows_first_train": dict(scores_row_block_first_train=True),
+    "separate_kernels": dict(infer_kernels=False),
+    "scores_chunk_first": dict(scores_row_block_first=False),
 }
 # also timed forward+backward under --forward-only (variants that change the training path)
-FWDBWD_VARIANTS = ("default", "state_t_bv32_w4_s3", "scores_rows_first_train")
+FWDBWD_VARIANTS = ("default", "scores_chunk_first")
 
 
 def time_variants(T: int = 32768, forward_only: bool = False) -> dict:
@@ -454,7 +454,8 @@ def print_tables(out: dict) -> None:
             continue
         for layout, suffix in (("rows", ""), ("cu", "_cu")):
             ou, fu = r.get(f"ours_us{suffix}", float("nan")), r.get(f"fla_us{suffix}", float("nan"))
-            pct = 2 * N * 32 * 128 * 128 * 4 / (ou * 1e-6) / 1e12 / copy * 100 if isinstance(copy, float) else float("nan")
+            tbps = 2 * N * 32 * 128 * 128 * 4 / (ou * 1e-6) / 1e12
+            pct = tbps / copy * 100 if isinstance(copy, float) else float("nan")
             print(f"| {N} | {layout} | {ou:.1f} | {fu:.1f} | {fu / ou:.2f} | {pct:.0f}% |")
 
 

@@ -9,7 +9,6 @@ from kernels.kda.common import check_cu_seqlens_values
 from kernels.kda.triton_chunk_bwd import bwd_gate_kernel, bwd_inter_kernel, bwd_intra_kernel, bwd_state_kernel
 from kernels.kda.triton_chunk_fwd import (
     fwd_state_kernel,
-    fwd_state_t_kernel,
     gate_cumsum_kernel,
     intra_scores_kernel,
     solve_kernel,
@@ -92,13 +91,12 @@ def kda_fwd(
     kg = torch.empty(T, HV, K, dtype=k.dtype, device=dev)
     fused_wu = infer_kernels(cfg, lower_bound, save_for_backward)
     kge = torch.empty(T, HV, K, dtype=k.dtype, device=dev) if fused_wu else None
-    row_first = cfg.scores_row_block_first if fused_wu else cfg.scores_row_block_first_train
+    row_first = cfg.scores_row_block_first
     NB = BT // BC
     intra_scores_kernel[(NB, NC, HV) if row_first else (NC, HV, NB)](
         q, k, gcum, Aqk, Akk, qg, kg, kge, cu, chunk_indices, scale,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, L2NORM=norm_in_kernels,
-        STORE_KGE=fused_wu, ROW_BLOCK_FIRST=row_first, STORE_UPPER=save_for_backward or not cfg.skip_upper_scores,
-        num_warps=cfg.num_warps_scores,
+        STORE_KGE=fused_wu, ROW_BLOCK_FIRST=row_first, num_warps=cfg.num_warps_scores,
     )
     work_dtype = cfg.work_dtype or v.dtype
     w = torch.empty(T, HV, K, dtype=work_dtype, device=dev)
@@ -128,17 +126,12 @@ def kda_fwd(
         h, vn = torch.empty(1, dtype=state_dtype, device=dev), torch.empty(1, dtype=work_dtype, device=dev)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
+    BVS = min(cfg.fwd_state_block_v, triton.next_power_of_2(V))
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
-    if cfg.fwd_state_transposed:
-        BVS = min(cfg.fwd_state_t_block_v, triton.next_power_of_2(V))
-        kernel, warps, stages = fwd_state_t_kernel, cfg.num_warps_state_t, cfg.num_stages_state_t
-    else:
-        BVS = min(cfg.fwd_state_block_v, triton.next_power_of_2(V))
-        kernel, warps, stages = fwd_state_kernel, cfg.num_warps_state, cfg.num_stages_state
-    kernel[(triton.cdiv(V, BVS), N * HV)](
+    fwd_state_kernel[(triton.cdiv(V, BVS), N * HV)](
         kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu, chunk_offsets,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BVS, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, DOT_PREC=prec,
-        STORE_SAVED=save_for_backward, num_warps=warps, num_stages=stages,
+        STORE_SAVED=save_for_backward, num_warps=cfg.num_warps_state, num_stages=cfg.num_stages_state,
     )
     if not save_for_backward:
         h, vn = h.new_empty(0), vn.new_empty(0)

@@ -169,7 +169,7 @@ def intra_scores_kernel(
     q, k, gcum, Aqk, Akk, qg, kg, kge, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr, L2NORM: tl.constexpr = False,
-    STORE_KGE: tl.constexpr = False, ROW_BLOCK_FIRST: tl.constexpr = False, STORE_UPPER: tl.constexpr = True,
+    STORE_KGE: tl.constexpr = False, ROW_BLOCK_FIRST: tl.constexpr = False,
 ):
     """Row block i = program_id(2) of one chunk and value head: its rows of Aqk (incl. diagonal, times
     scale) and Akk (strictly lower), and of the gated qg = scale q e^Gam and kg = k e^(Gam_last - Gam)
@@ -178,8 +178,7 @@ def intra_scores_kernel(
     whole chunk's blocks in one program needed ~240 registers per thread (12% occupancy on an H200).
     With STORE_KGE also kge = k e^Gam (the solve + w/u kernel of triton_chunk_infer.py reads it). With
     ROW_BLOCK_FIRST the grid is (row block, chunk, head), so a chunk's row blocks, which re-read the earlier
-    blocks' k and gcum, run side by side. Without STORE_UPPER the zero blocks above the diagonal are not
-    written (a forward without autograd: the state kernels mask them, the solve never reads them)."""
+    blocks' k and gcum, run side by side."""
     if ROW_BLOCK_FIRST:
         i, i_hv = tl.program_id(0), tl.program_id(2)
         i_h = i_hv // (HV // H)
@@ -234,7 +233,7 @@ def intra_scores_kernel(
             s_kk = tl.where(o_i[:, None] > o_i[None, :], s_kk, 0.0)
             tl.store(Aqk + a_off + j * BC, s_qk.to(Aqk.dtype.element_ty), mask=m_a)
             tl.store(Akk + a_off + j * BC, s_kk, mask=m_a)
-        elif STORE_UPPER:
+        else:
             tl.store(Aqk + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32).to(Aqk.dtype.element_ty), mask=m_a)
             tl.store(Akk + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=m_a)
 
@@ -368,9 +367,6 @@ def fwd_state_kernel(
         dt = qg.dtype.element_ty  # h and vn rounded as stored, as the backward sees them
         b_qg = tl.load(qg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
         b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)
-        # the blocks above the diagonal may be unwritten; zeroed here, not by the load's mask (a mask that varies
-        # inside a 16-byte vector makes the copy scalar: H200, 32K, this kernel 0.91 -> ~1.45 ms)
-        b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.0)
         b_o = tl.dot(b_qg, b_h.to(h.dtype.element_ty).to(dt), input_precision=DOT_PREC)
         b_o += tl.dot(b_A.to(dt), b_vn.to(vn.dtype.element_ty).to(dt), input_precision=DOT_PREC)
         tl.store(o + (bos + rows)[:, None] * (HV * V) + i_hv * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
@@ -379,53 +375,3 @@ def fwd_state_kernel(
         b_h = b_h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype), input_precision=DOT_PREC)
     if STORE_FINAL:
         tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
-
-
-@triton.jit
-def fwd_state_t_kernel(
-    kg, gcum, w, u, vn, h, h0, ht, qg, Aqk, o, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    STORE_SAVED: tl.constexpr = True,
-):
-    """fwd_state_kernel on the transposed state S = h^T [BV, K]: every product that involves the state or the
-    new values has them as its left operand (vn^T = u^T - S w^T, o^T = S qg^T + vn^T Aqk^T,
-    S <- S e^Gam_last + vn^T kg), which a Hopper wgmma reads from registers; in fwd_state_kernel they are the
-    right operand and go through shared memory on each chunk's serial chain. Same outputs, stored in the same
-    layouts (h as [K, V], vn and o as [T, V])."""
-    i_n, i_hv, bos, T, c0, NT, o_k, o_v, m_kv, s_off = _state_program(cu_seqlens, chunk_offsets, HV, K, V, BT, BK, BV)
-    o_t = tl.arange(0, BT)
-    m_vk = tl.trans(m_kv)
-    t_off = tl.trans(s_off)  # [BV, BK] offsets into one [K, V] state
-    b_s = tl.zeros([BV, BK], dtype=tl.float32)
-    if HAS_H0:
-        b_s += tl.load(h0 + (i_n * HV + i_hv) * K * V + t_off, mask=m_vk, other=0.0).to(tl.float32)
-    dt = qg.dtype.element_ty
-    for it in range(0, NT):
-        if STORE_SAVED:
-            tl.store(h + ((c0 + it) * HV + i_hv) * K * V + t_off, b_s.to(h.dtype.element_ty), mask=m_vk)
-        rows = it * BT + o_t
-        ok = rows < T
-        m_tk = ok[:, None] & (o_k < K)[None, :]
-        m_vt = (o_v < V)[:, None] & ok[None, :]
-        b_w = tl.load(w + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-        vt_off = (bos + rows)[None, :] * (HV * V) + i_hv * V + o_v[:, None]  # [BV, BT] of a [T, V] tensor
-        b_u = tl.load(u + vt_off, mask=m_vt, other=0.0)
-        b_sb = b_s.to(h.dtype.element_ty).to(dt)  # rounded as stored, as the backward sees it
-        b_vn = b_u.to(tl.float32) - tl.dot(b_sb, tl.trans(b_w.to(dt)), input_precision=DOT_PREC)
-        b_vnb = b_vn.to(vn.dtype.element_ty).to(dt)
-        if STORE_SAVED:
-            tl.store(vn + vt_off, b_vn.to(vn.dtype.element_ty), mask=m_vt)
-        b_qg = tl.load(qg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_A = tl.load(Aqk + (bos + rows)[:, None] * (HV * BT) + i_hv * BT + o_t[None, :], mask=ok[:, None], other=0.0)
-        # the blocks above the diagonal may be unwritten; zeroed here, not by the load's mask (a mask that varies
-        # inside a 16-byte vector makes the copy scalar: H200, 32K, this kernel 0.91 -> ~1.45 ms)
-        b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.0)
-        b_o = tl.dot(b_sb, tl.trans(b_qg), input_precision=DOT_PREC)
-        b_o = tl.dot(b_vnb, tl.trans(b_A.to(dt)), b_o, input_precision=DOT_PREC)
-        tl.store(o + vt_off, b_o.to(o.dtype.element_ty), mask=m_vt)
-        g_last = _gate_at_chunk_end(gcum, bos, it * BT, T, i_hv, o_k, HV, K, BT)
-        b_kg = tl.load(kg + (bos + rows)[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_s = b_s * tl.exp(g_last)[None, :] + tl.dot(b_vnb, b_kg.to(dt), input_precision=DOT_PREC)
-    if STORE_FINAL:
-        tl.store(ht + (i_n * HV + i_hv) * K * V + t_off, b_s, mask=m_vk)

@@ -23,22 +23,13 @@ class KDAKernelConfig:
     infer_kernels: bool = True
     infer_wu_block: int = 64  # K / V columns per step of its w/u products
     num_warps_solve_wu: int = 1  # H200, 32K, forward: 2.68 ms at 1 warp, 2.87 at 2, 3.08 at 4
-    # its intra-scores grid (row block, chunk, head): a chunk's row blocks, which re-read the earlier blocks' k
-    # and gcum, run side by side (H200, 32K, forward: 2.87 -> 2.71 ms against (chunk, head, row block)). The
-    # autograd path keeps (chunk, head, row block): not timed with the backward yet
+    # the intra-scores grid (row block, chunk, head): a chunk's row blocks, which re-read the earlier blocks' k
+    # and gcum, run side by side. H200, 32K, against (chunk, head, row block): forward without autograd 2.87 ->
+    # 2.71 ms; forward+backward 15.81 -> 15.58 and 16.1 -> 15.9 ms (two runs)
     scores_row_block_first: bool = True
-    scores_row_block_first_train: bool = False  # the same grid for the forward that saves for the backward
     num_warps_scores: int = 4
     num_warps_solve: int = 2  # solve and w/u (H200, 32K: forward 4.15 -> 3.94 ms against 4 warps)
     num_warps_state: int = 4
-    # the forward state kernel on the transposed state (fwd_state_t_kernel: state and new values as the
-    # dots' register operands); its value tile, warps and stages
-    fwd_state_transposed: bool = False
-    fwd_state_t_block_v: int = 64
-    num_warps_state_t: int = 4
-    num_stages_state_t: int = 3
-    # forward without autograd: the zero score blocks above the diagonal are not written (nothing reads them)
-    skip_upper_scores: bool = True
     num_warps_bwd: int = 4  # backward inter
     # K slice of backward inter's key side (one pass over V per slice). H200, 32K, fwd+bwd: 16.5 ms with
     # all of K at 8 warps, 15.6 with slices of 64 at 8 warps, 14.7 with slices of 32 at 4 warps
@@ -59,13 +50,14 @@ class KDAKernelConfig:
     decode_evict_first: bool = False  # L2 eviction hint on the state slots' load and store (read once, written once)
     # one token per sequence (B rows of T = 1, no cu_seqlens): a persistent kernel whose loop over (sequence, head,
     # value tile) units is software-pipelined, the next units' state tiles copied to shared memory while this one
-    # is computed (through TMA descriptors with decode_step_tma)
-    decode_step: bool = False
-    decode_step_block_v: int = 16
-    decode_step_warps: int = 1
+    # is computed (through TMA descriptors with decode_step_tma). H200, 256 sequences: 366 us with the general
+    # kernel, 299 with these; 16 columns / 1 warp 322-334, 8 programs per SM 303, 2 or 4 stages 320-333
+    decode_step: bool = True
+    decode_step_block_v: int = 32
+    decode_step_warps: int = 2
     decode_step_stages: int = 3
-    decode_step_programs_per_sm: int = 8
-    decode_step_tma: bool = False
+    decode_step_programs_per_sm: int = 4
+    decode_step_tma: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:
@@ -85,7 +77,7 @@ class KDAKernelConfig:
         if dtype != torch.float32:
             return self
         score = "tf32" if self.fp32_dot_precision == "tf32" else "tf32x3"  # tf32x3: fp32 error, measured
-        return replace(self, num_stages_state=1, num_stages_bwd_state=1, num_stages_bwd_inter=1, num_stages_state_t=1,
+        return replace(self, num_stages_state=1, num_stages_bwd_state=1, num_stages_bwd_inter=1,
                        block_v=min(self.block_v, 32), bwd_score_precision=score,
                        bwd_score_precision_diag=None)
 

@@ -1,5 +1,7 @@
 """Triton recurrent KDA for decode: one program per (V tile, sequence, value head), the state tile in
-registers (fp32) across the sequence's tokens, read from and written back to its slot."""
+registers (fp32) across the sequence's tokens, read from and written back to its slot. Rows of one token
+each (the serving call: [N, 1, ...] without cu_seqlens) take recurrent_kda_step_kernel instead, a persistent
+kernel whose pipelined loop keeps the next units' state tiles in flight."""
 
 from __future__ import annotations
 

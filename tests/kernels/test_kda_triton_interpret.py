@@ -30,7 +30,7 @@ def results() -> dict:
 
 @pytest.mark.parametrize("case", ["bounded", "unbounded_varlen", "precomputed", "at_bound_chunk64",
                                   "varlen_short_chunks",
-                                  "bwd_intra_whole_k", "precomputed_bounded", "state_t_varlen"])
+                                  "bwd_intra_whole_k", "precomputed_bounded"])
 def test_triton_chunk_forward_and_gradients(results, case):
     r = results[case]
     assert r.pop("finite")
@@ -89,8 +89,7 @@ def test_fused_short_conv_matches_the_reference(results):
     assert not bad, f"relative errors over {TOL}: {bad}"
 
 
-@pytest.mark.parametrize("case", ["no_grad", "no_grad_chunk64", "no_grad_precomputed", "no_grad_separate",
-                                  "no_grad_state_t"])
+@pytest.mark.parametrize("case", ["no_grad", "no_grad_chunk64", "no_grad_precomputed", "no_grad_separate"])
 def test_forward_without_autograd_skips_saving_and_matches(results, case):
     r = results[case]
     if case == "no_grad_separate":  # the same kernels as the saving forward, less written

@@ -112,7 +112,8 @@ def decode_step_case(seed, config, slots=True, inplace=True, with_state=True):
     if inplace:
         untouched = torch.ones(pool.shape[0], dtype=torch.bool)
         untouched[rows] = False
-        res.update(state=rel_err(pool[rows], s_ref), others_untouched=bool(torch.equal(pool[untouched], before[untouched])))
+        res.update(state=rel_err(pool[rows], s_ref),
+                   others_untouched=bool(torch.equal(pool[untouched], before[untouched])))
     else:
         res.update(state=rel_err(final[valid], s_ref), others_untouched=bool(torch.equal(pool, before)),
                    padded_state_zero=bool((final[~valid] == 0).all()))
@@ -318,22 +319,19 @@ def main() -> None:
         # a precomputed g with its promised lower bound: the all-tl.dot path without the in-kernel gate, 4 x 16 rows
         "precomputed_bounded": chunk_case(1, 100, 2, 2, 16, 32, 64, 15, gate="precomputed", l2norm=False,
                                           lower_bound_given=True),
-        "decode_slots": decode_case(5),
+        # the general kernel (one program per unit) on rows of one token; the one-token kernel is the default there
+        "decode_slots": decode_case(5, KDAKernelConfig(decode_step=False)),
         "decode_varlen": decode_varlen_case(6),
         # value tiles of 8: two programs per head
-        "decode_slots_bv8": decode_case(5, KDAKernelConfig(decode_block_v=8)),
+        "decode_slots_bv8": decode_case(5, KDAKernelConfig(decode_block_v=8, decode_step=False)),
         "decode_varlen_bv8": decode_varlen_case(6, KDAKernelConfig(decode_block_v=8)),
-        # the persistent one-token decode kernel: pointer loads in two value tiles; TMA descriptors; out of place
-        "decode_step_slots": decode_step_case(18, KDAKernelConfig(decode_step=True, decode_step_block_v=8)),
-        "decode_step_slots_tma": decode_step_case(19, KDAKernelConfig(decode_step=True, decode_step_block_v=16,
-                                                                      decode_step_tma=True)),
-        "decode_step_out_of_place": decode_step_case(20, KDAKernelConfig(decode_step=True), inplace=False),
-        "decode_step_no_slots": decode_step_case(21, KDAKernelConfig(decode_step=True), slots=False, inplace=False),
-        "decode_step_no_state": decode_step_case(22, KDAKernelConfig(decode_step=True), slots=False, inplace=False,
-                                                 with_state=False),
-        # the transposed forward state kernel, saving h and vn for the backward (gradients) and without autograd
-        "state_t_varlen": chunk_case(1, 150, 1, 2, 32, 16, 64, 23, gate="bounded", cu_seqlens=[0, 37, 130, 150],
-                                     config=KDAKernelConfig(fwd_state_transposed=True, fwd_state_t_block_v=16)),
+        # the persistent one-token decode kernel: pointer loads in two value tiles; TMA descriptors (the default);
+        # out of place, without slots, without an initial state
+        "decode_step_slots": decode_step_case(18, KDAKernelConfig(decode_step_tma=False, decode_step_block_v=8)),
+        "decode_step_slots_tma": decode_step_case(19, KDAKernelConfig()),
+        "decode_step_out_of_place": decode_step_case(20, KDAKernelConfig(), inplace=False),
+        "decode_step_no_slots": decode_step_case(21, KDAKernelConfig(), slots=False, inplace=False),
+        "decode_step_no_state": decode_step_case(22, KDAKernelConfig(), slots=False, inplace=False, with_state=False),
         "custom_op": custom_op_case(9),
         "expanded_grads": expanded_grads_case(10),
         "attn_res": attn_res_case(11),
@@ -344,8 +342,6 @@ def main() -> None:
                                         cu_seqlens=(0, 37, 130, 150), T=150),
         "no_grad_precomputed": no_grad_case(17, 64, gate="precomputed", cu_seqlens=(0, 100), T=100, K=16),
         "no_grad_separate": no_grad_case(12, config=KDAKernelConfig(infer_kernels=False)),
-        "no_grad_state_t": no_grad_case(24, 64, KDAKernelConfig(fwd_state_transposed=True, fwd_state_t_block_v=8),
-                                        cu_seqlens=(0, 37, 130, 150), T=150),
     }
     print(json.dumps(results))
 
