@@ -172,7 +172,7 @@ def _launch_step(q, k, v, g, beta, o, initial_state, ht, slots, scale, lower_bou
     n_units = triton.cdiv(V, BV) * N * HV
     h0 = initial_state
     tma = (cfg.decode_step_tma and initial_state is not None and initial_state.dtype == torch.float32
-           and BK == K and V % BV == 0 and initial_state.data_ptr() % 16 == 0)
+           and initial_state.is_contiguous() and BK == K and V % BV == 0 and initial_state.data_ptr() % 16 == 0)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
