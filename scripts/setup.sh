@@ -29,10 +29,12 @@ if [ ! -f "$stamp" ]; then
 fi
 
 # System packages: redis-server (the embedded default starts a private one); bubblewrap (the python
-# environment runs model-written code under bwrap and refuses to start without it); with --test also
-# Debian's chromium, which the dashboard's browser tests drive.
+# environment runs model-written code under bwrap and refuses to start without it); a C compiler (the CPU
+# KDA recurrence is built for the machine at first use, kernels/native.py); with --test also Debian's
+# chromium, which the dashboard's browser tests drive.
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v "${CC:-cc}" >/dev/null 2>&1 || need+=(gcc)
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 # As root the sandbox runs code as nobody, who cannot read an interpreter under /root: it uses the system one.
 if [ "$(id -u)" -eq 0 ] && [ ! -x /usr/bin/python3 ]; then need+=(python3-minimal); fi
@@ -45,7 +47,7 @@ if [ ${#need[@]} -gt 0 ]; then
   else
     echo "missing ${need[*]} and apt-get is not available: install Redis (e.g. 'brew install redis' or" >&2
     echo "'conda install -c conda-forge redis', or point TAPER_REDIS_URL at a server), bubblewrap (the" >&2
-    echo "distribution's package) and Chromium." >&2
+    echo "distribution's package), a C compiler and Chromium." >&2
     exit 1
   fi
 fi

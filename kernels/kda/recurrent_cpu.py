@@ -1,25 +1,33 @@
-"""KDA's per-token recurrence as one compiled CPU loop (numba): the CPU path wherever no gradient is needed
-(the engine's prefill and decode, evaluation). The CPU training path, which needs autograd, stays the
-chunked torch one (`chunk_torch.py`).
+"""KDA's per-token recurrence as one compiled CPU loop: the CPU path wherever no gradient is needed (the
+engine's prefill and decode, evaluation). The CPU training path, which needs autograd, stays the chunked
+torch one (`chunk_torch.py`).
 
 Why a recurrence and not chunks on CPU: with K = V = 64 per head, a token costs a few multiply-adds per
 state element, the state (16 KiB) stays in L1 and nothing is materialised, while the chunked torch path
-spends most of its time in small batched matmuls and elementwise temporaries (measured 2.4x slower at 4K, 2.6x at 16K, AVX2 CPU).
+spends most of its time in small batched matmuls and elementwise temporaries (measured 2.4x slower at 4K,
+2.6x at 16K, AVX2 CPU; a chunked form built for inference alone was 4-15x slower on an AMX CPU: NOTES).
 
 Per token, with the decay d = exp(g), S' = Diag(d) S, e = v - S'^T k:
     S = S' + beta k e^T,    o = S^T (scale q) = S'^T (scale q) + (scale q . beta k) e.
 Each token's rank-1 update is applied lazily, in the next token's one sweep over the state: that sweep
 forms S_{t-1} = Diag(d_{t-1}) S_{t-2} + beta k e^T row by row and, from the same rows, S'_t^T k_t and
-S'_t^T q_t. So the state is read and written once per token.
+S'_t^T q_t. So the state is read and written once per token. The sweep is C (`recurrent_cpu.c`, built for
+this CPU by `kernels.native`), which keeps its running sums in registers; the passes around it (gate, conv,
+output norm) are numba (`recurrent_cpu_numba.py`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from kernels import native
 from kernels.cpu_math import f32_or_bf16_bits
-from kernels.kda.common import preprocess, sequence_rows
+from kernels.kda.common import L2NORM_EPS, preprocess, sequence_rows
 
 Array = torch.Tensor | np.ndarray
 
@@ -30,12 +38,53 @@ def slots_contiguous(pool: torch.Tensor) -> bool:
     return pool.shape[0] == 0 or pool[0].is_contiguous()
 
 
-def _flat_slots(pool: torch.Tensor) -> tuple[np.ndarray, int]:
-    """The pool's memory from slot 0's first value to the last slot's last, as a flat array, and the slot
-    stride in values."""
-    P, HV, K, V = pool.shape
-    span = (P - 1) * pool.stride(0) + HV * K * V if P else 0
-    return torch.as_strided(pool, (span,), (1,)).numpy(), pool.stride(0)
+_SOURCE = Path(__file__).with_name("recurrent_cpu.c")
+
+
+@functools.cache
+def _kda_rows_c() -> ctypes._CFuncPtr:
+    fn = native.load(_SOURCE).kda_rows
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr] * 5 + [i64, i64, i64, ctypes.c_float, ctypes.c_int32, ctypes.c_float, ptr, ptr, ptr, i64,
+                               ptr, i64, ptr]
+    fn.restype = None
+    return fn
+
+
+def kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+             scale: float, l2norm: bool, starts: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor,
+             pool: torch.Tensor, o: torch.Tensor) -> None:
+    """The compiled recurrence over token rows: q, k, decay [R, HV, K], v [R, HV, V], beta [R, HV] fp32 (rows =
+    tokens); sequence n is rows starts[n] .. ends[n]-1 and continues the state pool[slots[n]] (pool [P, HV, K, V]
+    fp32 with `slots_contiguous`, updated in place); slots[n] < 0 skips it (zero output). o [R, HV, V] gets the
+    outputs of the sequences' rows. With `l2norm`, q and k are divided by sqrt(|x|^2 + eps) first. The C loop
+    trusts its pointers, so every shape, dtype and layout is checked here."""
+    R, HV, K = q.shape
+    V = v.shape[2]
+    for name, x, shape in (("q", q, (R, HV, K)), ("k", k, (R, HV, K)), ("decay", decay, (R, HV, K)),
+                           ("v", v, (R, HV, V)), ("beta", beta, (R, HV)), ("o", o, (R, HV, V))):
+        if x.shape != shape or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 CPU tensor of shape {shape}, got "
+                             f"{type(x).__name__} {x.dtype} {tuple(x.shape)}")
+    _check_pool("pool", pool)
+    index = [x.to("cpu", torch.int64).contiguous() for x in (starts, ends, slots)]
+    P = pool.shape[0]
+    if pool.shape[1:] != (HV, K, V) or not (len(index[0]) == len(index[1]) == len(index[2])):
+        raise ValueError(f"pool {tuple(pool.shape)} / sequence bounds do not fit rows of {HV} x ({K}, {V})")
+    if len(index[0]) and bool((index[0] < 0).any() | (index[1] > R).any() | (index[0] > index[1]).any()
+                              | (index[2] >= P).any()):
+        raise ValueError(f"sequence bounds outside the {R} rows or slots outside the pool's {P}")
+    _kda_rows_unchecked(q, k, v, decay, beta, scale, l2norm, *index, pool, o)
+
+
+def _kda_rows_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                        beta: torch.Tensor, scale: float, l2norm: bool, starts: torch.Tensor, ends: torch.Tensor,
+                        slots: torch.Tensor, pool: torch.Tensor, o: torch.Tensor) -> None:
+    """`kda_rows` for tensors already known to fit (built by the caller): at a decode step the checks would
+    cost as much as the recurrence. Pointers by `data_ptr` (numpy's `.ctypes.data` costs ~3 us each)."""
+    _kda_rows_c()(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), q.shape[1],
+                  q.shape[2], v.shape[2], scale, int(l2norm), L2NORM_EPS, starts.data_ptr(), ends.data_ptr(),
+                  slots.data_ptr(), len(starts), pool.data_ptr(), pool.stride(0), o.data_ptr())
 
 
 def recurrent_kda_cpu(
@@ -62,14 +111,10 @@ def recurrent_kda_cpu(
         if not use_gate_in_kernel:  # g is the log-decay
             decay = torch.exp(decay)
         rows = B * T
-        qa, ka, va, da, ba = (x.reshape(rows, *x.shape[2:]).contiguous().numpy() for x in (qe, ke, ve, decay, be))
-        from kernels.kda.recurrent_cpu_numba import kda_rows  # numba loads on first use
-
+        flat = [x.reshape(rows, *x.shape[2:]).contiguous() for x in (qe, ke, ve, decay, be)]
         o = torch.empty(B, T, HV, V)
-        starts, ends = sequence_rows(T, B, cu_seqlens)
-        index = [x.to("cpu", torch.int64).contiguous().numpy() for x in (starts, ends, slots)]
-        kda_rows(qa, ka, va, da, ba, np.float32(scale), use_qk_l2norm_in_kernel, *index, *_flat_slots(pool),
-                 o.view(rows, HV, V).numpy())
+        kda_rows(*flat, scale, use_qk_l2norm_in_kernel, *sequence_rows(T, B, cu_seqlens), slots, pool,
+                 o.view(rows, HV, V))
     return o
 
 
@@ -95,10 +140,10 @@ def conv_recurrent_kda_decode_cpu(
     *, num_heads: int, scale: float, lower_bound: float | None, A_log: Array | None, dt_bias: Array,
     slots: torch.Tensor, pool: torch.Tensor,
 ) -> torch.Tensor:
-    """A decode step of the KDA token mixer from its pre-conv channels, as one compiled loop: the depthwise
+    """A decode step of the KDA token mixer from its pre-conv channels, as two compiled loops: the depthwise
     causal conv + SiLU on each sequence's newest window (conv_pool [P, W-1, C] fp32, advanced in place),
     the gate in the kernel, sigmoid beta, the qk l2norm and the recurrence on pool [P, HV, K, V] fp32
-    (in place). qkv [n, C], conv_weight [W, C], f [n, HV, K], beta_logits [n, HV], dt_bias [HV*K];
+    (in place; the C loop). qkv [n, C], conv_weight [W, C], f [n, HV, K], beta_logits [n, HV], dt_bias [HV*K];
     `lower_bound` set: the bounded gate, else A_log [HV]. Returns o [n, HV, V] fp32. Pools may have any
     strides, `pool` with `slots_contiguous`; nothing of this step is materialised in torch, where it costs
     ~100 small ops a layer. The parameters may be given as fp32 numpy arrays (a caller's cached copies)."""
@@ -106,14 +151,23 @@ def conv_recurrent_kda_decode_cpu(
     if conv_pool.dtype != torch.float32 or conv_pool.device.type != "cpu":
         raise ValueError(f"conv_pool must be fp32 on the CPU, got {conv_pool.dtype} on {conv_pool.device}")
     n, HV, K = f.shape
-    o = torch.empty(n, HV, pool.shape[-1])
+    V = pool.shape[-1]
+    q, k, decay = (torch.empty(n, HV, K) for _ in range(3))
+    v = torch.empty(n, HV, V)
+    beta = torch.empty(n, HV)
     bounded = lower_bound is not None
     a_log = np.zeros(HV, np.float32) if bounded else _f32(A_log)
-    from kernels.kda.recurrent_cpu_numba import conv_kda_decode
+    slots = slots.to("cpu", torch.int64).contiguous()
+    if n and int(slots.max()) >= pool.shape[0]:
+        raise ValueError(f"slots {slots.tolist()} outside the pool's {pool.shape[0]}")
+    from kernels.kda.recurrent_cpu_numba import conv_decode_inputs
 
-    conv_kda_decode(_f32(qkv), _f32(conv_weight), conv_pool.detach().numpy(), _f32(f), _f32(beta_logits), bounded,
-                    np.float32(lower_bound if bounded else 0.0), a_log, _f32(dt_bias), num_heads, np.float32(scale),
-                    True, slots.to(torch.int64).contiguous().numpy(), *_flat_slots(pool.detach()), o.numpy())
+    conv_decode_inputs(_f32(qkv), _f32(conv_weight), conv_pool.detach().numpy(), _f32(f), _f32(beta_logits), bounded,
+                       np.float32(lower_bound if bounded else 0.0), a_log, _f32(dt_bias), num_heads, slots.numpy(),
+                       *(x.numpy() for x in (q, k, v, decay, beta)))
+    o = torch.empty(n, HV, V)
+    starts = torch.arange(n)
+    _kda_rows_unchecked(q, k, v, decay, beta, scale, True, starts, starts + 1, slots, pool.detach(), o)
     return o
 
 

@@ -1,4 +1,5 @@
-"""The compiled loops of `recurrent_cpu.py` (numba). Their signatures are declared: importing this module
+"""The numba loops of `recurrent_cpu.py`: the passes around the recurrence (gate, conv, decode inputs, output
+norm); the recurrence itself is C (`recurrent_cpu.c`). Their signatures are declared: importing this module
 compiles them once (about 2 s) or loads them from numba's on-disk cache, and an argument of another type
 is an error rather than a second compile."""
 
@@ -8,29 +9,11 @@ import numpy as np
 from numba import boolean, float32, int16, int32, int64, njit, void
 
 from kernels.cpu_math import COMPILE, exp_parts, load_row, store_row
-from kernels.kda.common import L2NORM_EPS
 
 _VEC = float32[::1]
-
-
-@njit(void(float32[:, ::1], _VEC, _VEC, _VEC, _VEC, _VEC, _VEC, _VEC), **COMPILE)
-def _sweep(S, a, bk, err, c, f, ks, qs):  # pragma: no cover - compiled
-    """S <- Diag(a) S + bk err^T, then ks = S^T c and qs = S^T f (c, f: the next token's decayed k, q)."""
-    K, V = S.shape
-    for j in range(V):
-        ks[j] = 0.0
-        qs[j] = 0.0
-    for i in range(K):  # S[i, j], not a row view: the row view's loop runs 1.8x slower (AVX2, numba 0.65)
-        ai, bi, ci, fi = a[i], bk[i], c[i], f[i]
-        for j in range(V):
-            s = ai * S[i, j] + bi * err[j]
-            S[i, j] = s
-            ks[j] += ci * s
-            qs[j] += fi * s
-
-
 _ROWS = float32[:, :, ::1]
 _INDEX = int64[::1]
+
 
 @njit(void(_VEC, int32[::1]), **COMPILE)
 def silu_inplace(x, exponent):  # pragma: no cover - compiled
@@ -113,89 +96,26 @@ def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots,
                 conv_pool[s, tap, c] = window[src, c]
 
 
-@njit(void(_ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1], float32, boolean, _INDEX, _INDEX, _INDEX,
-           _VEC, int64, _ROWS), **COMPILE)
-def kda_rows(q, k, v, decay, beta, scale, l2norm, starts, ends, slots, pool, slot_stride, o):  # pragma: no cover
-    """q, k, decay [R, HV, K]; v [R, HV, V]; beta [R, HV] (rows = tokens); sequence n is rows
-    starts[n] .. ends[n]-1 and continues the state of slot slots[n] ([HV, K, V] contiguous at
-    pool[slots[n] * slot_stride], updated in place: a serving engine's pool has other state between its
-    slots); slots[n] < 0 skips it (zero output). o [R, HV, V] gets the outputs of the sequences' rows. With
-    `l2norm`, q and k are divided by sqrt(|x|^2 + L2NORM_EPS) here (fla's in-kernel l2norm)."""
-    HV, K = q.shape[1], q.shape[2]
-    V = v.shape[2]
-    ks = np.empty(V, np.float32)
-    qs = np.empty(V, np.float32)
-    err = np.empty(V, np.float32)
-    a = np.empty(K, np.float32)  # the pending update's decay
-    bk = np.empty(K, np.float32)  # the pending update's beta k
-    c = np.empty(K, np.float32)
-    f = np.empty(K, np.float32)
-    for n in range(slots.shape[0]):
-        if slots[n] < 0:
-            o[starts[n]:ends[n]] = 0.0
-            continue
-        for h in range(HV):
-            start = slots[n] * slot_stride + h * K * V
-            S = pool[start:start + K * V].reshape((K, V))
-            a[:] = 1.0
-            bk[:] = 0.0
-            err[:] = 0.0
-            for t in range(starts[n], ends[n]):
-                rq = np.float32(1.0)
-                rk = np.float32(1.0)
-                if l2norm:
-                    sq = np.float32(0.0)
-                    sk = np.float32(0.0)
-                    for i in range(K):
-                        sq += q[t, h, i] * q[t, h, i]
-                        sk += k[t, h, i] * k[t, h, i]
-                    rq = np.float32(1.0) / np.sqrt(sq + np.float32(L2NORM_EPS))
-                    rk = np.float32(1.0) / np.sqrt(sk + np.float32(L2NORM_EPS))
-                for i in range(K):
-                    c[i] = decay[t, h, i] * k[t, h, i] * rk
-                    f[i] = decay[t, h, i] * q[t, h, i] * rq
-                _sweep(S, a, bk, err, c, f, ks, qs)
-                b = beta[t, h]
-                qbk = np.float32(0.0)
-                for i in range(K):
-                    a[i] = decay[t, h, i]
-                    bk[i] = b * k[t, h, i] * rk
-                    qbk += q[t, h, i] * rq * bk[i]
-                for j in range(V):
-                    e = v[t, h, j] - ks[j]
-                    err[j] = e
-                    o[t, h, j] = scale * (qs[j] + qbk * e)
-            for i in range(K):  # the last token's update
-                for j in range(V):
-                    S[i, j] = a[i] * S[i, j] + bk[i] * err[j]
-
-
 @njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], float32[:, :, ::1], float32[:, ::1], boolean,
-           float32, _VEC, _VEC, int64, float32, boolean, _INDEX, _VEC, int64, _ROWS),
-      **COMPILE)
-def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound, a_log, dt_bias, H, scale, l2norm,
-                    slots, pool, slot_stride, o):  # pragma: no cover - compiled
-    """One token for each of n sequences, from the pre-conv channels to the KDA output: qkv [n, C] (q|k|v
-    channels), conv_w [W, C] (tap 0 the oldest), conv_pool [P, W-1, C] (the last W-1 inputs, oldest first,
-    advanced in place), f [n, HV, K] the raw gate input, beta_logits [n, HV], the gate's parameters
-    (bounded: lower_bound * sigmoid(f + dt_bias), else -exp(a_log) * softplus(f + dt_bias)); then as
-    `kda_rows` with sigmoid(beta) and one row per sequence. Skipped sequences (slot < 0) get zero output."""
+           float32, _VEC, _VEC, int64, _INDEX, _ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1]), **COMPILE)
+def conv_decode_inputs(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound, a_log, dt_bias, H, slots,
+                       q, k, v, decay, beta):  # pragma: no cover - compiled
+    """The recurrence's inputs for one token of each of n sequences, from the pre-conv channels: qkv [n, C]
+    (q|k|v channels), conv_w [W, C] (tap 0 the oldest), conv_pool [P, W-1, C] (the last W-1 inputs, oldest
+    first, advanced in place), f [n, HV, K] the raw gate input, beta_logits [n, HV], the gate's parameters
+    (bounded: lower_bound * sigmoid(f + dt_bias), else -exp(a_log) * softplus(f + dt_bias)). Writes q, k
+    [n, HV, K] (q/k heads expanded to the value heads, not normalised), v [n, HV, V], decay [n, HV, K] and
+    sigmoid(beta) [n, HV]; rows of skipped sequences (slot < 0) are left as they are."""
     n, C = qkv.shape
     W1 = conv_pool.shape[1]
     HV, K = f.shape[1], f.shape[2]
     V = (C - 2 * H * K) // HV
     G = HV // H
-    q = np.zeros((n, HV, K), np.float32)
-    k = np.zeros((n, HV, K), np.float32)
-    v = np.zeros((n, HV, V), np.float32)
-    decay = np.empty((n, HV, K), np.float32)
-    beta = np.zeros((n, HV), np.float32)
     y = np.empty(C, np.float32)
     exponent = np.empty(C, np.int32)
     for r in range(n):
         s = slots[r]
         if s < 0:
-            o[r] = 0.0
             continue
         for c in range(C):  # the causal conv's newest window, SiLU, and the window moved on by one
             x = qkv[r, c]
@@ -217,8 +137,6 @@ def conv_kda_decode(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound
             beta[r, h] = np.float32(1.0) / (np.float32(1.0) + np.exp(-beta_logits[r, h]))
     gate_decay_rows(f.reshape((n, HV * K)), np.empty((0, 0), np.int16), False, dt_bias, bounded, lower_bound, a_log,
                     K, decay.reshape((n, HV * K)))
-    starts = np.arange(n, dtype=np.int64)
-    kda_rows(q, k, v, decay, beta, scale, l2norm, starts, starts + 1, slots, pool, slot_stride, o)
 
 
 @njit(void(float32[:, :, ::1], float32[:, :], int16[:, :], boolean, _VEC, float32, float32[:, ::1], int16[:, ::1],

@@ -18,6 +18,7 @@ from kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_recurren
         (2, 50, 2, 4, 16, 8, 32, dict(gate="precomputed", l2norm=False, initial_state=True)),
         (1, 100, 2, 2, 32, 16, 64, dict(gate="bounded", f_shift=8.0, beta_logits=True)),  # near the bound
         (3, 19, 1, 2, 16, 16, 16, dict(gate="bounded", lower_bound=-2.0, initial_state=True)),
+        (1, 33, 1, 2, 8, 40, 16, dict(gate="bounded", initial_state=True)),  # V = 40: column blocks and a rest
     ],
 )
 @pytest.mark.parametrize("grad", [False, True], ids=["compiled", "chunked"])

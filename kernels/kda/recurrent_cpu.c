@@ -1,0 +1,153 @@
+/* KDA's per-token recurrence on the CPU (see recurrent_cpu.py for the algebra): kda_rows.
+ *
+ * Per token, with the decay d = exp(g), S' = Diag(d) S, e = v - S'^T k:
+ *     S = S' + beta k e^T,    o = S^T (scale q) = S'^T (scale q) + (scale q . beta k) e.
+ * Each token's rank-1 update is applied lazily, in the next token's one sweep over the state, which also forms
+ * S'^T k and S'^T q from the same rows. The sweep runs over blocks of 2 vectors of columns with the four
+ * running sums in registers, row by row: per state vector one load, one store and four multiply-adds. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+
+static inline vf load(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+/* S <- Diag(a) S + bk err^T (if pending; else S stays, and is only read), then ks = S^T c and qs = S^T f, for
+ * columns j0 .. j0 + 2 VW. */
+static inline void sweep_block(float *restrict S, int64_t K, int64_t V, int64_t j0, int pending,
+                               const float *restrict a, const float *restrict bk, const float *restrict err,
+                               const float *restrict c, const float *restrict f, float *restrict ks,
+                               float *restrict qs)
+{
+    const vf e0 = load(err + j0), e1 = load(err + j0 + VW);
+    vf k0 = {0}, k1 = {0}, q0 = {0}, q1 = {0};
+    if (pending) {
+        for (int64_t i = 0; i < K; i++) {
+            float *row = S + i * V + j0;
+            const vf s0 = a[i] * load(row) + bk[i] * e0;
+            const vf s1 = a[i] * load(row + VW) + bk[i] * e1;
+            store(row, s0);
+            store(row + VW, s1);
+            k0 += c[i] * s0;
+            k1 += c[i] * s1;
+            q0 += f[i] * s0;
+            q1 += f[i] * s1;
+        }
+    } else {
+        for (int64_t i = 0; i < K; i++) {
+            const float *row = S + i * V + j0;
+            const vf s0 = load(row), s1 = load(row + VW);
+            k0 += c[i] * s0;
+            k1 += c[i] * s1;
+            q0 += f[i] * s0;
+            q1 += f[i] * s1;
+        }
+    }
+    store(ks + j0, k0);
+    store(ks + j0 + VW, k1);
+    store(qs + j0, q0);
+    store(qs + j0 + VW, q1);
+}
+
+static void sweep(float *restrict S, int64_t K, int64_t V, int pending, const float *restrict a,
+                  const float *restrict bk, const float *restrict err, const float *restrict c, const float *restrict f,
+                  float *restrict ks, float *restrict qs)
+{
+    int64_t j0 = 0;
+    for (; j0 + 2 * VW <= V; j0 += 2 * VW)
+        sweep_block(S, K, V, j0, pending, a, bk, err, c, f, ks, qs);
+    if (j0 == V)
+        return;
+    for (int64_t j = j0; j < V; j++) {  /* the columns left over when V is not a multiple of 2 VW */
+        ks[j] = 0.f;
+        qs[j] = 0.f;
+    }
+    for (int64_t i = 0; i < K; i++)
+        for (int64_t j = j0; j < V; j++) {
+            const float s = a[i] * S[i * V + j] + bk[i] * err[j];
+            S[i * V + j] = s;
+            ks[j] += c[i] * s;
+            qs[j] += f[i] * s;
+        }
+}
+
+/* S <- Diag(a) S + bk err^T. */
+static void apply_update(float *restrict S, int64_t K, int64_t V, const float *restrict a, const float *restrict bk,
+                         const float *restrict err)
+{
+    for (int64_t i = 0; i < K; i++) {
+        float *row = S + i * V;
+        int64_t j = 0;
+        for (; j + VW <= V; j += VW)
+            store(row + j, a[i] * load(row + j) + bk[i] * load(err + j));
+        for (; j < V; j++)
+            row[j] = a[i] * row[j] + bk[i] * err[j];
+    }
+}
+
+/* q, k, decay [rows, HV, K]; v [rows, HV, V]; beta [rows, HV] (rows = tokens, all contiguous). Sequence n is
+ * rows starts[n] .. ends[n]-1 and continues the state of slot slots[n] ([HV, K, V] contiguous at
+ * pool + slots[n] * slot_stride, updated in place); slots[n] < 0 skips it (zero output). o [rows, HV, V] gets
+ * the outputs of the sequences' rows. With l2norm, q and k are divided by sqrt(|x|^2 + eps) here. */
+void kda_rows(const float *q, const float *k, const float *v, const float *decay, const float *beta, int64_t HV,
+              int64_t K, int64_t V, float scale, int32_t l2norm, float eps, const int64_t *starts,
+              const int64_t *ends, const int64_t *slots, int64_t N, float *pool, int64_t slot_stride, float *o)
+{
+    float a[K], bk[K], c[K], f[K], ks[V], qs[V], err[V];  /* a, bk, err: the pending update */
+    for (int64_t n = 0; n < N; n++) {
+        if (slots[n] < 0) {
+            memset(o + starts[n] * HV * V, 0, sizeof(float) * (size_t)((ends[n] - starts[n]) * HV * V));
+            continue;
+        }
+        for (int64_t h = 0; h < HV; h++) {
+            float *S = pool + slots[n] * slot_stride + h * K * V;
+            for (int64_t i = 0; i < K; i++) {  /* no pending update yet: the identity */
+                a[i] = 1.f;
+                bk[i] = 0.f;
+            }
+            for (int64_t j = 0; j < V; j++)
+                err[j] = 0.f;
+            for (int64_t t = starts[n]; t < ends[n]; t++) {
+                const float *qt = q + (t * HV + h) * K, *kt = k + (t * HV + h) * K, *dt = decay + (t * HV + h) * K;
+                float rq = 1.f, rk = 1.f;
+                if (l2norm) {
+                    float sq = 0.f, sk = 0.f;
+                    for (int64_t i = 0; i < K; i++) {
+                        sq += qt[i] * qt[i];
+                        sk += kt[i] * kt[i];
+                    }
+                    rq = 1.f / sqrtf(sq + eps);
+                    rk = 1.f / sqrtf(sk + eps);
+                }
+                for (int64_t i = 0; i < K; i++) {
+                    c[i] = dt[i] * kt[i] * rk;
+                    f[i] = dt[i] * qt[i] * rq;
+                }
+                sweep(S, K, V, t > starts[n], a, bk, err, c, f, ks, qs);
+                const float b = beta[t * HV + h];
+                float qbk = 0.f;
+                for (int64_t i = 0; i < K; i++) {
+                    a[i] = dt[i];
+                    bk[i] = b * kt[i] * rk;
+                    qbk += qt[i] * rq * bk[i];
+                }
+                const float *vt = v + (t * HV + h) * V;
+                float *ot = o + (t * HV + h) * V;
+                for (int64_t j = 0; j < V; j++) {
+                    err[j] = vt[j] - ks[j];
+                    ot[j] = scale * (qs[j] + qbk * err[j]);
+                }
+            }
+            apply_update(S, K, V, a, bk, err);  /* the last token's */
+        }
+    }
+}

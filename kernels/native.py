@@ -1,0 +1,63 @@
+"""C kernels built for this CPU at first use, with the system's C compiler, and loaded through ctypes.
+
+For the few CPU loops where numba's code falls short: LLVM cannot keep a loop's running sums in registers
+when they live in arrays that might alias the data (numba has no `restrict`), and such loops then run at the
+speed of their stores. The C sources use GCC/Clang vector extensions, so one source serves AVX2, AVX-512 and
+NEON; `-march=native` picks the widest, as numba's JIT does. A build is cached per source, compiler, flags
+and CPU (`TAPER_NATIVE_CACHE`, default ~/.cache/taper/native): the first use on a machine costs about a
+second, later ones a file lookup. The compiler is `CC` (default `cc`): vLLM's CPU backend needs one anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+CACHE_ENV = "TAPER_NATIVE_CACHE"
+# fast-math as numba's loops have it (reassociated sums vectorise), but inf and NaN keep their meaning
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=gnu11", "-fPIC", "-shared")
+
+
+class NativeBuildError(RuntimeError):
+    """The C compiler is missing or failed."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "taper" / "native")
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native depends on: the CPU's flags and model (a cache shared between machines stays right)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine.encode()
+    keep = [line for line in lines if line.split(":")[0].strip() in ("flags", "Features", "model name", "CPU part")]
+    return "\n".join(dict.fromkeys(keep)).encode()
+
+
+@functools.cache
+def load(source: Path) -> ctypes.CDLL:
+    """The shared library built from `source` (a .c file) for this CPU, compiling it if no cached build fits."""
+    compiler = os.environ.get("CC", "cc")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise NativeBuildError(f"no working C compiler {compiler!r} (set CC) to build {source.name}: {exc}") from exc
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+                                      _cpu_identity()])).hexdigest()[:20]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        build = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(source), "-lm"], capture_output=True,
+                               text=True)
+        if build.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise NativeBuildError(f"{compiler} failed to build {source.name}:\n{build.stderr[-2000:]}")
+        os.replace(partial, target)  # atomic: concurrent builders each write their own file
+    return ctypes.CDLL(str(target))

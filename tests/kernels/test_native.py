@@ -1,0 +1,77 @@
+"""Building C kernels for this CPU (`kernels.native`): compiled once per source and CPU, then loaded from the
+cache; a missing compiler or a failing build is an error that says so."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import native
+from kernels.kda.recurrent_cpu import kda_rows
+
+SOURCE = """float dot(const float *a, const float *b, long n) {
+    float s = 0;
+    for (long i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+"""
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    native.load.cache_clear()
+    yield tmp_path / "cache"
+    native.load.cache_clear()
+
+
+def test_a_source_is_built_once_then_loaded_from_the_cache(cache: Path, tmp_path: Path) -> None:
+    source = tmp_path / "dot.c"
+    source.write_text(SOURCE)
+    lib = native.load(source)
+    lib.dot.restype = ctypes.c_float
+    lib.dot.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    a, b = np.random.default_rng(0).standard_normal((2, 100), dtype=np.float32)
+    assert lib.dot(a.ctypes.data, b.ctypes.data, 100) == pytest.approx(float(a @ b), rel=1e-5)
+    (built,) = cache.glob("dot-*.so")
+    stamp = built.stat().st_mtime_ns
+    native.load.cache_clear()
+    native.load(source)
+    assert built.stat().st_mtime_ns == stamp and list(cache.glob("dot-*")) == [built]
+    source.write_text(SOURCE.replace("s += a[i] * b[i]", "s += 2 * a[i] * b[i]"))  # a new source: a new build
+    native.load.cache_clear()
+    native.load(source)
+    assert len(list(cache.glob("dot-*.so"))) == 2
+
+
+def test_a_missing_compiler_or_a_broken_source_is_a_clear_error(cache: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "broken.c"
+    source.write_text("int f( {\n")
+    with pytest.raises(native.NativeBuildError, match="failed to build broken.c"):
+        native.load(source)
+    assert not list(cache.glob("broken-*"))  # nothing half-written
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(native.NativeBuildError, match="no working C compiler"):
+        native.load(tmp_path / "broken.c")
+
+
+def test_the_c_recurrence_refuses_arrays_it_cannot_read_safely() -> None:
+    q, v, o = torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)
+    beta = torch.zeros(4, 2)
+    pool = torch.zeros(3, 2, 8, 8)
+    bounds = torch.tensor([0]), torch.tensor([4])
+    with pytest.raises(ValueError, match="decay must be a contiguous fp32 CPU tensor"):
+        kda_rows(q, q, v, q.double(), beta, 1.0, True, *bounds, torch.tensor([0]), pool, o)
+    with pytest.raises(ValueError, match="k must be a contiguous fp32 CPU tensor"):
+        kda_rows(q, torch.zeros(4, 2, 16)[..., ::2], v, q, beta, 1.0, True, *bounds, torch.tensor([0]), pool, o)
+    with pytest.raises(ValueError, match="slots outside the pool"):
+        kda_rows(q, q, v, q, beta, 1.0, True, *bounds, torch.tensor([3]), pool, o)
+    with pytest.raises(ValueError, match="sequence bounds outside"):
+        kda_rows(q, q, v, q, beta, 1.0, True, torch.tensor([0]), torch.tensor([5]), torch.tensor([0]), pool, o)
+    with pytest.raises(ValueError, match="pool must be fp32 on the CPU with each slot contiguous"):
+        kda_rows(q, q, v, q, beta, 1.0, True, *bounds, torch.tensor([0]), pool.transpose(2, 3), o)
