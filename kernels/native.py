@@ -4,8 +4,8 @@ For the few CPU loops where numba's code falls short: LLVM cannot keep a loop's 
 when they live in arrays that might alias the data (numba has no `restrict`), and such loops then run at the
 speed of their stores. The C sources use GCC/Clang vector extensions, so one source serves AVX2, AVX-512 and
 NEON; `-march=native` picks the widest, as numba's JIT does. A build is cached per source, compiler, flags
-and CPU (`TAPER_NATIVE_CACHE`, default ~/.cache/taper/native): the first use on a machine costs about a
-second, later ones a file lookup. The compiler is `CC` (default `cc`): vLLM's CPU backend needs one anyway.
+and CPU (`cache_dir()`): the first use on a machine costs about a second, later ones a file lookup. The
+compiler is `CC` (default `cc`); torch.compile's CPU backend needs one too.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 CACHE_ENV = "TAPER_NATIVE_CACHE"
@@ -27,7 +28,16 @@ class NativeBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "taper" / "native")
+    """`TAPER_NATIVE_CACHE`, else ~/.cache/taper/native, else (a home that cannot be written, as in a read-only
+    container) a per-user folder under the temp dir."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    home = Path.home() / ".cache" / "taper" / "native"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except OSError:
+        return Path(tempfile.gettempdir()) / f"taper-native-{os.getuid()}"
 
 
 def _cpu_identity() -> bytes:

@@ -60,6 +60,15 @@ def test_a_missing_compiler_or_a_broken_source_is_a_clear_error(cache: Path, tmp
         native.load(tmp_path / "broken.c")
 
 
+def test_a_home_that_cannot_be_written_falls_back_to_the_temp_dir(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "home"
+    blocked.write_text("a file, not a folder")
+    monkeypatch.delenv(native.CACHE_ENV, raising=False)
+    monkeypatch.setattr(Path, "home", lambda: blocked)
+    assert native.cache_dir().name.startswith("taper-native-") and not str(native.cache_dir()).startswith(str(blocked))
+
+
 def test_the_c_recurrence_refuses_arrays_it_cannot_read_safely() -> None:
     q, v, o = torch.zeros(4, 2, 8), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)
     beta = torch.zeros(4, 2)
