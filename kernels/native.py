@@ -51,23 +51,28 @@ def _cpu_identity() -> bytes:
 
 
 @functools.cache
-def load(source: Path) -> ctypes.CDLL:
-    """The shared library built from `source` (a .c file) for this CPU, compiling it if no cached build fits."""
+def load(name: str, source: str) -> ctypes.CDLL:
+    """The shared library built from the C `source` for this CPU (`name` names its files), compiling it if no
+    cached build fits."""
     compiler = os.environ.get("CC", "cc")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise NativeBuildError(f"no working C compiler {compiler!r} (set CC) to build {source.name}: {exc}") from exc
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+        raise NativeBuildError(f"no working C compiler {compiler!r} (set CC) to build {name}: {exc}") from exc
+    key = hashlib.sha256(b"\0".join([source.encode(), " ".join(FLAGS).encode(), version.encode(),
                                       _cpu_identity()])).hexdigest()[:20]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        build = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(source), "-lm"], capture_output=True,
+        # each builder its own files, then an atomic rename: concurrent first uses do not collide
+        partial = target.with_name(f"{target.stem}.{os.getpid()}.tmp")
+        c_file = target.with_name(f"{target.stem}.{os.getpid()}.c")
+        c_file.write_text(source)
+        build = subprocess.run([compiler, *FLAGS, "-o", str(partial), str(c_file), "-lm"], capture_output=True,
                                text=True)
+        c_file.unlink()
         if build.returncode != 0:
             partial.unlink(missing_ok=True)
-            raise NativeBuildError(f"{compiler} failed to build {source.name}:\n{build.stderr[-2000:]}")
-        os.replace(partial, target)  # atomic: concurrent builders each write their own file
+            raise NativeBuildError(f"{compiler} failed to build {name}:\n{build.stderr[-2000:]}")
+        os.replace(partial, target)
     return ctypes.CDLL(str(target))

@@ -11,7 +11,7 @@ Per token, with the decay d = exp(g), S' = Diag(d) S, e = v - S'^T k:
     S = S' + beta k e^T,    o = S^T (scale q) = S'^T (scale q) + (scale q . beta k) e.
 Each token's rank-1 update is applied lazily, in the next token's one sweep over the state: that sweep
 forms S_{t-1} = Diag(d_{t-1}) S_{t-2} + beta k e^T row by row and, from the same rows, S'_t^T k_t and
-S'_t^T q_t. So the state is read and written once per token. The sweep is C (`recurrent_cpu.c`, built for
+S'_t^T q_t. So the state is read and written once per token. The sweep is C (`recurrent_cpu_c.py`, built for
 this CPU by `kernels.native`), which keeps its running sums in registers; the passes around it (gate, conv,
 output norm) are numba (`recurrent_cpu_numba.py`).
 """
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from kernels import native
 from kernels.cpu_math import f32_or_bf16_bits
 from kernels.kda.common import L2NORM_EPS, preprocess, sequence_rows
+from kernels.kda.recurrent_cpu_c import SOURCE as RECURRENCE_SOURCE
+from kernels.native import load as load_native
 
 Array = torch.Tensor | np.ndarray
 
@@ -38,12 +38,9 @@ def slots_contiguous(pool: torch.Tensor) -> bool:
     return pool.shape[0] == 0 or pool[0].is_contiguous()
 
 
-_SOURCE = Path(__file__).with_name("recurrent_cpu.c")
-
-
 @functools.cache
 def _kda_rows_c() -> ctypes._CFuncPtr:
-    fn = native.load(_SOURCE).kda_rows
+    fn = load_native("kda_recurrence", RECURRENCE_SOURCE).kda_rows
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 5 + [i64, i64, i64, ctypes.c_float, ctypes.c_int32, ctypes.c_float, ptr, ptr, ptr, i64,
                                ptr, i64, ptr]

@@ -30,9 +30,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_source_is_built_once_then_loaded_from_the_cache(cache: Path, tmp_path: Path) -> None:
-    source = tmp_path / "dot.c"
-    source.write_text(SOURCE)
-    lib = native.load(source)
+    lib = native.load("dot", SOURCE)
     lib.dot.restype = ctypes.c_float
     lib.dot.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     a, b = np.random.default_rng(0).standard_normal((2, 100), dtype=np.float32)
@@ -40,24 +38,20 @@ def test_a_source_is_built_once_then_loaded_from_the_cache(cache: Path, tmp_path
     (built,) = cache.glob("dot-*.so")
     stamp = built.stat().st_mtime_ns
     native.load.cache_clear()
-    native.load(source)
+    native.load("dot", SOURCE)
     assert built.stat().st_mtime_ns == stamp and list(cache.glob("dot-*")) == [built]
-    source.write_text(SOURCE.replace("s += a[i] * b[i]", "s += 2 * a[i] * b[i]"))  # a new source: a new build
-    native.load.cache_clear()
-    native.load(source)
+    native.load("dot", SOURCE.replace("s += a[i] * b[i]", "s += 2 * a[i] * b[i]"))  # a new source: a new build
     assert len(list(cache.glob("dot-*.so"))) == 2
 
 
 def test_a_missing_compiler_or_a_broken_source_is_a_clear_error(cache: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    source = tmp_path / "broken.c"
-    source.write_text("int f( {\n")
-    with pytest.raises(native.NativeBuildError, match="failed to build broken.c"):
-        native.load(source)
+    with pytest.raises(native.NativeBuildError, match="failed to build broken"):
+        native.load("broken", "int f( {\n")
     assert not list(cache.glob("broken-*"))  # nothing half-written
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(native.NativeBuildError, match="no working C compiler"):
-        native.load(tmp_path / "broken.c")
+        native.load("dot", SOURCE)
 
 
 def test_a_home_that_cannot_be_written_falls_back_to_the_temp_dir(tmp_path: Path,

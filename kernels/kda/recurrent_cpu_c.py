@@ -1,3 +1,8 @@
+"""The C source of KDA's per-token recurrence on the CPU (`recurrent_cpu.kda_rows` runs it; `kernels.native` builds
+it for the machine). A Python string rather than a .c file: the model's portable code (model/portable.py), which
+a checkpoint carries so it loads where this project is not installed, is Python files only."""
+
+SOURCE = r"""
 /* KDA's per-token recurrence on the CPU (see recurrent_cpu.py for the algebra): kda_rows.
  *
  * Per token, with the decay d = exp(g), S' = Diag(d) S, e = v - S'^T k:
@@ -151,3 +156,4 @@ void kda_rows(const float *q, const float *k, const float *v, const float *decay
         }
     }
 }
+"""
