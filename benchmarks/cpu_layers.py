@@ -2,9 +2,10 @@
 bf16 and fp32: the KDA token mixer as the engine runs it (`kda_forward_with_state`: a prefill of one T-token
 prompt, a decode step of 8 sequences), the MoE layer (the HF module in eval mode) and the matmul shapes
 behind them, at the serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not
-installed, e.g. to see where a bf16/AMX CPU spends a layer's time. Prints a table and writes JSON.
+installed, e.g. to see where a bf16/AMX CPU spends a layer's time. With `--threads N` (N > 1), N torch threads
+and wall ms instead. Prints a table and writes JSON.
 
-    python benchmarks/cpu_layers.py [--lengths 4096 16384] [--profile] [--out benchmarks/results/cpu_layers.json]
+    python benchmarks/cpu_layers.py [--lengths 4096 16384] [--threads 1] [--profile] [--out benchmarks/results/cpu_layers.json]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kda_cpu import cpu_seconds  # noqa: E402
+from benchmarks.kda_cpu import cpu_seconds, wall_seconds  # noqa: E402
 from benchmarks.machine import describe, machine_info  # noqa: E402
 from model.config import TaperConfig  # noqa: E402
 from model.layers.kda import KimiDeltaAttention  # noqa: E402
@@ -51,8 +52,9 @@ def prefill_batch(T: int) -> KDABatch:
                     state_indices=torch.tensor([1], dtype=torch.int32), has_initial_state=torch.tensor([False]))
 
 
-def run(lengths: list[int], profile: bool) -> dict[str, Any]:
-    torch.set_num_threads(1)
+def run(lengths: list[int], profile: bool, threads: int = 1) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    seconds = cpu_seconds if threads == 1 else wall_seconds
     torch.manual_seed(0)
     cfg = serving_config()
     rows: list[dict[str, Any]] = []
@@ -61,7 +63,7 @@ def run(lengths: list[int], profile: bool) -> dict[str, Any]:
         name = str(dtype).removeprefix("torch.")
 
         def row(case: str, fn: Callable[[], Any], repeats: int, name: str = name) -> None:
-            rows.append(dict(case=case, dtype=name, ms=1e3 * cpu_seconds(fn, repeats)))
+            rows.append(dict(case=case, dtype=name, ms=1e3 * seconds(fn, repeats)))
 
         for M, K, N in [(8, 256, 900), (8, 128, 2048), (4096, 256, 900), (4096, 128, 2048)]:
             x, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
@@ -95,11 +97,12 @@ def run(lengths: list[int], profile: bool) -> dict[str, Any]:
             x = torch.randn(n, cfg.hidden_size, dtype=dtype)
             row(f"KDA layer decode {n} sequences", partial(kda_forward_with_state, kda, x, conv, rec, batch), 50)
             row(f"MoE layer (HF) decode {n} tokens", partial(moe, x[None]), 50)
-    return dict(machine=machine_info(), threads=1, rows=rows, profiles=profiles)
+    return dict(machine=machine_info(), threads=threads, timer="thread CPU" if threads == 1 else "wall", rows=rows,
+                profiles=profiles)
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(describe(result["machine"]))
+    print(describe(result["machine"]), f"| {result['threads']} threads, {result['timer']} time")
     by_case: dict[str, dict[str, float]] = {}
     for r in result["rows"]:
         by_case.setdefault(r["case"], {})[r["dtype"]] = r["ms"]
@@ -114,9 +117,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--profile", action="store_true", help="torch profiler tables of the KDA and MoE prefills at the first length, per dtype")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (> 1: wall time)")
     ap.add_argument("--out", default="benchmarks/results/cpu_layers.json")
     args = ap.parse_args()
-    result = run(args.lengths, args.profile)
+    result = run(args.lengths, args.profile, args.threads)
     print_table(result)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -4,9 +4,10 @@ and what training still runs), at the serving benchmark's KDA shape (4 heads, K 
 bf16 inputs as served); the prefill's short conv + SiLU as one compiled pass against its torch form (the
 engine's layer, C = 768 channels sliced from the input projection, bf16); the one-token decode of
 `fused_recurrent_kda` over a slot pool; and a training forward+backward (the chunked path, for
-no-regression). Prints a table and writes JSON.
+no-regression). With `--threads`, also the compiled prefill's wall time on that many torch threads (its C
+recurrence splits over them). Prints a table and writes JSON.
 
-    python benchmarks/kda_cpu.py [--lengths 4096 16384] [--out benchmarks/results/kda_cpu.json]
+    python benchmarks/kda_cpu.py [--lengths 4096 16384] [--threads 1 2] [--out benchmarks/results/kda_cpu.json]
 """
 
 from __future__ import annotations
@@ -55,6 +56,31 @@ def cpu_seconds(fn, repeats: int) -> float:
         fn()
         best = min(best, time.thread_time() - start)
     return best
+
+
+def wall_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls in wall seconds (after one warm-up call): work spread over threads."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def thread_rows(lengths: list[int], threads: list[int], repeats: int) -> list[dict[str, Any]]:
+    """The compiled prefill (`chunk_kda` without autograd, one prompt) on each number of torch threads."""
+    rows = []
+    for T in lengths:
+        args, kw = inputs(1, T, torch.bfloat16)
+        for n in threads:
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                rows.append(dict(case=f"prefill 1 x {T}, {n} threads (wall)",
+                                 compiled_s=wall_seconds(partial(chunk_kda, *args, **kw), repeats)))
+    torch.set_num_threads(1)
+    return rows
 
 
 def chunked_forward(args: list[torch.Tensor], kw: dict[str, Any]) -> torch.Tensor:
@@ -149,9 +175,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, nargs="*", default=[],
+                    help="also time the compiled prefill on these numbers of threads (wall time)")
     ap.add_argument("--out", default="benchmarks/results/kda_cpu.json")
     args = ap.parse_args()
     result = run(args.lengths, args.repeats)
+    if args.threads:
+        result["rows"] += thread_rows(args.lengths, args.threads, args.repeats)
     print_table(result)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 CACHE_ENV = "TAPER_NATIVE_CACHE"
 # fast-math as numba's loops have it (reassociated sums vectorise), but inf and NaN keep their meaning
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=gnu11", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=gnu11", "-fPIC", "-shared",
+         "-pthread")
 
 
 class NativeBuildError(RuntimeError):

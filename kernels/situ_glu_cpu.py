@@ -14,6 +14,7 @@ import torch
 from numba import boolean, float32, int16, njit, void
 
 from kernels.cpu_math import COMPILE, exp_parts, f32_or_bf16_bits, load_row, store_row
+from kernels.cpu_threads import run_row_blocks, threads_for
 
 # below it tanh is its odd Taylor series to x^9 (error < 1e-9 relative); above it 1 - 2 / (1 + e^2x) loses
 # nothing to cancellation
@@ -69,6 +70,8 @@ def situ_glu_cpu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_linear:
     gate_f32, gate_bits, bf16 = f32_or_bf16_bits(gate)
     up_f32, up_bits, _ = f32_or_bf16_bits(up)
     out_f32, out_bits, _ = f32_or_bf16_bits(out)
-    situ_glu_rows(gate_f32, up_f32, gate_bits, up_bits, bf16, np.float32(beta), np.float32(beta_linear), out_f32,
-                  out_bits, bf16)
+    run_row_blocks(lambda lo, hi: situ_glu_rows(gate_f32[lo:hi], up_f32[lo:hi], gate_bits[lo:hi], up_bits[lo:hi], bf16,
+                                                np.float32(beta), np.float32(beta_linear), out_f32[lo:hi],
+                                                out_bits[lo:hi], bf16),
+                   len(out), threads_for(out.numel()))
     return out if len(shape) == 2 else out.view(shape)

@@ -25,11 +25,13 @@ import numpy as np
 import torch
 
 from kernels.cpu_math import f32_or_bf16_bits
+from kernels.cpu_threads import run_row_blocks, threads_for
 from kernels.kda.common import L2NORM_EPS, preprocess, sequence_rows
 from kernels.kda.recurrent_cpu_c import SOURCE as RECURRENCE_SOURCE
 from kernels.native import load as load_native
 
 Array = torch.Tensor | np.ndarray
+STATE_ELEMENTS_PER_THREAD = 1 << 20  # ~0.2 ms of the recurrence on one core; a C thread starts in ~20 us
 
 
 def slots_contiguous(pool: torch.Tensor) -> bool:
@@ -43,19 +45,20 @@ def _kda_rows_c() -> ctypes._CFuncPtr:
     fn = load_native("kda_recurrence", RECURRENCE_SOURCE).kda_rows
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 5 + [i64, i64, i64, ctypes.c_float, ctypes.c_int32, ctypes.c_float, ptr, ptr, ptr, i64,
-                               ptr, i64, ptr]
+                               ptr, i64, ptr, ctypes.c_int32]
     fn.restype = None
     return fn
 
 
 def kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
              scale: float, l2norm: bool, starts: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor,
-             pool: torch.Tensor, o: torch.Tensor) -> None:
+             pool: torch.Tensor, o: torch.Tensor, threads: int | None = None) -> None:
     """The compiled recurrence over token rows: q, k, decay [R, HV, K], v [R, HV, V], beta [R, HV] fp32 (rows =
     tokens); sequence n is rows starts[n] .. ends[n]-1 and continues the state pool[slots[n]] (pool [P, HV, K, V]
     fp32 with `slots_contiguous`, updated in place); slots[n] < 0 skips it (zero output). o [R, HV, V] gets the
-    outputs of the sequences' rows. With `l2norm`, q and k are divided by sqrt(|x|^2 + eps) first. The C loop
-    trusts its pointers, so every shape, dtype and layout is checked here."""
+    outputs of the sequences' rows. With `l2norm`, q and k are divided by sqrt(|x|^2 + eps) first. It runs on
+    `threads` threads (default: torch's intra-op count, fewer for small work), with the same result on any
+    number. The C loop trusts its pointers, so every shape, dtype and layout is checked here."""
     R, HV, K = q.shape
     V = v.shape[2]
     for name, x, shape in (("q", q, (R, HV, K)), ("k", k, (R, HV, K)), ("decay", decay, (R, HV, K)),
@@ -71,17 +74,22 @@ def kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Ten
     if len(index[0]) and bool((index[0] < 0).any() | (index[1] > R).any() | (index[0] > index[1]).any()
                               | (index[2] >= P).any()):
         raise ValueError(f"sequence bounds outside the {R} rows or slots outside the pool's {P}")
-    _kda_rows_unchecked(q, k, v, decay, beta, scale, l2norm, *index, pool, o)
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    _kda_rows_unchecked(q, k, v, decay, beta, scale, l2norm, *index, pool, o, threads)
 
 
 def _kda_rows_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
                         beta: torch.Tensor, scale: float, l2norm: bool, starts: torch.Tensor, ends: torch.Tensor,
-                        slots: torch.Tensor, pool: torch.Tensor, o: torch.Tensor) -> None:
+                        slots: torch.Tensor, pool: torch.Tensor, o: torch.Tensor, threads: int | None = None) -> None:
     """`kda_rows` for tensors already known to fit (built by the caller): at a decode step the checks would
     cost as much as the recurrence. Pointers by `data_ptr` (numpy's `.ctypes.data` costs ~3 us each)."""
-    _kda_rows_c()(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), q.shape[1],
-                  q.shape[2], v.shape[2], scale, int(l2norm), L2NORM_EPS, starts.data_ptr(), ends.data_ptr(),
-                  slots.data_ptr(), len(starts), pool.data_ptr(), pool.stride(0), o.data_ptr())
+    R, HV, K = q.shape
+    V = v.shape[2]
+    _kda_rows_c()(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), HV, K, V, scale,
+                  int(l2norm), L2NORM_EPS, starts.data_ptr(), ends.data_ptr(), slots.data_ptr(), len(starts),
+                  pool.data_ptr(), pool.stride(0), o.data_ptr(),
+                  threads or threads_for(R * HV * K * V, STATE_ELEMENTS_PER_THREAD))
 
 
 def recurrent_kda_cpu(
@@ -125,10 +133,13 @@ def _gate_decay(f: torch.Tensor, lower_bound: float | None, A_log: torch.Tensor 
     bounded = lower_bound is not None
     from kernels.kda.recurrent_cpu_numba import gate_decay_rows
 
-    gate_decay_rows(*f32_or_bf16_bits(flat), _f32(torch.zeros(HV * K) if dt_bias is None else dt_bias.reshape(-1)),
-                    bounded,
-                    np.float32(lower_bound if bounded else 0.0),
-                    np.zeros(HV, np.float32) if bounded else _f32(A_log.reshape(-1)), K, decay.numpy())
+    f32, bits, from_bf16 = f32_or_bf16_bits(flat)
+    bias = _f32(torch.zeros(HV * K) if dt_bias is None else dt_bias.reshape(-1))
+    a_log = np.zeros(HV, np.float32) if bounded else _f32(A_log.reshape(-1))
+    out = decay.numpy()
+    run_row_blocks(lambda lo, hi: gate_decay_rows(f32[lo:hi], bits[lo:hi], from_bf16, bias, bounded,
+                                                  np.float32(lower_bound if bounded else 0.0), a_log, K, out[lo:hi]),
+                   len(flat), threads_for(flat.numel()))
     return decay.view(f.shape)
 
 
@@ -184,12 +195,16 @@ def conv_silu_prefill_cpu(
     keep = (torch.ones(len(slots), dtype=torch.bool) if has_initial_state is None
             else has_initial_state.to(torch.bool).contiguous())
     q, k, v = torch.empty(T, key_dim), torch.empty(T, key_dim), torch.empty(T, C - 2 * key_dim)
-    from kernels.kda.recurrent_cpu_numba import conv_silu_rows
+    from kernels.kda.recurrent_cpu_numba import conv_pool_advance, conv_silu_rows
 
     # bf16 is read as its bits where it lies: casting a strided column slice first costs more than the pass
-    conv_silu_rows(*f32_or_bf16_bits(x), _f32(conv_weight), conv_pool.detach().numpy(),
-                   bounds[:-1].contiguous().numpy(), bounds[1:].contiguous().numpy(),
-                   slots.to(torch.int64).contiguous().numpy(), keep.numpy(), q.numpy(), k.numpy(), v.numpy())
+    x_args = f32_or_bf16_bits(x)
+    seq = (bounds[:-1].contiguous().numpy(), bounds[1:].contiguous().numpy(),
+           slots.to(torch.int64).contiguous().numpy(), keep.numpy())
+    weight, pool = _f32(conv_weight), conv_pool.detach().numpy()
+    run_row_blocks(lambda lo, hi: conv_silu_rows(*x_args, weight, pool, *seq, lo, hi, q.numpy(), k.numpy(),
+                                                 v.numpy()), T, threads_for(T * C))
+    conv_pool_advance(*x_args, pool, *seq)  # after every block has read the histories
     return q, k, v
 
 
@@ -202,8 +217,11 @@ def gated_rms_norm_cpu(o: torch.Tensor, gate: torch.Tensor, weight: Array, eps: 
     out = torch.empty(T, HV * V, dtype=torch.bfloat16 if from_bf16 else torch.float32)
     from kernels.kda.recurrent_cpu_numba import gated_rms_norm_rows
 
-    gated_rms_norm_rows(o.detach().contiguous().numpy(), gate_f32, gate_bits, from_bf16, _f32(weight),
-                        np.float32(eps), *f32_or_bf16_bits(out))
+    o_rows, w = o.detach().contiguous().numpy(), _f32(weight)
+    out_f32, out_bits, _ = f32_or_bf16_bits(out)
+    run_row_blocks(lambda lo, hi: gated_rms_norm_rows(o_rows[lo:hi], gate_f32[lo:hi], gate_bits[lo:hi], from_bf16, w,
+                                                      np.float32(eps), out_f32[lo:hi], out_bits[lo:hi], from_bf16),
+                   T, threads_for(T * HV * V))
     return out
 
 

@@ -52,15 +52,16 @@ def gate_decay_rows(f, f_bf16, from_bf16, dt_bias, bounded, lower_bound, a_log, 
 
 
 @njit(void(float32[:, :], int16[:, :], boolean, float32[:, ::1], float32[:, :, :], _INDEX, _INDEX, _INDEX,
-           boolean[::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]), **COMPILE)
-def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots, keep, yq, yk,
+           boolean[::1], int64, int64, float32[:, ::1], float32[:, ::1], float32[:, ::1]), **COMPILE)
+def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots, keep, t_lo, t_hi, yq, yk,
                    yv):  # pragma: no cover - compiled
-    """The causal depthwise conv + SiLU over back-to-back sequences: the pre-conv inputs (q|k|v channels)
-    are x [T, C], or with from_bf16 x_bf16 [T, C], bf16 values as their bits (any strides: e.g. a column
-    slice of a projection); conv_w [W, C] (tap W-1 the newest); conv_pool [P, W-1, C] the W-1 inputs before
-    each sequence (oldest first; used where keep, zeros elsewhere), replaced in place by each sequence's
-    last W-1 inputs; sequence r is rows starts[r]..ends[r]-1 with its slot slots[r]. Writes y = SiLU(conv)
-    split by channel into yq [T, Cq], yk [T, Cq], yv [T, C - 2 Cq]."""
+    """The causal depthwise conv + SiLU over back-to-back sequences, for the tokens t_lo .. t_hi-1: the
+    pre-conv inputs (q|k|v channels) are x [T, C], or with from_bf16 x_bf16 [T, C], bf16 values as their
+    bits (any strides: e.g. a column slice of a projection); conv_w [W, C] (tap W-1 the newest);
+    conv_pool [P, W-1, C] the W-1 inputs before each sequence (oldest first; used where keep, zeros
+    elsewhere; only read here, `conv_pool_advance` moves it on); sequence r is rows starts[r]..ends[r]-1 with
+    its slot slots[r]. Writes y = SiLU(conv) split by channel into yq [T, Cq], yk [T, Cq], yv [T, C - 2 Cq].
+    Token ranges that do not overlap can run at once."""
     C = conv_w.shape[1]
     W1 = conv_pool.shape[1]
     W = W1 + 1
@@ -71,10 +72,16 @@ def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots,
     exponent = np.empty(C, np.int32)
     for r in range(starts.shape[0]):
         a, b, s = starts[r], ends[r], slots[r]
-        for tap in range(W1):
-            for c in range(C):
-                window[tap, c] = conv_pool[s, tap, c] if keep[r] else np.float32(0.0)
-        for t in range(a, b):
+        lo, hi = max(a, t_lo), min(b, t_hi)
+        if lo >= hi:
+            continue
+        for p in range(lo - a, lo - a + W1):  # the W-1 positions before token lo: history or tokens
+            if p >= W1:
+                load_row(x, x_bf16, from_bf16, a + p - W1, window[p % W], bits)
+            else:
+                for c in range(C):
+                    window[p % W, c] = conv_pool[s, p, c] if keep[r] else np.float32(0.0)
+        for t in range(lo, hi):
             p = t - a + W1
             row = p % W
             load_row(x, x_bf16, from_bf16, t, window[row], bits)
@@ -90,10 +97,27 @@ def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots,
                 yk[t, c] = acc[Cq + c]
             for c in range(C - 2 * Cq):
                 yv[t, c] = acc[2 * Cq + c]
-        for tap in range(W1):  # the last W-1 positions: tokens, or history where the sequence is shorter
-            src = (b - a + tap) % W
-            for c in range(C):
-                conv_pool[s, tap, c] = window[src, c]
+
+
+@njit(void(float32[:, :], int16[:, :], boolean, float32[:, :, :], _INDEX, _INDEX, _INDEX, boolean[::1]), **COMPILE)
+def conv_pool_advance(x, x_bf16, from_bf16, conv_pool, starts, ends, slots, keep):  # pragma: no cover - compiled
+    """After `conv_silu_rows` over every token: each sequence's slot receives its last W-1 inputs (tokens, or
+    the history before them where the sequence is shorter; zeros for history not kept). Arguments as there."""
+    C = conv_pool.shape[2]
+    W1 = conv_pool.shape[1]
+    row = np.empty(C, np.float32)
+    bits = np.empty(C, np.int32)
+    for r in range(starts.shape[0]):
+        a, b, s = starts[r], ends[r], slots[r]
+        for tap in range(W1):  # position b - a + tap of the sequence's history-first positions
+            p = b - a + tap
+            if p >= W1:
+                load_row(x, x_bf16, from_bf16, a + p - W1, row, bits)
+                for c in range(C):
+                    conv_pool[s, tap, c] = row[c]
+            else:  # tap + (b - a) >= tap: that history entry is read before it is overwritten
+                for c in range(C):
+                    conv_pool[s, tap, c] = conv_pool[s, p, c] if keep[r] else np.float32(0.0)
 
 
 @njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], float32[:, :, ::1], float32[:, ::1], boolean,

@@ -14,7 +14,7 @@ from model.layers.norm import GatedRMSNorm
 
 
 @pytest.mark.parametrize("inplace", [True, False])
-def test_prefill_over_state_slots_matches_naive(inplace: bool) -> None:
+def test_prefill_over_state_slots_matches_naive(inplace: bool, cpu_threads: int) -> None:
     """Several prompts back to back, each continuing its own slot of a pool (a padded row skipped), as the
     engine's prefill runs them."""
     cu = [0, 7, 7, 30, 31, 52]
@@ -148,7 +148,7 @@ def test_conv_and_recurrence_in_one_decode_step_match_their_torch_forms(gate: st
 
 
 @pytest.mark.parametrize("inputs", ["fp32", "fp32 column slice", "bf16 column slice"])
-def test_prefill_conv_and_silu_in_one_pass_match_conv1d(inputs: str) -> None:
+def test_prefill_conv_and_silu_in_one_pass_match_conv1d(inputs: str, cpu_threads: int) -> None:
     """`conv_silu_prefill_cpu` against fp64 `conv1d` + SiLU per sequence: sequences shorter and longer than
     the window, an empty one, fresh and continued histories, a pool with other data between its slots;
     inputs up to +-40 so the SiLU's exp spans its range, given as they are or as a projection's columns."""
@@ -187,7 +187,7 @@ def test_prefill_conv_and_silu_in_one_pass_match_conv1d(inputs: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_output_norm_in_one_pass_matches_the_gated_rms_norm(dtype: torch.dtype) -> None:
+def test_output_norm_in_one_pass_matches_the_gated_rms_norm(dtype: torch.dtype, cpu_threads: int) -> None:
     """KDA's output norm as the CPU engine runs it, against fp64 and the torch module: a strided gate (a
     column slice of a projection), bf16 read as its bits and written rounded to nearest even."""
     gen = torch.Generator().manual_seed(5)

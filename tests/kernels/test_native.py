@@ -78,3 +78,33 @@ def test_the_c_recurrence_refuses_arrays_it_cannot_read_safely() -> None:
         kda_rows(q, q, v, q, beta, 1.0, True, torch.tensor([0]), torch.tensor([5]), torch.tensor([0]), pool, o)
     with pytest.raises(ValueError, match="pool must be fp32 on the CPU with each slot contiguous"):
         kda_rows(q, q, v, q, beta, 1.0, True, *bounds, torch.tensor([0]), pool.transpose(2, 3), o)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        kda_rows(q, q, v, q, beta, 1.0, True, *bounds, torch.tensor([0]), pool, o, threads=0)
+
+
+@pytest.mark.parametrize("V", [64, 40])  # 40: a column block with a rest that is not a whole vector
+@pytest.mark.parametrize("lengths", [[300], [7, 0, 120, 33]])
+def test_the_c_recurrence_gives_the_same_numbers_on_any_number_of_threads(V: int, lengths: list[int]) -> None:
+    """Units are (sequence, head) and, with fewer of those than threads, blocks of value columns: each column of
+    the state evolves on its own, so every split must give bit-for-bit the one-thread result."""
+    gen = torch.Generator().manual_seed(V + len(lengths))
+    R, HV, K = sum(lengths), 2, 16
+    q, k = torch.randn(R, HV, K, generator=gen), torch.randn(R, HV, K, generator=gen)
+    v = torch.randn(R, HV, V, generator=gen)
+    decay = 0.6 + 0.4 * torch.rand(R, HV, K, generator=gen)
+    beta = torch.rand(R, HV, generator=gen)
+    ends = torch.tensor(lengths).cumsum(0)
+    starts = ends - torch.tensor(lengths)
+    slots = torch.arange(len(lengths)) * 2
+    if len(lengths) > 1:
+        slots[1] = -1  # a skipped sequence: zero output, its slot untouched
+    pool0 = torch.randn(2 * len(lengths), HV, K, V, generator=gen)
+    results = []
+    for threads in (1, 2, 3, 8):
+        pool, o = pool0.clone(), torch.full((R, HV, V), float("nan"))
+        kda_rows(q, k, v, decay, beta, 0.25, True, starts, ends, slots, pool, o, threads=threads)
+        results.append((o, pool))
+    o1, pool1 = results[0]
+    assert torch.isfinite(o1).all() and not torch.equal(pool1, pool0)
+    for o, pool in results[1:]:
+        assert torch.equal(o, o1) and torch.equal(pool, pool1)

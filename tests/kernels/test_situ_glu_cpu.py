@@ -22,7 +22,7 @@ def gate_up(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_pass_matches_fp64(dtype: torch.dtype) -> None:
+def test_compiled_pass_matches_fp64(dtype: torch.dtype, cpu_threads: int) -> None:
     gate, up = gate_up(dtype, seed=3)
     ref = situ_glu(gate.double(), up.double(), BETA, BETA_LINEAR)  # fp64: the torch formula itself
     got = situ_glu_cpu(gate, up, BETA, BETA_LINEAR)
