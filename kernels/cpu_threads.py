@@ -50,3 +50,12 @@ def _executor() -> ThreadPoolExecutor:
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="taper-cpu")
     return _pool
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child has none of the parent's threads: a pool inherited from it would never run a block."""
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -47,3 +49,17 @@ def test_small_work_stays_on_one_thread() -> None:
         assert cpu_threads.threads_for(2 * cpu_threads.MIN_ELEMENTS_PER_THREAD) == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_forked_child_gets_a_pool_of_its_own() -> None:
+    cpu_threads.run_row_blocks(lambda lo, hi: None, 4, 2)  # the parent's pool exists
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: blocks on other threads must still run (a hang is killed by the alarm: no "ok")
+        signal.alarm(10)
+        seen = []
+        cpu_threads.run_row_blocks(lambda lo, hi: seen.append(lo), 4, 2)
+        os.write(write, b"ok" if sorted(seen) == [0, 2] else b"bad")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 2) == b"ok"
