@@ -27,54 +27,61 @@ typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 static inline vf load(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
+#ifndef NB
+#define NB 2  /* vectors of columns per block */
+#endif
+#define BW (NB * VW)  /* columns per block */
+
 /* S <- Diag(a) S + bk err^T (if pending; else S stays, and is only read), then ks = S^T c and qs = S^T f, for
- * columns j0 .. j0 + 2 VW. */
+ * columns j0 .. j0 + BW. */
 static inline void sweep_block(float *restrict S, int64_t K, int64_t V, int64_t j0, int pending,
                                const float *restrict a, const float *restrict bk, const float *restrict err,
                                const float *restrict c, const float *restrict f, float *restrict ks,
                                float *restrict qs)
 {
-    const vf e0 = load(err + j0), e1 = load(err + j0 + VW);
-    vf k0 = {0}, k1 = {0}, q0 = {0}, q1 = {0};
+    vf e[NB], kv[NB], qv[NB];
+    for (int b = 0; b < NB; b++) {
+        e[b] = load(err + j0 + b * VW);
+        kv[b] = (vf){0};
+        qv[b] = (vf){0};
+    }
     if (pending) {
         for (int64_t i = 0; i < K; i++) {
             float *row = S + i * V + j0;
-            const vf s0 = a[i] * load(row) + bk[i] * e0;
-            const vf s1 = a[i] * load(row + VW) + bk[i] * e1;
-            store(row, s0);
-            store(row + VW, s1);
-            k0 += c[i] * s0;
-            k1 += c[i] * s1;
-            q0 += f[i] * s0;
-            q1 += f[i] * s1;
+            for (int b = 0; b < NB; b++) {
+                const vf s = a[i] * load(row + b * VW) + bk[i] * e[b];
+                store(row + b * VW, s);
+                kv[b] += c[i] * s;
+                qv[b] += f[i] * s;
+            }
         }
     } else {
         for (int64_t i = 0; i < K; i++) {
             const float *row = S + i * V + j0;
-            const vf s0 = load(row), s1 = load(row + VW);
-            k0 += c[i] * s0;
-            k1 += c[i] * s1;
-            q0 += f[i] * s0;
-            q1 += f[i] * s1;
+            for (int b = 0; b < NB; b++) {
+                const vf s = load(row + b * VW);
+                kv[b] += c[i] * s;
+                qv[b] += f[i] * s;
+            }
         }
     }
-    store(ks + j0, k0);
-    store(ks + j0 + VW, k1);
-    store(qs + j0, q0);
-    store(qs + j0 + VW, q1);
+    for (int b = 0; b < NB; b++) {
+        store(ks + j0 + b * VW, kv[b]);
+        store(qs + j0 + b * VW, qv[b]);
+    }
 }
 
-/* The sweep over columns j_lo .. j_hi - 1 (j_lo a multiple of 2 VW). */
+/* The sweep over columns j_lo .. j_hi - 1 (j_lo a multiple of BW). */
 static void sweep(float *restrict S, int64_t K, int64_t V, int64_t j_lo, int64_t j_hi, int pending,
                   const float *restrict a, const float *restrict bk, const float *restrict err, const float *restrict c,
                   const float *restrict f, float *restrict ks, float *restrict qs)
 {
     int64_t j0 = j_lo;
-    for (; j0 + 2 * VW <= j_hi; j0 += 2 * VW)
+    for (; j0 + BW <= j_hi; j0 += BW)
         sweep_block(S, K, V, j0, pending, a, bk, err, c, f, ks, qs);
     if (j0 == j_hi)
         return;
-    for (int64_t j = j0; j < j_hi; j++) {  /* the columns left over when V is not a multiple of 2 VW */
+    for (int64_t j = j0; j < j_hi; j++) {  /* the columns left over when V is not a multiple of BW */
         ks[j] = 0.f;
         qs[j] = 0.f;
     }
@@ -193,11 +200,11 @@ void kda_rows(const float *q, const float *k, const float *v, const float *decay
 {
     struct job jb = {q, k, v, decay, beta, HV, K, V, scale, eps, l2norm, starts, ends, slots, pool, slot_stride, o,
                      1, V, 0, 0};
-    const int64_t heads = N * HV, max_blocks = (V + 2 * VW - 1) / (2 * VW);
+    const int64_t heads = N * HV, max_blocks = (V + BW - 1) / BW;
     if (threads > 1 && heads > 0 && heads < threads) {
         int64_t want = (threads + heads - 1) / heads;
         want = want < max_blocks ? want : max_blocks;
-        jb.block_cols = ((V + want - 1) / want + 2 * VW - 1) / (2 * VW) * (2 * VW);
+        jb.block_cols = ((V + want - 1) / want + BW - 1) / BW * BW;
         jb.col_blocks = (V + jb.block_cols - 1) / jb.block_cols;
     }
     jb.units = heads * jb.col_blocks;
