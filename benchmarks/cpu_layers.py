@@ -3,9 +3,12 @@ bf16 and fp32: the KDA token mixer as the engine runs it (`kda_forward_with_stat
 prompt, a decode step of 8 sequences), the MoE layer (the HF module in eval mode) and the matmul shapes
 behind them, at the serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not
 installed, e.g. to see where a bf16/AMX CPU spends a layer's time. With `--threads N` (N > 1), N torch threads
-and wall ms instead. Prints a table and writes JSON.
+and wall ms instead. `--parts` times the KDA prefill's compiled parts inside the layer (conv + SiLU, gate,
+recurrence, output norm; wall ms, each wrapped by a timer) on 1, 2, 4, ... up to `--threads` threads.
+Prints a table and writes JSON.
 
-    python benchmarks/cpu_layers.py [--lengths 4096 16384] [--threads 1] [--profile] [--out benchmarks/results/cpu_layers.json]
+    python benchmarks/cpu_layers.py [--lengths 4096 16384] [--threads 1] [--profile] [--parts]
+                                    [--out benchmarks/results/cpu_layers.json]
 """
 
 from __future__ import annotations
@@ -101,6 +104,61 @@ def run(lengths: list[int], profile: bool, threads: int = 1) -> dict[str, Any]:
                 profiles=profiles)
 
 
+def kda_parts(T: int, max_threads: int, repeats: int = 3) -> list[dict[str, Any]]:
+    """The KDA layer's prefill of one T-token prompt on 1, 2, 4, ... max_threads threads, bf16 and fp32: wall ms
+    of the whole layer and of each compiled part (the fastest of `repeats` calls); the rest is torch's ops."""
+    import time
+
+    import kernels.kda.recurrent_cpu as recurrent_cpu
+    from model.vllm_plugin import kda_ops
+
+    spent: dict[str, float] = {}
+
+    def timed(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
+        return call
+
+    patched = [(kda_ops, "conv_silu_prefill_cpu", "conv + SiLU"), (kda_ops, "gated_rms_norm_cpu", "output norm"),
+               (recurrent_cpu, "_gate_decay", "gate"), (recurrent_cpu, "_kda_rows_unchecked", "recurrence")]
+    originals = [getattr(module, name) for module, name, _ in patched]
+    for (module, name, label), fn in zip(patched, originals, strict=True):
+        setattr(module, name, timed(fn, label))
+    rows = []
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            torch.manual_seed(0)
+            cfg = serving_config()
+            kda = KimiDeltaAttention(cfg, 0).eval().to(dtype)
+            x = torch.randn(T, cfg.hidden_size, dtype=dtype)
+            conv, rec = torch.randn(4, *conv_state_shape(kda)), torch.randn(4, *recurrent_state_shape(kda))
+            threads = 1
+            while threads <= max_threads:
+                torch.set_num_threads(threads)
+                best: dict[str, float] | None = None
+                with torch.no_grad():
+                    kda_forward_with_state(kda, x, conv, rec, prefill_batch(T))
+                    for _ in range(repeats):
+                        spent.clear()
+                        start = time.perf_counter()
+                        kda_forward_with_state(kda, x, conv, rec, prefill_batch(T))
+                        total = time.perf_counter() - start
+                        if best is None or total < best["layer"]:
+                            best = dict(spent, layer=total)
+                rows.append(dict(case=f"KDA layer prefill 1 x {T}", dtype=str(dtype).removeprefix("torch."),
+                                 threads=threads, ms={k: 1e3 * v for k, v in best.items()}))
+                threads *= 2
+    finally:
+        for (module, name, _), fn in zip(patched, originals, strict=True):
+            setattr(module, name, fn)
+        torch.set_num_threads(1)
+    return rows
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(describe(result["machine"]), f"| {result['threads']} threads, {result['timer']} time")
     by_case: dict[str, dict[str, float]] = {}
@@ -111,6 +169,9 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{case:<36} {ms.get('bfloat16', float('nan')):>10.3f} {ms.get('float32', float('nan')):>10.3f}")
     for title, table in result["profiles"].items():
         print(f"\n{title}\n{table}")
+    for r in result.get("parts", []):
+        print(f"{r['case']} {r['dtype']:<8} {r['threads']:>2} threads (wall ms): "
+              + "  ".join(f"{k} {v:.2f}" for k, v in r["ms"].items()))
 
 
 def main() -> None:
@@ -118,9 +179,13 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--profile", action="store_true", help="torch profiler tables of the KDA and MoE prefills at the first length, per dtype")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (> 1: wall time)")
+    ap.add_argument("--parts", action="store_true",
+                    help="the KDA prefill's compiled parts at the last length, on 1, 2, 4, ... --threads threads")
     ap.add_argument("--out", default="benchmarks/results/cpu_layers.json")
     args = ap.parse_args()
     result = run(args.lengths, args.profile, args.threads)
+    if args.parts:
+        result["parts"] = kda_parts(args.lengths[-1], args.threads)
     print_table(result)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
