@@ -47,26 +47,19 @@ def inputs(B: int, T: int, dtype: torch.dtype, seed: int = 0) -> tuple[list[torc
     return args, dict(GATE, dt_bias=torch.randn(H * K, generator=gen) * 0.5)
 
 
-def cpu_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` calls, in thread-CPU seconds (after one warm-up call)."""
+def cpu_seconds(fn, repeats: int, clock=time.thread_time) -> float:
+    """The fastest of `repeats` calls, in thread-CPU seconds (after one warm-up call); with
+    `clock=time.perf_counter`, in wall seconds (`wall_seconds`: work spread over threads)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.thread_time()
+        start = clock()
         fn()
-        best = min(best, time.thread_time() - start)
+        best = min(best, clock() - start)
     return best
 
 
-def wall_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` calls in wall seconds (after one warm-up call): work spread over threads."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+wall_seconds = partial(cpu_seconds, clock=time.perf_counter)
 
 
 def thread_rows(lengths: list[int], threads: list[int], repeats: int) -> list[dict[str, Any]]:
