@@ -162,9 +162,10 @@ def run_worker(args: argparse.Namespace) -> None:
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # on CPU it would override kv_cache_memory_bytes
     import torch
 
-    # vLLM serves with one torch thread (multi-threaded small ops spin-wait); its in-process CPU worker
-    # blocks the call that would set it, so set it before the engine starts.
-    torch.set_num_threads(1)
+    # One torch thread by default (the tables' setting: multi-threaded small ops spin-wait on a shared box); the
+    # in-process CPU worker blocks the call that would set it, so set it before the engine starts. More threads:
+    # the matmuls and attention use them, and so do our compiled passes (kernels/cpu_threads.py).
+    torch.set_num_threads(args.threads)
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -247,7 +248,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": machine,
         "settings": {"batch": args.batch, "new_tokens": args.new_tokens, "dtype": args.dtype,
-                     "contexts": args.contexts, "engine": "vLLM in-process, eager, prefix caching off, 1 torch thread"},
+                     "contexts": args.contexts, "threads": args.threads,
+                     "engine": f"vLLM in-process, eager, prefix caching off, {args.threads} torch thread(s)"},
         "models": {},
     }
     with tempfile.TemporaryDirectory(prefix="taper-serving-") as tmp:
@@ -256,7 +258,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             counts = build_checkpoint(name, model_dir, Path(TOKENIZER_DIR), args.dtype)
             cmd = [sys.executable, __file__, "--worker", "--model-dir", str(model_dir), "--dtype", args.dtype,
                    "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
-                   "--kv-cache-gib", str(args.kv_cache_gib), "--contexts", *map(str, args.contexts)]
+                   "--kv-cache-gib", str(args.kv_cache_gib), "--threads", str(args.threads),
+                   "--contexts", *map(str, args.contexts)]
             cmd += ["--profile-modules"] if args.profile_modules else []
             print(f"[{name}] {counts['active'] / 1e6:.2f}M active / {counts['total'] / 1e6:.2f}M total params",
                   flush=True)
@@ -323,6 +326,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--kv-cache-gib", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the engine (thread-CPU columns then cover the engine thread only)")
     parser.add_argument("--quick", action="store_true", help="smoke run: contexts 128 512, batch 2, 8 tokens")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/serving_cpu.json)")
     parser.add_argument("--profile-modules", action="store_true",
