@@ -166,6 +166,18 @@ def check_decode() -> dict:
     xv1 = {k: (v.transpose(0, 1) if v.dim() > 1 else v) for k, v in xv.items()}  # one sequence per row
     o_r, s_r = naive(xv1, pool0[idx[valid]])
     res = {}
+    # cu_seqlens over N tokens with lengths 0 and 2 among them: the one-token kernel's token-by-token loop
+    cu_mixed = torch.arange(N + 1, device=DEV)
+    cu_mixed[1], cu_mixed[10] = 0, 9  # sequences 0 and 9 empty, 1 and 10 of two tokens
+    o_m, s_m = naive(x, pool0[idx.clamp(min=0)], cu=cu_mixed)
+    lens = cu_mixed[1:] - cu_mixed[:-1]
+    tok_valid = torch.repeat_interleave(valid, lens)
+    pool = pool0.clone()
+    o, _ = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=cu_mixed,
+                               ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True, lower_bound=LB, dt_bias=x["dt_bias"])
+    res["cu_mixed_lengths"] = {"o": rel(o[0, tok_valid], o_m[0, tok_valid]), "slots": rel(pool[idx[valid]], s_m[valid]),
+                               "padded_row_zero": bool((o[0, ~tok_valid] == 0).all()), "lengths": sorted(set(lens.tolist()))}
     for layout in ("cu", "rows"):
         xl = x if layout == "cu" else {k: (v.transpose(0, 1).contiguous() if v.dim() > 1 else v) for k, v in x.items()}
         cu = torch.arange(N + 1, device=DEV) if layout == "cu" else None
@@ -257,24 +269,17 @@ def time_decode(N: int) -> dict:
 # program with the next state prefetched into registers (commit 6d432ff): 351-816 us, none better than 32 / 1 warp.
 # Session 18's first call also timed the one-token kernel with pointer loads at 16 columns / 1 warp, 2 and 3 stages
 # (528, 432 us) and TMA at 16 columns with 4 stages or 16 programs per SM (356, 333 us).
+# Session 18's second call: TMA 32 / 2 / 3 at 3 per SM 333.6 us, 2 stages at 6 per SM 319.8, 4 stages at 3 per SM
+# 332.9, 64 columns / 4 warps / 2 stages 363.6; pointer loads 32 / 2 / 3 / 4 322.2 (the default, TMA, 299.3).
+# Session 19's first call (the default 288-289 us): 4 warps 377; each program's units as one contiguous range
+# 344; TMA loads with pointer stores 313 (4 stages 312, 5 or 6 per SM 317, 314; 4 warps 361; contiguous 345).
 DECODE_SWEEP = {
     "general_bv32_w1_cu": (dict(decode_step=False), "cu"),
-    "general_bv32_w1_rows": (dict(decode_step=False), "rows"),
-    "step_bv32_w2_s3_p4": (dict(decode_step=True, decode_step_tma=False, decode_step_block_v=32, decode_step_warps=2,
-                                decode_step_programs_per_sm=4), "rows"),
-    "step_tma_bv16_w1_s3_p4": (dict(decode_step=True, decode_step_tma=True, decode_step_programs_per_sm=4), "rows"),
-    "step_tma_bv32_w2_s3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2),
-                            "rows"),
-    "step_tma_bv32_w2_s3_p4": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2,
-                                    decode_step_programs_per_sm=4), "rows"),
-    "step_tma_bv32_w2_s3_p3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2,
-                                    decode_step_programs_per_sm=3), "rows"),
-    "step_tma_bv32_w2_s2_p6": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2,
-                                    decode_step_stages=2, decode_step_programs_per_sm=6), "rows"),
-    "step_tma_bv32_w2_s4_p3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=32, decode_step_warps=2,
-                                    decode_step_stages=4, decode_step_programs_per_sm=3), "rows"),
-    "step_tma_bv64_w4_s2_p3": (dict(decode_step=True, decode_step_tma=True, decode_step_block_v=64, decode_step_warps=4,
-                                    decode_step_stages=2, decode_step_programs_per_sm=3), "rows"),
+    "step_cu": ({}, "cu"),
+    "step_tma_rows": ({}, "rows"),
+    "step_pointers_rows": (dict(decode_step_tma=False), "rows"),
+    "step_cu_again": ({}, "cu"),
+    "step_tma_rows_again": ({}, "rows"),
 }
 
 
@@ -307,7 +312,7 @@ def decode_sweep(N: int = 256) -> dict:
             ssm_state_indices=idx, inplace_final_state=True, config=cfg)[0].reshape(N, H, V)
 
     ref_pool = pool0.clone()
-    ref_o = call(ref_pool, KDAKernelConfig(), "cu")
+    ref_o = call(ref_pool, KDAKernelConfig(decode_step=False), "cu")
     out = {}
     for name, (overrides, layout) in DECODE_SWEEP.items():
         cfg = KDAKernelConfig(**overrides)
@@ -324,13 +329,111 @@ def decode_sweep(N: int = 256) -> dict:
                    use_beta_sigmoid_in_kernel=True, lower_bound=LB, A_log=None, dt_bias=x["dt_bias"], cu_seqlens=cu,
                    ssm_state_indices=idx, inplace_final_state=True, config=cfg)
 
-            r["us"] = bench(run) * 1e3
+            r["us_runs"] = [bench(run) * 1e3 for _ in range(3)]
+            r["us"] = sorted(r["us_runs"])[1]
             r["state_TBps"] = 2 * N * H * K * V * 4 / (r["us"] * 1e-6) / 1e12
         except Exception as exc:  # noqa: BLE001 - the other variants still run
             r = {"error": repr(exc)[:300]}
         out[name] = r
         print(f"  decode N={N} {name}: " + " ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+    return out
+
+
+def decode_overhead(sizes=(256, 128, 64, 32, 16), repeats: int = 3) -> dict:
+    """Where decode time goes at small sequence counts: per kernel path and sequence count, do_bench's median
+    (several times), the host time of one call (calls enqueued back to back, no sync: the Python wrapper, argument
+    handling, Triton's launcher, the TMA descriptor) and the GPU time of one call from a CUDA graph's replays (no
+    launch cost; the pool stays in L2 where it fits). do_bench clears L2 with a 256 MB memset before each call:
+    a call whose host time exceeds that memset's GPU time shows its host time in the measurement."""
+    from kernels.kda.triton_config import KDAKernelConfig
+    from kernels.kda.triton_recurrent import fused_recurrent_kda_triton
+
+    H, K, V = 32, 128, 128
+    # session 19's first call also timed session 18's host side (every call built cu_seqlens on the host and copied
+    # it through pinned memory: ~10 us more GPU time per call at every size, 299 us at 256 sequences)
+    paths = {
+        "public_rows": None, "public_cu": None,
+        "step_tma": KDAKernelConfig(decode_step_tma_min_bytes=0), "step_pointers": KDAKernelConfig(decode_step_tma=False),
+        "general_rows": KDAKernelConfig(decode_step=False), "general_cu": KDAKernelConfig(decode_step=False),
+        "fla_rows": None,
+    }
+    out = {}
+    for N in sizes:
+        pool = torch.randn(N + 8, H, K, V, device=DEV)
+        idx = torch.randperm(N + 8, device=DEV)[:N].to(torch.int32)
+        rows, _ = decode_inputs(N, "rows")
+        xcu, cu = decode_inputs(N, "cu")
+        fns = {}
+        for name, cfg in paths.items():
+            if name == "public_rows" or name == "public_cu":
+                x, c = (rows, None) if name == "public_rows" else (xcu, cu)
+
+                def fn(x=x, c=c, pool=pool, idx=idx):
+                    fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, cu_seqlens=c,
+                                        ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                        use_beta_sigmoid_in_kernel=True, lower_bound=LB, dt_bias=x["dt_bias"])
+            elif name == "fla_rows":
+                if fla_recurrent_fwd is None:
+                    continue
+
+                def fn(x=rows, pool=pool, idx=idx):
+                    fla_recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=None, dt_bias=x["dt_bias"],
+                                      initial_state=pool, inplace_final_state=True, cu_seqlens=None,
+                                      ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                      use_beta_sigmoid_in_kernel=True, lower_bound=LB)
+            else:
+                def fn(cfg=cfg, x=xcu if name.endswith("_cu") else rows, c=cu if name.endswith("_cu") else None,
+                       pool=pool, idx=idx):
+                    fused_recurrent_kda_triton(
+                        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K ** -0.5, initial_state=pool,
+                        output_final_state=False, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                        use_beta_sigmoid_in_kernel=True, lower_bound=LB, A_log=None, dt_bias=x["dt_bias"],
+                        cu_seqlens=c, ssm_state_indices=idx, inplace_final_state=True, config=cfg)
+            fns[name] = fn
+        for name, fn in fns.items():
+            r = {}
+            try:
+                fn()
+                torch.cuda.synchronize()
+                r["do_bench_us"] = [round(bench(fn) * 1e3, 1) for _ in range(repeats)]
+                torch.cuda.synchronize()
+                host = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(50):
+                        fn()
+                    host.append((time.perf_counter() - t0) / 50 * 1e6)
+                    torch.cuda.synchronize()
+                r["host_us"] = [round(h, 1) for h in host]
+                try:
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        fn()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for _ in range(10):
+                            fn()
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    ev[0].record()
+                    for _ in range(10):
+                        graph.replay()
+                    ev[1].record()
+                    torch.cuda.synchronize()
+                    r["graph_us"] = round(ev[0].elapsed_time(ev[1]) * 1e3 / 100, 1)
+                    del graph
+                except Exception as exc:  # noqa: BLE001 - fla's wrapper may not capture
+                    r["graph_error"] = repr(exc)[:200]
+            except Exception as exc:  # noqa: BLE001
+                r["error"] = repr(exc)[:300]
+            out[f"{N}_{name}"] = r
+            print(f"  decode overhead N={N} {name}: {r}", flush=True)
+        del pool, fns, fn
+        torch.cuda.empty_cache()
     return out
 
 
@@ -343,13 +446,17 @@ def copy_bandwidth(gib: int = 4) -> float:
 
 
 VARIANTS = {  # KDAKernelConfig overrides compared side by side by --variants (session 18 also timed a forward state
-    # kernel on the transposed state, and score blocks above the diagonal left unwritten: commit 25e88df)
+    # kernel on the transposed state, and score blocks above the diagonal left unwritten: commit 25e88df; session
+    # 17-18: separate kernels, the scores grid chunk first, warps and stages of each kernel; session 19's first call:
+    # e^Gam in the scores kernel as e^(Gam - ref) e^ref (2.471 ms against 2.472), the gate kernel's K tile 32 at 2 or
+    # 4 warps (2.505, 2.508) and 64 at 2 warps (2.487), against the default 2.459 / 2.474)
     "default": {},
-    "separate_kernels": dict(infer_kernels=False),
-    "scores_chunk_first": dict(scores_row_block_first=False),
+    "upper_akk_written": dict(infer_skip_upper_akk=False),
+    "default_again": {},
+    "upper_akk_written_again": dict(infer_skip_upper_akk=False),
 }
 # also timed forward+backward under --forward-only (variants that change the training path)
-FWDBWD_VARIANTS = ("default", "scores_chunk_first")
+FWDBWD_VARIANTS: tuple[str, ...] = ()
 
 
 def time_variants(T: int = 32768, forward_only: bool = False) -> dict:
@@ -469,6 +576,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--variants", action="store_true", help="only: kernel-config variants at 32K (errors, ms)")
     ap.add_argument("--decode-sweep", action="store_true", help="only: decode block sizes at 256 sequences")
+    ap.add_argument("--decode-overhead", action="store_true",
+                    help="only: decode paths at 16-256 sequences: do_bench, host time per call, CUDA-graph time")
     ap.add_argument("--all-checks", action="store_true",
                     help="also check other shapes/options vs naive (each new shape compiles every kernel again)")
     args = ap.parse_args()
@@ -496,6 +605,15 @@ def main() -> None:
     def save() -> None:
         dest.write_text(json.dumps(out, indent=1, default=str))
 
+    if args.decode_overhead:
+        if args.fla_autotune_ms:
+            cap_autotune(*args.fla_autotune_ms)
+        out["decode_vs_naive"] = attempt(check_decode)
+        save()
+        out["decode_overhead"] = decode_overhead()
+        save()
+        print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
+        return
     if args.decode_sweep:
         out["copy_TBps"] = attempt(copy_bandwidth)
         out["decode_sweep_256"] = decode_sweep()

@@ -96,7 +96,8 @@ def kda_fwd(
     intra_scores_kernel[(NB, NC, HV) if row_first else (NC, HV, NB)](
         q, k, gcum, Aqk, Akk, qg, kg, kge, cu, chunk_indices, scale,
         H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BK, BKS=16, SAFE=safe, DOT_PREC=prec, L2NORM=norm_in_kernels,
-        STORE_KGE=fused_wu, ROW_BLOCK_FIRST=row_first, num_warps=cfg.num_warps_scores,
+        STORE_KGE=fused_wu, ROW_BLOCK_FIRST=row_first,
+        UPPER_KK=not (fused_wu and cfg.infer_skip_upper_akk), num_warps=cfg.num_warps_scores,
     )
     work_dtype = cfg.work_dtype or v.dtype
     w = torch.empty(T, HV, K, dtype=work_dtype, device=dev)
@@ -417,7 +418,10 @@ def chunk_kda_triton(
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.float()).to(beta.dtype)
+        if torch.is_grad_enabled() and beta.requires_grad:  # the gradient through an fp32 sigmoid
+            beta = torch.sigmoid(beta.float()).to(beta.dtype)
+        else:  # the same values (torch computes a low-precision sigmoid in fp32), one kernel instead of three
+            beta = torch.sigmoid(beta)
     h0 = initial_state.float() if initial_state is not None else None
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias, initial_state))

@@ -169,7 +169,7 @@ def intra_scores_kernel(
     q, k, gcum, Aqk, Akk, qg, kg, kge, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr, SAFE: tl.constexpr, DOT_PREC: tl.constexpr, L2NORM: tl.constexpr = False,
-    STORE_KGE: tl.constexpr = False, ROW_BLOCK_FIRST: tl.constexpr = False,
+    STORE_KGE: tl.constexpr = False, ROW_BLOCK_FIRST: tl.constexpr = False, UPPER_KK: tl.constexpr = True,
 ):
     """Row block i = program_id(2) of one chunk and value head: its rows of Aqk (incl. diagonal, times
     scale) and Akk (strictly lower), and of the gated qg = scale q e^Gam and kg = k e^(Gam_last - Gam)
@@ -178,7 +178,8 @@ def intra_scores_kernel(
     whole chunk's blocks in one program needed ~240 registers per thread (12% occupancy on an H200).
     With STORE_KGE also kge = k e^Gam (the solve + w/u kernel of triton_chunk_infer.py reads it). With
     ROW_BLOCK_FIRST the grid is (row block, chunk, head), so a chunk's row blocks, which re-read the earlier
-    blocks' k and gcum, run side by side."""
+    blocks' k and gcum, run side by side. Without UPPER_KK, Akk's blocks above the diagonal are not written
+    (a reader that takes only its diagonal and lower blocks)."""
     if ROW_BLOCK_FIRST:
         i, i_hv = tl.program_id(0), tl.program_id(2)
         i_h = i_hv // (HV // H)
@@ -235,7 +236,8 @@ def intra_scores_kernel(
             tl.store(Akk + a_off + j * BC, s_kk, mask=m_a)
         else:
             tl.store(Aqk + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32).to(Aqk.dtype.element_ty), mask=m_a)
-            tl.store(Akk + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=m_a)
+            if UPPER_KK:
+                tl.store(Akk + a_off + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=m_a)
 
 
 @triton.jit

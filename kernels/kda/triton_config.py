@@ -27,6 +27,9 @@ class KDAKernelConfig:
     # and gcum, run side by side. H200, 32K, against (chunk, head, row block): forward without autograd 2.87 ->
     # 2.71 ms; forward+backward 15.81 -> 15.58 and 16.1 -> 15.9 ms (two runs)
     scores_row_block_first: bool = True
+    # forward without autograd (the fused solve + w/u, which reads only Akk's diagonal and lower blocks): Akk's
+    # zero blocks above the diagonal are not written (3/8 of its fp32 bytes). H200, 32K: 2.472 -> 2.462 ms
+    infer_skip_upper_akk: bool = True
     num_warps_scores: int = 4
     num_warps_solve: int = 2  # solve and w/u (H200, 32K: forward 4.15 -> 3.94 ms against 4 warps)
     num_warps_state: int = 4
@@ -51,13 +54,21 @@ class KDAKernelConfig:
     # one token per sequence (B rows of T = 1, no cu_seqlens): a persistent kernel whose loop over (sequence, head,
     # value tile) units is software-pipelined, the next units' state tiles copied to shared memory while this one
     # is computed (through TMA descriptors with decode_step_tma). H200, 256 sequences: 366 us with the general
-    # kernel, 299 with these; 16 columns / 1 warp 322-334, 8 programs per SM 303, 2 or 4 stages 320-333
+    # kernel, 299 with these; 16 columns / 1 warp 322-334, 8 programs per SM 303, 2 or 4 stages 320-333. 289 us since
+    # no decode call builds cu_seqlens on the host (its pinned copy cost ~10 us of GPU time per call)
     decode_step: bool = True
     decode_step_block_v: int = 32
     decode_step_warps: int = 2
     decode_step_stages: int = 3
     decode_step_programs_per_sm: int = 4
     decode_step_tma: bool = True
+    # TMA only from this many bytes of state read (N x HV x K x V x 4): its descriptor adds ~20-30 us of host time
+    # per launch, which an eager caller waits for below ~64 sequences of 32 heads 128 x 128 (H200, do_bench: 64
+    # sequences 79 us with TMA, 84 with pointer loads, 95 the general kernel; 32 sequences 60-64 / 46.5 / 52.5)
+    decode_step_tma_min_bytes: int = 128 * 2**20
+    # cu_seqlens layout with as many tokens as sequences: the one-token kernel too (H200, 256 sequences: 296 us,
+    # the general kernel 355)
+    decode_step_varlen: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_size % self.sub_chunk or self.sub_chunk < 16:

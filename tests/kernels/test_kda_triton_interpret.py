@@ -49,7 +49,9 @@ def test_triton_decode_state_slots(results, case):
 
 
 @pytest.mark.parametrize("case", ["decode_step_slots", "decode_step_slots_tma", "decode_step_out_of_place",
-                                  "decode_step_no_slots", "decode_step_no_state"])
+                                  "decode_step_no_slots", "decode_step_no_state", "decode_step_varlen_ones",
+                                  "decode_step_varlen_ones_bv8", "decode_step_varlen_mixed",
+                                  "decode_step_varlen_mixed_out"])
 def test_triton_decode_one_token_kernel(results, case):
     r = results[case]
     assert r["o"] < TOL and r["state"] < TOL
@@ -89,7 +91,8 @@ def test_fused_short_conv_matches_the_reference(results):
     assert not bad, f"relative errors over {TOL}: {bad}"
 
 
-@pytest.mark.parametrize("case", ["no_grad", "no_grad_chunk64", "no_grad_precomputed", "no_grad_separate"])
+@pytest.mark.parametrize("case", ["no_grad", "no_grad_chunk64", "no_grad_precomputed", "no_grad_separate",
+                                  "no_grad_chunk64_upper_akk"])
 def test_forward_without_autograd_skips_saving_and_matches(results, case):
     r = results[case]
     if case == "no_grad_separate":  # the same kernels as the saving forward, less written

@@ -120,6 +120,43 @@ def decode_step_case(seed, config, slots=True, inplace=True, with_state=True):
     return res
 
 
+TMA = dict(decode_step_tma_min_bytes=0)  # the one-token kernel's TMA path at these small sizes
+
+
+def decode_step_varlen_case(seed, config, cu, padded=1, inplace=True):
+    """The one-token kernel on [1, T, ...] inputs with cu_seqlens and T == N sequences, against the fp64
+    recurrence: slots with a padded sequence; lengths other than 1 go through the kernel's token-by-token loop."""
+    N, HV, T = len(cu) - 1, 4, cu[-1]
+    x = make_inputs(1, T, 2, HV, 32, 16, gate="bounded", beta_logits=True, cu_seqlens=cu, seed=seed)
+    kw = dict(x.kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(N + 2, HV, 32, 16, generator=gen)
+    before = pool.clone()
+    idx = torch.randperm(N + 2, generator=gen)[:N]
+    idx[padded] = -1
+    o, final = fused_recurrent_kda_triton(
+        *x.args(), scale=32**-0.5, initial_state=pool, output_final_state=not inplace, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=kw["lower_bound"], A_log=None,
+        dt_bias=kw["dt_bias"], cu_seqlens=kw["cu_seqlens"], ssm_state_indices=idx, inplace_final_state=inplace,
+        config=config,
+    )
+    kw.pop("initial_state", None)
+    o_ref, s_ref = naive_recurrent_kda(*x.args(), initial_state=before[idx.clamp(min=0)],
+                                       **{**kw, "output_final_state": True})
+    valid = idx >= 0
+    tok_valid = torch.repeat_interleave(valid, torch.tensor(cu[1:]) - torch.tensor(cu[:-1]))
+    res = {"o": rel_err(o[0, tok_valid], o_ref[0, tok_valid]), "padded_zero": bool((o[0, ~tok_valid] == 0).all())}
+    if inplace:
+        untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+        untouched[idx[valid]] = False
+        res.update(state=rel_err(pool[idx[valid]], s_ref[valid]),
+                   others_untouched=bool(torch.equal(pool[untouched], before[untouched])))
+    else:
+        res.update(state=rel_err(final[valid], s_ref[valid]), others_untouched=bool(torch.equal(pool, before)),
+                   padded_state_zero=bool((final[~valid] == 0).all()))
+    return res
+
+
 def custom_op_case(seed):
     """The chunk op as torch.compile sees it: torch.library's opcheck (schema, fake shapes against the real
     outputs, autograd registration) with and without cu_seqlens, and a compiled function through the op
@@ -328,10 +365,19 @@ def main() -> None:
         # the persistent one-token decode kernel: pointer loads in two value tiles; TMA descriptors (the default);
         # out of place, without slots, without an initial state
         "decode_step_slots": decode_step_case(18, KDAKernelConfig(decode_step_tma=False, decode_step_block_v=8)),
-        "decode_step_slots_tma": decode_step_case(19, KDAKernelConfig()),
-        "decode_step_out_of_place": decode_step_case(20, KDAKernelConfig(), inplace=False),
+        "decode_step_slots_tma": decode_step_case(19, KDAKernelConfig(**TMA)),
+        "decode_step_out_of_place": decode_step_case(20, KDAKernelConfig(**TMA), inplace=False),
         "decode_step_no_slots": decode_step_case(21, KDAKernelConfig(), slots=False, inplace=False),
         "decode_step_no_state": decode_step_case(22, KDAKernelConfig(), slots=False, inplace=False, with_state=False),
+        # cu_seqlens over as many tokens as sequences: one token each (TMA and pointer loads, two value tiles), or
+        # lengths 0 and 2 among them (the kernel's token-by-token loop), in place and out of place
+        "decode_step_varlen_ones": decode_step_varlen_case(23, KDAKernelConfig(**TMA), [0, 1, 2, 3, 4, 5]),
+        "decode_step_varlen_ones_bv8": decode_step_varlen_case(24, KDAKernelConfig(decode_step_block_v=8),
+                                                               [0, 1, 2, 3, 4, 5]),
+        "decode_step_varlen_mixed": decode_step_varlen_case(25, KDAKernelConfig(**TMA), [0, 0, 2, 3, 3, 5],
+                                                            padded=4),
+        "decode_step_varlen_mixed_out": decode_step_varlen_case(26, KDAKernelConfig(), [0, 2, 2, 3, 5, 5],
+                                                                inplace=False),
         "custom_op": custom_op_case(9),
         "expanded_grads": expanded_grads_case(10),
         "attn_res": attn_res_case(11),
@@ -342,6 +388,9 @@ def main() -> None:
                                         cu_seqlens=(0, 37, 130, 150), T=150),
         "no_grad_precomputed": no_grad_case(17, 64, gate="precomputed", cu_seqlens=(0, 100), T=100, K=16),
         "no_grad_separate": no_grad_case(12, config=KDAKernelConfig(infer_kernels=False)),
+        # Akk's blocks above the diagonal written, as the training path does
+        "no_grad_chunk64_upper_akk": no_grad_case(16, 64, KDAKernelConfig(infer_skip_upper_akk=False),
+                                                  cu_seqlens=(0, 37, 130, 150), T=150),
     }
     print(json.dumps(results))
 
