@@ -27,9 +27,7 @@ typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 static inline vf load(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
-#ifndef NB
-#define NB 2  /* vectors of columns per block */
-#endif
+#define NB 2  /* vectors of columns per block (4 measured level, 1 slower: NOTES) */
 #define BW (NB * VW)  /* columns per block */
 
 /* S <- Diag(a) S + bk err^T (if pending; else S stays, and is only read), then ks = S^T c and qs = S^T f, for
