@@ -22,7 +22,7 @@ from kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_recurren
     ],
 )
 @pytest.mark.parametrize("grad", [False, True], ids=["compiled", "chunked"])
-def test_chunk_matches_naive(B, T, H, HV, K, V, chunk, opts, grad, cpu_threads):
+def test_chunk_matches_naive(B, T, H, HV, K, V, chunk, opts, grad):
     x = make_inputs(B, T, H, HV, K, V, seed=T, **opts)
     x.q.requires_grad_(grad)
     o, s = chunk_kda(*x.args(), output_final_state=True, chunk_size=chunk, **x.kwargs)

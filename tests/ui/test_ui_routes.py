@@ -129,7 +129,8 @@ def test_preview_and_tokens_endpoints_need_a_key_and_name_the_bad_field(client) 
 
 
 REPO = Path(__file__).resolve().parents[2]
-SKIP_DIRS = {".venv", ".git", "node_modules", "test-artifacts", "taper_data", ".pytest_cache", ".ruff_cache"}
+SKIP_DIRS = {".venv", ".git", "node_modules", "test-artifacts", "taper_data", ".pytest_cache", ".ruff_cache",
+             ".tmp", ".whl"}  # the last two: scratch folders .gitignore keeps out of the repository
 UI_DIR = REPO / "api" / "ui"
 
 
