@@ -137,8 +137,9 @@ def _gate_decay(f: torch.Tensor, lower_bound: float | None, A_log: torch.Tensor 
     bias = _f32(torch.zeros(HV * K) if dt_bias is None else dt_bias.reshape(-1))
     a_log = np.zeros(HV, np.float32) if bounded else _f32(A_log.reshape(-1))
     out = decay.numpy()
-    run_row_blocks(lambda lo, hi: gate_decay_rows(f32[lo:hi], bits[lo:hi], from_bf16, bias, bounded,
-                                                  np.float32(lower_bound if bounded else 0.0), a_log, K, out[lo:hi]),
+    bound = np.float32(lower_bound if bounded else 0.0)
+    run_row_blocks(lambda lo, hi: gate_decay_rows(f32[lo:hi], bits[lo:hi], from_bf16, bias, bounded, bound, a_log, K,
+                                                  out[lo:hi]),
                    len(flat), threads_for(flat.numel()))
     return decay.view(f.shape)
 
@@ -201,9 +202,8 @@ def conv_silu_prefill_cpu(
     x_args = f32_or_bf16_bits(x)
     seq = (bounds[:-1].contiguous().numpy(), bounds[1:].contiguous().numpy(),
            slots.to(torch.int64).contiguous().numpy(), keep.numpy())
-    weight, pool = _f32(conv_weight), conv_pool.detach().numpy()
-    run_row_blocks(lambda lo, hi: conv_silu_rows(*x_args, weight, pool, *seq, lo, hi, q.numpy(), k.numpy(),
-                                                 v.numpy()), T, threads_for(T * C))
+    weight, pool, outs = _f32(conv_weight), conv_pool.detach().numpy(), (q.numpy(), k.numpy(), v.numpy())
+    run_row_blocks(lambda lo, hi: conv_silu_rows(*x_args, weight, pool, *seq, lo, hi, *outs), T, threads_for(T * C))
     conv_pool_advance(*x_args, pool, *seq)  # after every block has read the histories
     return q, k, v
 

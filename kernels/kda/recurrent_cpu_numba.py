@@ -51,6 +51,18 @@ def gate_decay_rows(f, f_bf16, from_bf16, dt_bias, bounded, lower_bound, a_log, 
                 decay[r, c] = np.exp(-np.exp(a_log[c // K]) * (y if y > np.float32(20.0) else np.log1p(np.exp(y))))
 
 
+@njit(inline="always", **COMPILE)
+def _position_input(x, x_bf16, from_bf16, conv_pool, s, kept, a, p, out, bits):  # pragma: no cover - compiled
+    """out <- the input at position p of a sequence whose positions count its slot's W-1 history rows first
+    (conv_pool[s], zeros where not `kept`) and then its tokens, rows a, a+1, ... of x; bits: int32 scratch."""
+    W1 = conv_pool.shape[1]
+    if p >= W1:
+        load_row(x, x_bf16, from_bf16, a + p - W1, out, bits)
+    else:
+        for c in range(out.shape[0]):
+            out[c] = conv_pool[s, p, c] if kept else np.float32(0.0)
+
+
 @njit(void(float32[:, :], int16[:, :], boolean, float32[:, ::1], float32[:, :, :], _INDEX, _INDEX, _INDEX,
            boolean[::1], int64, int64, float32[:, ::1], float32[:, ::1], float32[:, ::1]), **COMPILE)
 def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots, keep, t_lo, t_hi, yq, yk,
@@ -76,11 +88,7 @@ def conv_silu_rows(x, x_bf16, from_bf16, conv_w, conv_pool, starts, ends, slots,
         if lo >= hi:
             continue
         for p in range(lo - a, lo - a + W1):  # the W-1 positions before token lo: history or tokens
-            if p >= W1:
-                load_row(x, x_bf16, from_bf16, a + p - W1, window[p % W], bits)
-            else:
-                for c in range(C):
-                    window[p % W, c] = conv_pool[s, p, c] if keep[r] else np.float32(0.0)
+            _position_input(x, x_bf16, from_bf16, conv_pool, s, keep[r], a, p, window[p % W], bits)
         for t in range(lo, hi):
             p = t - a + W1
             row = p % W
@@ -109,15 +117,10 @@ def conv_pool_advance(x, x_bf16, from_bf16, conv_pool, starts, ends, slots, keep
     bits = np.empty(C, np.int32)
     for r in range(starts.shape[0]):
         a, b, s = starts[r], ends[r], slots[r]
-        for tap in range(W1):  # position b - a + tap of the sequence's history-first positions
-            p = b - a + tap
-            if p >= W1:
-                load_row(x, x_bf16, from_bf16, a + p - W1, row, bits)
-                for c in range(C):
-                    conv_pool[s, tap, c] = row[c]
-            else:  # tap + (b - a) >= tap: that history entry is read before it is overwritten
-                for c in range(C):
-                    conv_pool[s, tap, c] = conv_pool[s, p, c] if keep[r] else np.float32(0.0)
+        for tap in range(W1):  # position b - a + tap >= tap: a history row is read before it is overwritten
+            _position_input(x, x_bf16, from_bf16, conv_pool, s, keep[r], a, b - a + tap, row, bits)
+            for c in range(C):
+                conv_pool[s, tap, c] = row[c]
 
 
 @njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], float32[:, :, ::1], float32[:, ::1], boolean,
