@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
-import numpy as np
 import torch
 from torch import nn
 from vllm.config import CUDAGraphMode, VllmConfig
@@ -27,7 +26,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
-from kernels.attn_res_cpu import attn_res_rmsnorm_rows
+from kernels.attn_res_cpu import attn_res_rmsnorm
 from model.config import TaperConfig
 from model.layers.attn_res import AttnResState, BlockAttnRes
 from model.layers.norm import RMSNorm
@@ -85,19 +84,16 @@ class VllmBlockAttnRes(BlockAttnRes):
         return mixed.to(candidates[0].dtype)
 
     def mix_and_norm(self, candidates: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
-        """norm(self(candidates)): the mix and the sub-layer's RMSNorm that always follows it. On CPU, for a
-        decode step's few tokens, one compiled loop (`kernels.attn_res_cpu`) instead of ~25 small ops."""
-        x = candidates[0]
-        if x.device.type != "cpu" or x.shape[0] >= self.STACKED_MAX_TOKENS:
+        """norm(self(candidates)): the mix and the sub-layer's RMSNorm that always follows it. On CPU one
+        compiled pass (`kernels.attn_res_cpu`) that reads the candidates in place: a decode step's few tokens
+        in one call instead of ~25 small ops, a prefill's thousands without fp32 copies of every candidate."""
+        if candidates[0].device.type != "cpu":
             return norm(self(candidates))
         key, norm_weight = derived_arrays(
             self, "key_and_norm", lambda: (self.norm.weight, self.query, norm.weight),
             lambda gamma, query, weight: (gamma.float() * query.float(), weight),
         )()
-        out = torch.empty(x.shape, dtype=torch.float32)
-        attn_res_rmsnorm_rows(torch.stack(candidates).float().numpy(), key, np.float32(self.eps), norm_weight,
-                              np.float32(norm.eps), out.numpy())
-        return out.to(x.dtype)
+        return attn_res_rmsnorm(candidates, torch.from_numpy(key), self.eps, torch.from_numpy(norm_weight), norm.eps)
 
 
 class VllmSiTUGLUMLP(SiTUGLUMLP):
