@@ -23,6 +23,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from kernels.moe_cpu import combine_rmsnorm_cpu, route_cpu
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
@@ -308,16 +309,20 @@ class VllmStableLatentMoE(StableLatentMoE):
             scores, outs = torch.sigmoid(outs[0]), outs[1:]
         else:
             scores = self.router.scores(x)
-        expert_ids, weights = select_experts(self.router, scores)
         z = outs[0]
-        pairs = expert_ids.numel()
-        if x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS and 2 * pairs >= self.n_experts:
-            y = self._dense_experts(z, expert_ids, weights)
-        elif pairs <= GATHERED_EXPERTS_MAX_PAIRS:
-            y = self._gathered_experts(z, expert_ids, weights)
+        pairs = x.shape[0] * self.top_k
+        if pairs > GATHERED_EXPERTS_MAX_PAIRS and x.device.type == "cpu":
+            latent = self._sorted_experts_cpu(z, scores)
         else:
-            y = self.experts(z, expert_ids, weights)
-        out = self.latent_up(self.latent_norm(y).to(x.dtype))
+            expert_ids, weights = select_experts(self.router, scores)
+            if x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS and 2 * pairs >= self.n_experts:
+                y = self._dense_experts(z, expert_ids, weights)
+            elif pairs <= GATHERED_EXPERTS_MAX_PAIRS:
+                y = self._gathered_experts(z, expert_ids, weights)
+            else:
+                y = self.experts(z, expert_ids, weights)
+            latent = self.latent_norm(y).to(x.dtype)
+        out = self.latent_up(latent)
         if shared is not None:  # = shared(x)
             out = out + shared.down_proj(situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear))
         return out
@@ -337,6 +342,15 @@ class VllmStableLatentMoE(StableLatentMoE):
         out = torch.bmm(h.transpose(0, 1), experts.down_proj.transpose(1, 2))  # [n, N, l]
         combine = weights.new_zeros(N, n).scatter_(1, expert_ids, weights)  # [N, n] fp32
         return torch.bmm(out.permute(1, 2, 0).float(), combine.unsqueeze(-1)).squeeze(-1)
+
+    def _sorted_experts_cpu(self, z: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """latent_norm(experts(z)) in z's dtype, with the routing and the combine + norm as compiled passes
+        (`kernels.moe_cpu`) around the grouped expert matmuls."""
+        router = self.router
+        weights, rows, slot, counts = route_cpu(scores, router.bias_correction, router.top_k,
+                                                router.routed_scaling_factor)
+        out = self.experts.sorted_experts(z.index_select(0, rows), counts)
+        return combine_rmsnorm_cpu(out, slot, weights, self.latent_norm.weight, self.latent_norm.eps, z.dtype)
 
     def _gathered_experts(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Same as `_dense_experts`, computing only the chosen pairs from gathered expert weights."""
