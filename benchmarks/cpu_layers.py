@@ -1,7 +1,7 @@
 """Taper's serving layers on the CPU without vLLM, one torch thread, thread-CPU ms (best of a few calls), in
 bf16 and fp32: the KDA token mixer as the engine runs it (`kda_forward_with_state`: a prefill of one T-token
-prompt, a decode step of 8 sequences), the MoE layer (the HF module in eval mode) and the matmul shapes
-behind them, at the serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not
+prompt, a decode step of 8 sequences), the served MoE layer and the served Block AttnRes + RMSNorm over 5
+candidates (`model.vllm_plugin.per_token`, which needs no vLLM) and the matmul shapes behind them, at the serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not
 installed, e.g. to see where a bf16/AMX CPU spends a layer's time. With `--threads N` (N > 1), N torch threads
 and wall ms instead. `--parts` times the KDA prefill's compiled parts inside the layer (conv + SiLU, gate,
 recurrence, output norm; wall ms, each wrapped by a timer) on 1, 2, 4, ... up to `--threads` threads.
@@ -29,13 +29,14 @@ from benchmarks.kda_cpu import cpu_seconds, wall_seconds  # noqa: E402
 from benchmarks.machine import describe, machine_info  # noqa: E402
 from model.config import TaperConfig  # noqa: E402
 from model.layers.kda import KimiDeltaAttention  # noqa: E402
-from model.layers.moe import StableLatentMoE  # noqa: E402
+from model.layers.norm import RMSNorm  # noqa: E402
 from model.vllm_plugin.kda_ops import (  # noqa: E402
     KDABatch,
     conv_state_shape,
     kda_forward_with_state,
     recurrent_state_shape,
 )
+from model.vllm_plugin.per_token import VllmBlockAttnRes, VllmStableLatentMoE  # noqa: E402
 
 DECODE_SEQUENCES = 8
 
@@ -72,21 +73,28 @@ def run(lengths: list[int], profile: bool, threads: int = 1) -> dict[str, Any]:
             x, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
             row(f"linear {M} x {K} -> {N}", partial(torch.nn.functional.linear, x, w), 20 if M < 64 else 3)
         kda = KimiDeltaAttention(cfg, 0).eval().to(dtype)
-        moe = StableLatentMoE(cfg).eval().to(dtype)
+        moe = VllmStableLatentMoE(cfg).eval()
+        attn_res, norm = VllmBlockAttnRes(cfg.hidden_size, cfg.rms_norm_eps), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        with torch.no_grad():  # the expert weights are allocated, not initialised, outside a PreTrainedModel
+            for p in [*moe.parameters(), *attn_res.parameters(), *norm.parameters()]:
+                p.normal_(0, 0.05)
+        moe, attn_res, norm = moe.to(dtype), attn_res.to(dtype), norm.to(dtype)
         with torch.no_grad():
             for T in lengths:
                 x = torch.randn(T, cfg.hidden_size, dtype=dtype)
                 conv = torch.randn(4, *conv_state_shape(kda))
                 rec = torch.randn(4, *recurrent_state_shape(kda))
                 row(f"KDA layer prefill 1 x {T}", partial(kda_forward_with_state, kda, x, conv, rec, prefill_batch(T)), 2)
-                row(f"MoE layer (HF) 1 x {T}", partial(moe, x[None]), 2)
+                row(f"MoE layer 1 x {T}", partial(moe, x), 2)
+                candidates = [torch.randn(T, cfg.hidden_size, dtype=dtype) for _ in range(5)]
+                row(f"AttnRes + norm 1 x {T}", partial(attn_res.mix_and_norm, candidates, norm), 3)
                 if profile and T == lengths[0]:
                     from torch.profiler import ProfilerActivity
                     from torch.profiler import profile as torch_profile
 
                     for title, fn in ((f"KDA layer prefill 1 x {T} {name}", partial(
                             kda_forward_with_state, kda, x, conv, rec, prefill_batch(T))),
-                                      (f"MoE layer (HF) 1 x {T} {name}", partial(moe, x[None]))):
+                                      (f"MoE layer 1 x {T} {name}", partial(moe, x))):
                         with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                             fn()
                         profiles[title] = prof.key_averages(group_by_input_shape=True).table(
@@ -99,7 +107,7 @@ def run(lengths: list[int], profile: bool, threads: int = 1) -> dict[str, Any]:
                              state_indices=torch.arange(n, dtype=torch.int32) * 2, has_initial_state=None)
             x = torch.randn(n, cfg.hidden_size, dtype=dtype)
             row(f"KDA layer decode {n} sequences", partial(kda_forward_with_state, kda, x, conv, rec, batch), 50)
-            row(f"MoE layer (HF) decode {n} tokens", partial(moe, x[None]), 50)
+            row(f"MoE layer decode {n} tokens", partial(moe, x), 50)
     return dict(machine=machine_info(), threads=threads, timer="thread CPU" if threads == 1 else "wall", rows=rows,
                 profiles=profiles)
 

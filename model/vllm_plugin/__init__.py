@@ -1,7 +1,8 @@
 """Serve TaperForCausalLM in vLLM: registration (the `vllm.general_plugins` entry point), the vLLM model,
 its KDA / MLA layers, and live weight sync into a running engine.
 
-`kda_ops` (KDA over per-request state slots) imports without vLLM; everything else needs vLLM.
+`kda_ops` (KDA over per-request state slots) and `per_token` (the served AttnRes, MLP and MoE) import without
+vLLM; everything else needs vLLM.
 """
 
 from __future__ import annotations

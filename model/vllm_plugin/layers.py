@@ -1,9 +1,8 @@
-"""The mixers as vLLM layers. Each subclasses the HF layer (so parameters, names and math are the HF
+"""The token mixers as vLLM layers. Each subclasses the HF layer (so parameters, names and math are the HF
 model's) and adds what serving needs: KDA keeps its states in vLLM's hybrid (mamba-style) state cache and
 reads the gated-delta-net backend's per-request metadata; MLA is vLLM `Attention` over the cached latent
-on CPU and over the up-projected keys/values elsewhere (NoPE); the MoE routes with its frozen balancing
-bias and records nothing, and small batches (decode) run all experts densely instead of a loop over the
-chosen ones."""
+on CPU and over the up-projected keys/values elsewhere (NoPE). The layers that work token by token are in
+`per_token`."""
 
 from __future__ import annotations
 
@@ -23,12 +22,9 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from kernels.moe_cpu import combine_rmsnorm_cpu, route_cpu
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
-from model.layers.moe import Router, StableLatentMoE
-from model.layers.situ_glu import situ_glu
 from model.vllm_plugin.fused import fused
 from model.vllm_plugin.kda_ops import (
     KDABatch,
@@ -275,88 +271,3 @@ class VllmGatedMLA(GatedMLA):
             qi = q[a:b].view(b - a, H, self.qk_head_dim).transpose(0, 1)
             out[a:b] = chunk_attention(qi, k, v, self.scale)
         return out.reshape(T, -1)
-
-
-# Small batches (decode) skip the HF dispatch's loop over experts. With at least n/2 routed (token, expert)
-# pairs (n experts), every expert runs on every token as two dense matmuls and the combine weights (zero
-# for unchosen experts) pick the sum: n/k times the useful FLOPs but each expert's weights read once, no
-# gathers. With fewer pairs (up to GATHERED_EXPERTS_MAX_PAIRS) each pair's expert weights are gathered for
-# one batched matmul. Above that, the HF dispatch: a grouped GEMM over the expert-sorted rows (on CPU in
-# fp32 it beats dense from ~32 tokens: 0.85 vs 1.07 ms at 64 on the tiny preset, one core).
-DENSE_EXPERTS_MAX_TOKENS = 32
-GATHERED_EXPERTS_MAX_PAIRS = 64
-
-
-def select_experts(router: Router, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`router.select` at inference in a third of its ops: torch.topk and a gather (the training form's
-    argmax rounds and masked sums exist for torch.compile and autograd). Equal choices and weights, but for
-    exact ties of biased scores, which topk may break either way."""
-    chosen = torch.topk(scores + router.bias_correction, router.top_k, dim=-1, sorted=False).indices
-    picked = scores.gather(-1, chosen)
-    return chosen, picked * (router.routed_scaling_factor / picked.sum(-1, keepdim=True))
-
-
-class VllmStableLatentMoE(StableLatentMoE):
-    """Stable LatentMoE at inference: frozen balancing bias, no load statistics, fast small-batch experts."""
-
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        shared = self.shared_expert
-        # One matmul for everything that reads x; the router joins only in fp32, where it computes anyway.
-        with_router = x.dtype == torch.float32
-        name = "input_with_router" if with_router else "input"
-        outs = fused(self, name, lambda: self._input_linears(with_router))(x)
-        if with_router:
-            scores, outs = torch.sigmoid(outs[0]), outs[1:]
-        else:
-            scores = self.router.scores(x)
-        z = outs[0]
-        pairs = x.shape[0] * self.top_k
-        if pairs > GATHERED_EXPERTS_MAX_PAIRS and x.device.type == "cpu":
-            latent = self._sorted_experts_cpu(z, scores)
-        else:
-            expert_ids, weights = select_experts(self.router, scores)
-            if x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS and 2 * pairs >= self.n_experts:
-                y = self._dense_experts(z, expert_ids, weights)
-            elif pairs <= GATHERED_EXPERTS_MAX_PAIRS:
-                y = self._gathered_experts(z, expert_ids, weights)
-            else:
-                y = self.experts(z, expert_ids, weights)
-            latent = self.latent_norm(y).to(x.dtype)
-        out = self.latent_up(latent)
-        if shared is not None:  # = shared(x)
-            out = out + shared.down_proj(situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear))
-        return out
-
-    def _input_linears(self, with_router: bool) -> tuple[torch.nn.Module, ...]:
-        shared = self.shared_expert
-        heads = (self.latent_down,) + ((shared.gate_proj, shared.up_proj) if shared is not None else ())
-        return ((self.router,) if with_router else ()) + heads
-
-    def _dense_experts(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_k w_k Expert_{e_k}(z) for each token, fp32 sum: z [N, l], expert_ids/weights [N, k]."""
-        experts = self.experts
-        n, inter = experts.n_experts, experts.intermediate_size
-        N, ell = z.shape
-        gate_up = (z @ experts.gate_up_proj.reshape(n * 2 * inter, ell).t()).view(N, n, 2 * inter)
-        h = situ_glu(*gate_up.split(inter, dim=-1), experts.beta, experts.beta_linear)  # [N, n, I]
-        out = torch.bmm(h.transpose(0, 1), experts.down_proj.transpose(1, 2))  # [n, N, l]
-        combine = weights.new_zeros(N, n).scatter_(1, expert_ids, weights)  # [N, n] fp32
-        return torch.bmm(out.permute(1, 2, 0).float(), combine.unsqueeze(-1)).squeeze(-1)
-
-    def _sorted_experts_cpu(self, z: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """latent_norm(experts(z)) in z's dtype, with the routing and the combine + norm as compiled passes
-        (`kernels.moe_cpu`) around the grouped expert matmuls."""
-        router = self.router
-        weights, rows, slot, counts = route_cpu(scores, router.bias_correction, router.top_k,
-                                                router.routed_scaling_factor)
-        out = self.experts.sorted_experts(z.index_select(0, rows), counts)
-        return combine_rmsnorm_cpu(out, slot, weights, self.latent_norm.weight, self.latent_norm.eps, z.dtype)
-
-    def _gathered_experts(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Same as `_dense_experts`, computing only the chosen pairs from gathered expert weights."""
-        experts = self.experts
-        gate_up = experts.gate_up_proj[expert_ids]  # [N, k, 2I, l]
-        a, u = torch.einsum("nl,nkil->nki", z, gate_up).split(experts.intermediate_size, dim=-1)
-        h = situ_glu(a, u, experts.beta, experts.beta_linear)
-        out = torch.einsum("nki,nkli->nkl", h, experts.down_proj[expert_ids])
-        return (out.float() * weights[..., None]).sum(1)

@@ -2,8 +2,8 @@
 
 Tokens arrive flattened ([num_tokens, d], all requests of a step back to back). Every piece except the
 token mixers works per token and is an HF module (Block AttnRes, RMSNorm, SiTU-GLU MLP, Stable LatentMoE
-with its frozen balancing bias) or a subclass with the same parameters and math in fewer ops (concatenated
-projections, no fp32 casts of fp32 tensors: a decode step's cost is mostly its count of small ops), so a
+with its frozen balancing bias) or a subclass with the same parameters and math in fewer ops (`per_token`:
+concatenated projections, compiled CPU passes, no fp32 casts of fp32 tensors), so a
 `save_pretrained` directory loads with no conversion and a learner's state dict pushes in by name.
 
 On CPU the layers hold and compute in the dtype `cpu_dtype` decides: bf16 where the CPU has bf16
@@ -26,20 +26,18 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
-from kernels.attn_res_cpu import attn_res_rmsnorm
 from model.config import TaperConfig
-from model.layers.attn_res import AttnResState, BlockAttnRes
+from model.layers.attn_res import AttnResState
 from model.layers.norm import RMSNorm
-from model.layers.situ_glu import SiTUGLUMLP, situ_glu
 from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
-from model.vllm_plugin.fused import derived_arrays, drop_fused, fused
+from model.vllm_plugin.fused import drop_fused
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
     VllmKimiDeltaAttention,
-    VllmStableLatentMoE,
     kda_state_dtypes,
     kda_state_shapes,
 )
+from model.vllm_plugin.per_token import VllmBlockAttnRes, VllmSiTUGLUMLP, VllmStableLatentMoE
 
 logger = init_logger("vllm.taper")  # under "vllm": printed by the engine's own log handler
 
@@ -52,57 +50,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-class VllmBlockAttnRes(BlockAttnRes):
-    """`BlockAttnRes` with the same parameters and math in fewer passes: the score
-    <V_i / rms(V_i), gamma * w> is computed as <V_i, gamma * w> / rms(V_i) (one matmul, one norm). Decode
-    steps (few tokens, where the count of ops costs more than the bytes) stack the candidates once;
-    prefills read each candidate in place (a norm, a matvec, one multiply-add into the fp32 mix) instead
-    of materialising stacked fp32 copies: 2-4x faster at 4K tokens on CPU. On CPU the served layers call
-    `mix_and_norm`, one compiled pass for both."""
-
-    STACKED_MAX_TOKENS = 128
-
-    def forward(self, candidates: list[torch.Tensor]) -> torch.Tensor:
-        key = self.norm.weight.float() * self.query.float()
-        if candidates[0].shape[0] < self.STACKED_MAX_TOKENS:
-            stacked = torch.stack(candidates).float()  # [N, T, d]
-            inv_rms = torch.rsqrt(stacked.pow(2).mean(-1) + self.eps)  # [N, T]
-            weights = torch.softmax(torch.matmul(stacked, key) * inv_rms, dim=0)
-            mixed = torch.bmm(stacked.permute(1, 2, 0), weights.t().unsqueeze(-1)).squeeze(-1)  # [T, d]
-            return mixed.to(candidates[0].dtype)
-        d = key.shape[0]
-
-        def score(candidate: torch.Tensor) -> torch.Tensor:  # fp32 scores of one candidate's tokens
-            c = candidate.float()
-            return torch.mv(c, key) * torch.rsqrt(torch.linalg.vector_norm(c, dim=-1).square() / d + self.eps)
-
-        weights = torch.softmax(torch.stack([score(c) for c in candidates]), dim=0)  # [N, T]
-        mixed = candidates[0] * weights[0, :, None]  # fp32
-        for candidate, weight in zip(candidates[1:], weights[1:], strict=True):
-            mixed.addcmul_(candidate, weight[:, None])
-        return mixed.to(candidates[0].dtype)
-
-    def mix_and_norm(self, candidates: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
-        """norm(self(candidates)): the mix and the sub-layer's RMSNorm that always follows it. On CPU one
-        compiled pass (`kernels.attn_res_cpu`) that reads the candidates in place: a decode step's few tokens
-        in one call instead of ~25 small ops, a prefill's thousands without fp32 copies of every candidate."""
-        if candidates[0].device.type != "cpu":
-            return norm(self(candidates))
-        key, norm_weight = derived_arrays(
-            self, "key_and_norm", lambda: (self.norm.weight, self.query, norm.weight),
-            lambda gamma, query, weight: (gamma.float() * query.float(), weight),
-        )()
-        return attn_res_rmsnorm(candidates, torch.from_numpy(key), self.eps, torch.from_numpy(norm_weight), norm.eps)
-
-
-class VllmSiTUGLUMLP(SiTUGLUMLP):
-    """`SiTUGLUMLP` with gate and up projections as one matmul."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = fused(self, "gate_up", lambda: (self.gate_proj, self.up_proj))(x)
-        return self.down_proj(situ_glu(gate, up, self.beta, self.beta_linear))
 
 
 class TaperDecoderLayer(nn.Module):

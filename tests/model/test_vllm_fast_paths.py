@@ -43,7 +43,7 @@ def test_fused_linear_matches_separate_linears_and_follows_weight_changes() -> N
 
 @pytest.mark.parametrize("n_candidates,tokens", [(1, 3), (2, 1), (5, 8), (1, 130), (6, 200)])  # stacked / per candidate
 def test_attn_res_matches_hf(n_candidates: int, tokens: int) -> None:
-    from model.vllm_plugin.model import VllmBlockAttnRes
+    from model.vllm_plugin.per_token import VllmBlockAttnRes
 
     torch.manual_seed(n_candidates)
     hf = BlockAttnRes(32, eps=1e-6)
@@ -61,7 +61,7 @@ def test_attn_res_matches_hf(n_candidates: int, tokens: int) -> None:
 def test_attn_res_then_norm_matches_hf_and_follows_weight_pushes(
         dtype: torch.dtype, tol: float, n_candidates: int, tokens: int) -> None:
     from model.layers.norm import RMSNorm
-    from model.vllm_plugin.model import VllmBlockAttnRes
+    from model.vllm_plugin.per_token import VllmBlockAttnRes
 
     torch.manual_seed(n_candidates + tokens)
     hf, hf_norm = BlockAttnRes(32, eps=1e-6), RMSNorm(32, eps=1e-5)
@@ -82,7 +82,7 @@ def test_attn_res_then_norm_matches_hf_and_follows_weight_pushes(
 
 def test_dense_decode_moe_follows_a_weight_push() -> None:
     from model.layers.moe import StableLatentMoE
-    from model.vllm_plugin.layers import DENSE_EXPERTS_MAX_TOKENS, VllmStableLatentMoE
+    from model.vllm_plugin.per_token import DENSE_EXPERTS_MAX_TOKENS, VllmStableLatentMoE
 
     cfg = TaperConfig.preset("tiny")
     torch.manual_seed(3)
@@ -102,7 +102,7 @@ def test_dense_decode_moe_follows_a_weight_push() -> None:
 
 def test_inference_expert_selection_equals_the_routers() -> None:
     from model.layers.moe import Router
-    from model.vllm_plugin.layers import select_experts
+    from model.vllm_plugin.per_token import select_experts
 
     torch.manual_seed(6)
     router = Router(16, n_experts=12, top_k=3, routed_scaling_factor=2.5)
@@ -117,7 +117,7 @@ def test_inference_expert_selection_equals_the_routers() -> None:
 
 def test_fewer_op_forms_match_hf() -> None:
     from model.layers.situ_glu import SiTUGLUMLP
-    from model.vllm_plugin.model import VllmSiTUGLUMLP
+    from model.vllm_plugin.per_token import VllmSiTUGLUMLP
 
     torch.manual_seed(4)
     x = torch.randn(5, 3, 24) * 3

@@ -144,7 +144,7 @@ def test_registered_through_the_plugin_entry_point() -> None:
 @pytest.mark.parametrize("tokens", [1, 5, 100])  # gathered, dense (decode-sized), HF dispatch (grouped)
 def test_serving_moe_matches_hf_moe_with_frozen_bias(tokens: int) -> None:
     from model.layers.moe import StableLatentMoE
-    from model.vllm_plugin.layers import VllmStableLatentMoE
+    from model.vllm_plugin.per_token import VllmStableLatentMoE
 
     cfg = TaperConfig.preset("tiny")
     torch.manual_seed(0)
