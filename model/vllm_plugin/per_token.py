@@ -113,8 +113,9 @@ class VllmStableLatentMoE(StableLatentMoE):
                 y = self.experts(z, expert_ids, weights)
             latent = self.latent_norm(y).to(x.dtype)
         out = self.latent_up(latent)
-        if shared is not None:  # = shared(x)
-            out = out + shared.down_proj(situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear))
+        if shared is not None:  # + shared(x), its down projection accumulated into out (no separate add pass)
+            h = situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear)
+            out.addmm_(h, shared.down_proj.weight.t())
         return out
 
     def _input_linears(self, with_router: bool) -> tuple[torch.nn.Module, ...]:
