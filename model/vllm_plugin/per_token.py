@@ -87,7 +87,8 @@ def select_experts(router: Router, scores: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 class VllmStableLatentMoE(StableLatentMoE):
-    """Stable LatentMoE at inference: frozen balancing bias, no load statistics, fast small-batch experts."""
+    """Stable LatentMoE at inference: frozen balancing bias, no load statistics, fast small-batch experts, and
+    on CPU at prefill sizes the routing and the combine + latent norm as compiled passes."""
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         shared = self.shared_expert
