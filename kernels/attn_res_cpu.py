@@ -58,11 +58,9 @@ static inline float load_one(const void *p, int64_t j, int bf16) {
 }
 static inline float hsum(vf x) { float s = 0; for (int l = 0; l < VW; l++) s += x[l]; return s; }
 
-/* rows lo .. hi-1: cand[i] [T, d] (bf16 if in_bf16, else fp32, rows contiguous), out [T, d] (bf16 if
- * out_bf16, else fp32). mixed: d floats of scratch. */
-void attn_res_rmsnorm(const void *const *cand, int64_t n, int64_t d, int in_bf16, const float *restrict key,
-                      float eps, const float *restrict norm_w, float norm_eps, void *out, int out_bf16,
-                      int64_t lo, int64_t hi)
+/* rows lo .. hi-1: cand[i] [T, d] and out [T, d], all bf16 (bf16 set) or all fp32, rows contiguous */
+void attn_res_rmsnorm(const void *const *cand, int64_t n, int64_t d, int bf16, const float *restrict key,
+                      float eps, const float *restrict norm_w, float norm_eps, void *out, int64_t lo, int64_t hi)
 {
     float *mixed = malloc(d * sizeof(float));
     float *w = malloc(n * sizeof(float));
@@ -73,14 +71,14 @@ void attn_res_rmsnorm(const void *const *cand, int64_t n, int64_t d, int in_bf16
             const int64_t base = t * d;
             vf sq = {0}, dot = {0};
             for (int64_t j = 0; j < dv; j += VW) {
-                const vf x = load_vec(cand[i], base + j, in_bf16);
+                const vf x = load_vec(cand[i], base + j, bf16);
                 vf k; memcpy(&k, key + j, sizeof k);
                 sq += x * x;
                 dot += x * k;
             }
             float s2 = hsum(sq), dt = hsum(dot);
             for (int64_t j = dv; j < d; j++) {
-                const float x = load_one(cand[i], base + j, in_bf16);
+                const float x = load_one(cand[i], base + j, bf16);
                 s2 += x * x;
                 dt += x * key[j];
             }
@@ -97,18 +95,18 @@ void attn_res_rmsnorm(const void *const *cand, int64_t n, int64_t d, int in_bf16
             for (int64_t j = 0; j < dv; j += VW) {
                 vf m;
                 if (i == 0) m = (vf){0}; else memcpy(&m, mixed + j, sizeof m);
-                m += wi * load_vec(cand[i], base + j, in_bf16);
+                m += wi * load_vec(cand[i], base + j, bf16);
                 memcpy(mixed + j, &m, sizeof m);
             }
             for (int64_t j = dv; j < d; j++)
-                mixed[j] = (i == 0 ? 0.0f : mixed[j]) + wi * load_one(cand[i], base + j, in_bf16);
+                mixed[j] = (i == 0 ? 0.0f : mixed[j]) + wi * load_one(cand[i], base + j, bf16);
         }
         vf sq = {0};
         for (int64_t j = 0; j < dv; j += VW) { vf m; memcpy(&m, mixed + j, sizeof m); sq += m * m; }
         float s2 = hsum(sq);
         for (int64_t j = dv; j < d; j++) s2 += mixed[j] * mixed[j];
         const float r = 1.0f / sqrtf(s2 / d + norm_eps);
-        if (out_bf16) {
+        if (bf16) {
             uint16_t *o = (uint16_t *)out + t * d;
             for (int64_t j = 0; j < d; j++) o[j] = to_bf16(mixed[j] * r * norm_w[j]);
         } else {
@@ -126,7 +124,7 @@ void attn_res_rmsnorm(const void *const *cand, int64_t n, int64_t d, int in_bf16
 def _attn_res_rmsnorm_c() -> ctypes._CFuncPtr:
     fn = load_native("attn_res_rmsnorm", SOURCE).attn_res_rmsnorm
     ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
-    fn.argtypes = [ptr, i64, i64, i32, ptr, f32, ptr, f32, ptr, i32, i64, i64]
+    fn.argtypes = [ptr, i64, i64, i32, ptr, f32, ptr, f32, ptr, i64, i64]
     fn.restype = None
     return fn
 
@@ -155,8 +153,8 @@ def attn_res_rmsnorm(candidates: list[torch.Tensor], key: torch.Tensor, eps: flo
     fn = _attn_res_rmsnorm_c()
 
     def block(lo: int, hi: int) -> None:
-        fn(pointers, len(rows), d, bf16, key.data_ptr(), eps, norm_weight.data_ptr(), norm_eps, out.data_ptr(),
-           bf16, lo, hi)
+        fn(pointers, len(rows), d, bf16, key.data_ptr(), eps, norm_weight.data_ptr(), norm_eps, out.data_ptr(), lo,
+           hi)
 
     run_row_blocks(block, T, threads or threads_for(T * d * len(rows)))
     return out
