@@ -1,11 +1,11 @@
 """Taper's serving layers on the CPU without vLLM, one torch thread, thread-CPU ms (best of a few calls), in
 bf16 and fp32: the KDA token mixer as the engine runs it (`kda_forward_with_state`: a prefill of one T-token
 prompt, a decode step of 8 sequences), the served MoE layer and the served Block AttnRes + RMSNorm over 5
-candidates (`model.vllm_plugin.per_token`, which needs no vLLM) and the matmul shapes behind them, at the serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not
-installed, e.g. to see where a bf16/AMX CPU spends a layer's time. With `--threads N` (N > 1), N torch threads
-and wall ms instead. `--parts` times the KDA prefill's compiled parts inside the layer (conv + SiLU, gate,
-recurrence, output norm; wall ms, each wrapped by a timer) on 1, 2, 4, ... up to `--threads` threads.
-Prints a table and writes JSON.
+candidates (`model.vllm_plugin.per_token`, which needs no vLLM) and the matmul shapes behind them, at the
+serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not installed, e.g. to see
+where a bf16/AMX CPU spends a layer's time. With `--threads N` (N > 1), N torch threads and wall ms instead.
+`--parts` times the KDA prefill's compiled parts inside the layer (conv + SiLU, gate, recurrence, output norm;
+wall ms, each wrapped by a timer) on 1, 2, 4, ... up to `--threads` threads. Prints a table and writes JSON.
 
     python benchmarks/cpu_layers.py [--lengths 4096 16384] [--threads 1] [--profile] [--parts]
                                     [--out benchmarks/results/cpu_layers.json]
@@ -74,7 +74,8 @@ def run(lengths: list[int], profile: bool, threads: int = 1) -> dict[str, Any]:
             row(f"linear {M} x {K} -> {N}", partial(torch.nn.functional.linear, x, w), 20 if M < 64 else 3)
         kda = KimiDeltaAttention(cfg, 0).eval().to(dtype)
         moe = VllmStableLatentMoE(cfg).eval()
-        attn_res, norm = VllmBlockAttnRes(cfg.hidden_size, cfg.rms_norm_eps), RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        attn_res = VllmBlockAttnRes(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         with torch.no_grad():  # the expert weights are allocated, not initialised, outside a PreTrainedModel
             for p in [*moe.parameters(), *attn_res.parameters(), *norm.parameters()]:
                 p.normal_(0, 0.05)
