@@ -6,13 +6,12 @@ on CPU and over the up-projected keys/values elsewhere (NoPE). The layers that w
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,
@@ -22,6 +21,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from kernels.mla_decode_cpu import latent_decode_attention
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
@@ -216,22 +216,30 @@ class VllmGatedMLA(GatedMLA):
         meta = get_forward_context().attn_metadata
         meta = None if meta is None else meta.get(self.attn.layer_name)
         cache_c = c.to(self.cache_dtype)
-        if meta is not None and meta.max_query_len > 1:  # a step with prefill tokens
-            return self._latent_attention_mixed(q, c, cache_c, meta)
-        w_uk, w_uv = self._up_weights()
-        q_abs = absorbed_queries(q.view(T, H, self.qk_head_dim), w_uk).to(self.cache_dtype)
-        mixed = self.attn(q_abs, cache_c, cache_c).view(T, H, -1)  # [T, H*r]: one shared head of width r
-        return expanded_values(mixed.to(q.dtype), w_uv).reshape(T, -1)
-
-    def _latent_attention_mixed(self, q: torch.Tensor, c: torch.Tensor, cache_c: torch.Tensor, meta) -> torch.Tensor:
-        """A step with prefill tokens: the latents are cached first; the leading one-token requests (decodes)
-        attend as in `_latent_attention` (vLLM's kernel on that subset), every other request runs standard
-        attention over its up-projected cached latents (its own new ones included)."""
-        from vllm import _custom_ops as ops
-        from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
-
-        T, H = q.shape[0], self.num_heads
+        if meta is None:  # a dummy run (no cache yet): vLLM's kernel
+            w_uk, w_uv = self._up_weights()
+            q_abs = absorbed_queries(q.view(T, H, self.qk_head_dim), w_uk).to(self.cache_dtype)
+            mixed = self.attn(q_abs, cache_c, cache_c).view(T, H, -1)  # [T, H*r]: one shared head of width r
+            return expanded_values(mixed.to(q.dtype), w_uv).reshape(T, -1)
         unified_kv_cache_update(cache_c.unsqueeze(1), cache_c.unsqueeze(1), self.attn.layer_name)
+        if meta.max_query_len > 1:  # a step with prefill tokens
+            return self._latent_attention_mixed(q, c, meta)
+        return self._latent_decode(q, meta, T).reshape(T, -1)
+
+    def _latent_decode(self, q: torch.Tensor, meta, n: int) -> torch.Tensor:
+        """The first n requests, one token each (q [>= n, H*Dqk]), over their cached latents: absorbed
+        queries in `latent_decode_attention`, then the values' up-projection. Returns [n, H, Dv]."""
+        w_uk, w_uv = self._up_weights()
+        q_abs = absorbed_queries(q[:n].view(n, self.num_heads, self.qk_head_dim), w_uk)
+        mixed = latent_decode_attention(q_abs, self.attn.kv_cache, meta.block_table, meta.seq_lens[:n],
+                                        self.scale, packed=self.attn.isa == "amx")
+        return expanded_values(mixed.to(q.dtype), w_uv)
+
+    def _latent_attention_mixed(self, q: torch.Tensor, c: torch.Tensor, meta) -> torch.Tensor:
+        """A step with prefill tokens, its latents cached: the leading one-token requests (decodes) attend as
+        in `_latent_decode`, every other request runs standard attention over its up-projected cached
+        latents (its own new ones included)."""
+        T, H = q.shape[0], self.num_heads
         kv_cache = self.attn.kv_cache
         block = kv_cache.shape[2]
         starts = meta.query_start_loc.tolist()
@@ -241,24 +249,8 @@ class VllmGatedMLA(GatedMLA):
         while nd < n and starts[nd + 1] - starts[nd] == 1:
             nd += 1
         out = q.new_zeros(T, H, self.v_head_dim)
-        w_uk, w_uv = self._up_weights()
         if nd:
-            sub = dataclasses.replace(
-                meta, num_actual_tokens=nd, max_query_len=1, query_start_loc=meta.query_start_loc[: nd + 1],
-                max_seq_len=max(seq_lens[:nd]), seq_lens=meta.seq_lens[:nd], block_table=meta.block_table[:nd],
-                slot_mapping=meta.slot_mapping[:nd],
-            )
-            impl = self.attn.impl
-            sub.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=nd, num_heads=H, num_kv_heads=1, head_dim=c.shape[-1], seq_lens=sub.seq_lens,
-                dtype=self.cache_dtype, query_start_loc=sub.query_start_loc, causal=meta.causal,
-                sliding_window_size=-1, isa=self.attn.isa, enable_kv_split=False, dynamic_causal=None,
-                kv_cache_dtype=impl.kv_cache_dtype,
-            )
-            q_abs = absorbed_queries(q[:nd].view(nd, H, self.qk_head_dim), w_uk).to(self.cache_dtype)
-            mixed = torch.empty(nd, H, c.shape[-1], dtype=self.cache_dtype)
-            impl.forward(self.attn, q_abs, None, None, kv_cache, sub, output=mixed)
-            out[:nd] = expanded_values(mixed.to(q.dtype), w_uv)
+            out[:nd] = self._latent_decode(q, meta, nd)
         for i in range(nd, n):
             a, b, length = starts[i], starts[i + 1], seq_lens[i]
             if b - a == length:  # the whole sequence is new: its latents as computed (no cache rounding)
