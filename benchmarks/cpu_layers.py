@@ -1,7 +1,7 @@
 """Taper's serving layers on the CPU without vLLM, one torch thread, thread-CPU ms (best of a few calls), in
 bf16 and fp32: the KDA token mixer as the engine runs it (`kda_forward_with_state`: a prefill of one T-token
-prompt, a decode step of 8 sequences), the served MoE layer and the served Block AttnRes + RMSNorm over 5
-candidates (`model.vllm_plugin.per_token`, which needs no vLLM) and the matmul shapes behind them, at the
+prompt, a decode step of 8 sequences), the served MoE layer, the served Block AttnRes + RMSNorm over 5
+candidates, the MLA decode step's attention over 8 sequences' cached latents (`kernels.mla_decode_cpu`) (`model.vllm_plugin.per_token`, which needs no vLLM) and the matmul shapes behind them, at the
 serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not installed, e.g. to see
 where a bf16/AMX CPU spends a layer's time. With `--threads N` (N > 1), N torch threads and wall ms instead.
 `--parts` times the KDA prefill's compiled parts inside the layer (conv + SiLU, gate, recurrence, output norm;
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kda_cpu import cpu_seconds, wall_seconds  # noqa: E402
 from benchmarks.machine import describe, machine_info  # noqa: E402
+from kernels.mla_decode_cpu import latent_decode_attention  # noqa: E402
 from model.config import TaperConfig  # noqa: E402
 from model.layers.kda import KimiDeltaAttention  # noqa: E402
 from model.layers.norm import RMSNorm  # noqa: E402
@@ -54,6 +55,17 @@ def serving_config() -> TaperConfig:
 def prefill_batch(T: int) -> KDABatch:
     return KDABatch(num_decodes=0, query_start_loc=torch.tensor([0, T], dtype=torch.int32),
                     state_indices=torch.tensor([1], dtype=torch.int32), has_initial_state=torch.tensor([False]))
+
+
+def mla_decode(cfg: TaperConfig, T: int, dtype: torch.dtype, block: int = 128) -> Callable[[], Any]:
+    """One decode step's attention of an MLA layer over a latent cache (`latent_decode_attention`), each of
+    DECODE_SEQUENCES sequences T tokens long on its own pages."""
+    n, r, pages = DECODE_SEQUENCES, cfg.kv_lora_rank, -(-T // block)
+    cache = torch.randn(n * pages, 1, block, 2 * r, dtype=dtype)
+    table = torch.randperm(n * pages, dtype=torch.int32).view(n, pages)
+    q = torch.randn(n, cfg.num_attention_heads, r)
+    return partial(latent_decode_attention, q, cache, table, torch.full((n,), T, dtype=torch.int32),
+                   cfg.qk_head_dim**-0.5, False)
 
 
 def run(lengths: list[int], profile: bool, threads: int = 1) -> dict[str, Any]:
@@ -89,6 +101,7 @@ def run(lengths: list[int], profile: bool, threads: int = 1) -> dict[str, Any]:
                 row(f"MoE layer 1 x {T}", partial(moe, x), 2)
                 candidates = [torch.randn(T, cfg.hidden_size, dtype=dtype) for _ in range(5)]
                 row(f"AttnRes + norm 1 x {T}", partial(attn_res.mix_and_norm, candidates, norm), 3)
+                row(f"MLA decode attention {DECODE_SEQUENCES} x {T} latents", mla_decode(cfg, T, dtype), 5)
                 if profile and T == lengths[0]:
                     from torch.profiler import ProfilerActivity
                     from torch.profiler import profile as torch_profile
