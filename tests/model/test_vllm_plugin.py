@@ -177,6 +177,22 @@ def test_greedy_batch_matches_hf_generate_and_logprobs(engine, hf_model) -> None
     assert [list(o.outputs[0].token_ids) for o in again] == [list(o.outputs[0].token_ids) for o in outs]
 
 
+def test_greedy_decodes_through_vllms_kernel_match_hf_too(engine, hf_model, monkeypatch) -> None:
+    """MLA decodes over the latent cache in vLLM's kernel (the choice on AMX CPUs) instead of ours, in
+    decode-only steps and beside a chunked prefill."""
+    from model.vllm_plugin import layers
+
+    kinds: list[str] = []
+    monkeypatch.setattr(layers, "vllm_kernel_decodes_latents", lambda isa: kinds.append(isa) or True)
+    prompts = _prompts([1, 23, 150], seed=3)
+    for prompt, out in zip(prompts, _generate(engine, prompts, _greedy()), strict=True):
+        completion = out.outputs[0]
+        assert list(completion.token_ids) == _hf_greedy(hf_model, prompt, MAX_TOKENS)
+        ref = _hf_logprobs(hf_model, prompt, list(completion.token_ids))
+        torch.testing.assert_close(_engine_logprobs(completion), ref, rtol=0, atol=LOGPROB_TOL)
+    assert kinds, "the engine's decode steps did not reach the kernel choice"
+
+
 def test_long_and_short_prompts_with_n_samples(engine, hf_model) -> None:
     from vllm import SamplingParams
 
