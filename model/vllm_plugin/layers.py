@@ -244,7 +244,7 @@ class VllmGatedMLA(GatedMLA):
         w_uk, w_uv = self._up_weights()
         q_abs = absorbed_queries(q[:n].view(n, self.num_heads, self.qk_head_dim), w_uk)
         if vllm_kernel_decodes_latents(self.attn.isa):
-            mixed = self._vllm_latent_decode(q_abs.to(self.cache_dtype).contiguous(), meta, n)
+            mixed = self._vllm_latent_decode(q_abs.to(self.cache_dtype), meta, n)
         else:
             mixed = latent_decode_attention(q_abs, self.attn.kv_cache, meta.block_table, meta.seq_lens[:n],
                                             self.scale, packed=self.attn.isa == "amx")
@@ -252,8 +252,7 @@ class VllmGatedMLA(GatedMLA):
 
     def _vllm_latent_decode(self, q_abs: torch.Tensor, meta, n: int) -> torch.Tensor:
         """vLLM's CPU kernel for the first n requests (one token each), the latents as one shared head of
-        width r: q_abs [n, H, r] (contiguous: the kernel takes its rows as they lie) in the cache dtype
-        -> [n, H, r]."""
+        width r: q_abs [n, H, r] in the cache dtype -> [n, H, r]."""
         from vllm import _custom_ops as ops
 
         impl = self.attn.impl
@@ -270,7 +269,7 @@ class VllmGatedMLA(GatedMLA):
                 sliding_window_size=-1, isa=self.attn.isa, enable_kv_split=False, dynamic_causal=None,
                 kv_cache_dtype=impl.kv_cache_dtype,
             )
-        mixed = torch.empty_like(q_abs)
+        mixed = torch.empty(q_abs.shape, dtype=q_abs.dtype)  # contiguous: q_abs is a transposed view
         impl.forward(self.attn, q_abs, None, None, self.attn.kv_cache, meta, output=mixed)
         return mixed
 
