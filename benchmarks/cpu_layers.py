@@ -1,7 +1,8 @@
 """Taper's serving layers on the CPU without vLLM, one torch thread, thread-CPU ms (best of a few calls), in
 bf16 and fp32: the KDA token mixer as the engine runs it (`kda_forward_with_state`: a prefill of one T-token
-prompt, a decode step of 8 sequences), the served MoE layer, the served Block AttnRes + RMSNorm over 5
-candidates, the MLA decode step's attention over 8 sequences' cached latents (`kernels.mla_decode_cpu`) (`model.vllm_plugin.per_token`, which needs no vLLM) and the matmul shapes behind them, at the
+prompt, a decode step of 8 sequences), the served MoE layer and the served Block AttnRes + RMSNorm over 5
+candidates (`model.vllm_plugin.per_token`, which needs no vLLM), an MLA decode step's attention over 8
+sequences' cached latents (`kernels.mla_decode_cpu`) and the matmul shapes behind them, at the
 serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not installed, e.g. to see
 where a bf16/AMX CPU spends a layer's time. With `--threads N` (N > 1), N torch threads and wall ms instead.
 `--parts` times the KDA prefill's compiled parts inside the layer (conv + SiLU, gate, recurrence, output norm;
