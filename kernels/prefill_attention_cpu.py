@@ -82,16 +82,16 @@ static void tile_dp(int c, int a, int b)
 #define TILE_DP(c, a, b) tile_dp(c, a, b)
 #endif
 
-/* tiles (literal numbers: the AMX intrinsics paste them into register names): queries (B), keys (A), scores
-   S^T (C), probabilities P^T (B), values V^T (A), output O^T (C) */
+/* tiles (literal numbers: the AMX intrinsics paste them into register names): queries (B), keys and values
+   (A), scores S^T (C), probabilities P^T (B), the first 32 output channels O^T (C) */
 #define TQ 0
-#define TK0 1
-#define TK1 2
+#define TK 1
+#define TV 2
 #define TS0 3
 #define TS1 4
 #define TP 5
-#define TV 6
-#define TO 7
+#define TO0 6
+#define TO1 7
 
 int amx_built(void) { return AMX; }
 
@@ -160,6 +160,9 @@ static inline int any_greater(v16 a, v16 b)
 }
 #endif
 
+/* the output tiles held in registers, loaded from or stored to a block's O^T */
+#define HOLD_OUTPUT(op, O, nvb) do { op(TO0, (O), 64); if ((nvb) > 1) op(TO1, (O) + 256, 64); } while (0)
+
 /* S^T [KEYS keys][16 queries] of one query block (its B tiles at q, one per 32 channels, the first already in
    TQ when there is only one) against KEYS key rows at k (nds * 32 channels each), into dst */
 static inline void scores(const uint16_t *q, const uint16_t *k, int64_t nds, float *dst)
@@ -168,10 +171,10 @@ static inline void scores(const uint16_t *q, const uint16_t *k, int64_t nds, flo
     TILE_ZERO(TS1);
     for (int64_t d = 0; d < nds; d++) {
         if (nds > 1) TILE_LOAD(TQ, q + d * 512, 64);
-        TILE_LOAD(TK0, k + d * 32, nds * 64);
-        TILE_LOAD(TK1, k + 16 * nds * 32 + d * 32, nds * 64);
-        TILE_DP(TS0, TK0, TQ);
-        TILE_DP(TS1, TK1, TQ);
+        TILE_LOAD(TK, k + d * 32, nds * 64);
+        TILE_LOAD(TV, k + 16 * nds * 32 + d * 32, nds * 64);
+        TILE_DP(TS0, TK, TQ);
+        TILE_DP(TS1, TV, TQ);
     }
     TILE_STORE(TS0, dst, 64);
     TILE_STORE(TS1, dst + 256, 64);
@@ -217,40 +220,51 @@ void prefill_attention(const uint16_t *qp, const uint16_t *kp, const uint16_t *v
                 v16 m = ms[b - b0], l = ls[b - b0];
                 const i16 pos = (int32_t)p0 + lane;  /* positions < 2^31 */
                 if (nds == 1) TILE_LOAD(TQ, qh + b * 512, 64);
+                /* output channels 0-31 stay in tiles for the pass (the rest, if any, are read and written per step) */
+                HOLD_OUTPUT(TILE_LOAD, O, nvb);
                 /* the scores of the next step are computed (tiles) while this step's softmax runs (vectors) */
                 scores(qh + b * nds * 512, kh + s0 * dp, nds, sbuf[0]);
                 for (int64_t j0 = s0, cur = 0; j0 < end; j0 += KEYS, cur ^= 1) {
                     if (j0 + KEYS < end) scores(qh + b * nds * 512, kh + (j0 + KEYS) * dp, nds, sbuf[cur ^ 1]);
                     v16 *s = (v16 *)sbuf[cur], top = neg_inf;
-                    const int diagonal = j0 + KEYS - 1 > p0;  /* some key lies after some query */
-                    for (int r = 0; r < KEYS; r++) {
-                        v16 x = s[r] * c;
-                        if (diagonal) {
+                    if (j0 + KEYS - 1 > p0) {  /* some key lies after some query: those scores -> -inf */
+                        for (int r = 0; r < KEYS; r++) {
                             const i16 seen = (int32_t)(j0 + r) <= pos;
-                            x = (v16)(((i16)x & seen) | ((i16)neg_inf & ~seen));
+                            s[r] = (v16)(((i16)s[r] & seen) | ((i16)neg_inf & ~seen));
                         }
-                        s[r] = x;
-                        top = vmax(top, x);
                     }
+                    for (int r = 0; r < KEYS; r++) top = vmax(top, s[r]);
+                    top *= c;
                     if (any_greater(top, m + LAZY)) {
                         const v16 raised = vmax(m, top), alpha = vexp2(m - raised);
+                        HOLD_OUTPUT(TILE_STORE, O, nvb);
                         for (int64_t r = 0; r < nvb * 16; r++) ((v16 *)O)[r] *= alpha;
+                        HOLD_OUTPUT(TILE_LOAD, O, nvb);
                         l *= alpha;
                         m = raised;
                     }
+                    const v16 shift = -m;
                     for (int r = 0; r < KEYS; r += 2) {
-                        const v16 pa = vexp2(s[r] - m), pb = vexp2(s[r + 1] - m);
+                        const v16 pa = vexp2(s[r] * c + shift), pb = vexp2(s[r + 1] * c + shift);
                         l += pa + pb;
                         pbuf[r / 2] = bf16_pairs(pa, pb);  /* keys r, r+1 interleaved */
                     }
+                    const uint16_t *v = vh + (j0 / KEYS) * nvb * 16 * KEYS;
                     TILE_LOAD(TP, pbuf, 64);
-                    for (int64_t n = 0; n < nvb; n++) {
-                        TILE_LOAD(TO, O + n * 256, 64);
-                        TILE_LOAD(TV, vh + ((j0 / KEYS) * nvb + n) * 16 * KEYS, KEYS * 2);
-                        TILE_DP(TO, TV, TP);
-                        TILE_STORE(TO, O + n * 256, 64);
+                    TILE_LOAD(TV, v, KEYS * 2);
+                    TILE_DP(TO0, TV, TP);
+                    if (nvb > 1) {
+                        TILE_LOAD(TK, v + 16 * KEYS, KEYS * 2);
+                        TILE_DP(TO1, TK, TP);
+                    }
+                    for (int64_t n = 2; n < nvb; n++) {  /* channels past 32 through memory, TS0 as their C tile */
+                        TILE_LOAD(TS0, O + n * 256, 64);
+                        TILE_LOAD(TV, v + n * 16 * KEYS, KEYS * 2);
+                        TILE_DP(TS0, TV, TP);
+                        TILE_STORE(TS0, O + n * 256, 64);
                     }
                 }
+                HOLD_OUTPUT(TILE_STORE, O, nvb);
                 ms[b - b0] = m;
                 ls[b - b0] = l;
             }

@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kernels.mla_decode_cpu import latent_decode_attention
+from kernels.prefill_attention_cpu import amx_available, prefill_attention
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
@@ -162,6 +163,14 @@ def vllm_kernel_decodes_latents(isa: str) -> bool:
     return isa == "amx"
 
 
+def tiles_attend_prefills(isa: str) -> bool:
+    """Whether MLA prefill attention runs in `prefill_attention` (AMX tiles) rather than torch's CPU flash
+    kernel (`chunk_attention`): where vLLM chose its AMX kernel for the layer (a bf16 cache on an AMX CPU) and
+    our kernel's build has AMX. A 4K chunk at 16K tokens, 8 heads of 32, one Xeon core: 249-308 against
+    482-516 ms (benchmarks/NOTES.md)."""
+    return isa == "amx" and amx_available()
+
+
 def latent_cache_supported(config: TaperConfig, vllm_config: VllmConfig) -> bool:
     """Whether MLA layers cache the latent (vLLM's CPU attention backend, a latent width it supports)."""
     if not current_platform.is_cpu() or vllm_config.cache_config.cache_dtype != "auto":
@@ -287,6 +296,7 @@ class VllmGatedMLA(GatedMLA):
         while nd < n and starts[nd + 1] - starts[nd] == 1:
             nd += 1
         out = q.new_zeros(T, H, self.v_head_dim)
+        attend = prefill_attention if tiles_attend_prefills(self.attn.isa) else chunk_attention
         if nd:
             out[:nd] = self._latent_decode(q, meta, nd)
         for i in range(nd, n):
@@ -299,5 +309,5 @@ class VllmGatedMLA(GatedMLA):
             kv = self.kv_b_proj(latents).view(length, H, self.qk_head_dim + self.v_head_dim)
             k, v = kv.transpose(0, 1).split([self.qk_head_dim, self.v_head_dim], dim=-1)
             qi = q[a:b].view(b - a, H, self.qk_head_dim).transpose(0, 1)
-            out[a:b] = chunk_attention(qi, k, v, self.scale)
+            out[a:b] = attend(qi, k, v, self.scale)
         return out.reshape(T, -1)
