@@ -2,7 +2,9 @@
 bf16 and fp32: the KDA token mixer as the engine runs it (`kda_forward_with_state`: a prefill of one T-token
 prompt, a decode step of 8 sequences), the served MoE layer and the served Block AttnRes + RMSNorm over 5
 candidates (`model.vllm_plugin.per_token`, which needs no vLLM), an MLA decode step's attention over 8
-sequences' cached latents (`kernels.mla_decode_cpu`) and the matmul shapes behind them, at the
+sequences' cached latents (`kernels.mla_decode_cpu`), an MLA prefill's attention for the last 4K-token chunk of
+a prompt (`kernels.prefill_attention_cpu`: torch's flash kernel, and the AMX tile kernel in bf16 on CPUs with
+AMX) and the matmul shapes behind them, at the
 serving benchmark's sizes (`benchmarks/serving.py`). For machines where vLLM is not installed, e.g. to see
 where a bf16/AMX CPU spends a layer's time. With `--threads N` (N > 1), N torch threads and wall ms instead.
 `--parts` times the KDA prefill's compiled parts inside the layer (conv + SiLU, gate, recurrence, output norm;
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kda_cpu import cpu_seconds, wall_seconds  # noqa: E402
 from benchmarks.machine import describe, machine_info  # noqa: E402
 from kernels.mla_decode_cpu import latent_decode_attention  # noqa: E402
+from kernels.prefill_attention_cpu import amx_available, chunk_attention, prefill_attention  # noqa: E402
 from model.config import TaperConfig  # noqa: E402
 from model.layers.kda import KimiDeltaAttention  # noqa: E402
 from model.layers.norm import RMSNorm  # noqa: E402
@@ -41,6 +44,7 @@ from model.vllm_plugin.kda_ops import (  # noqa: E402
 from model.vllm_plugin.per_token import VllmBlockAttnRes, VllmStableLatentMoE  # noqa: E402
 
 DECODE_SEQUENCES = 8
+PREFILL_CHUNK = 4096  # the engine's long prompts are prefilled in chunks: the last one attends over the most
 
 
 def serving_config() -> TaperConfig:
@@ -103,6 +107,12 @@ def run(lengths: list[int], profile: bool, threads: int = 1) -> dict[str, Any]:
                 candidates = [torch.randn(T, cfg.hidden_size, dtype=dtype) for _ in range(5)]
                 row(f"AttnRes + norm 1 x {T}", partial(attn_res.mix_and_norm, candidates, norm), 3)
                 row(f"MLA decode attention {DECODE_SEQUENCES} x {T} latents", mla_decode(cfg, T, dtype), 5)
+                chunk = min(T, PREFILL_CHUNK)
+                q, k, v = (torch.randn(cfg.num_attention_heads, n, cfg.qk_head_dim, dtype=dtype) for n in (chunk, T, T))
+                scale = cfg.qk_head_dim**-0.5
+                row(f"MLA prefill attention {chunk} of {T}, torch flash", partial(chunk_attention, q, k, v, scale), 2)
+                if dtype == torch.bfloat16 and amx_available():
+                    row(f"MLA prefill attention {chunk} of {T}, AMX tiles", partial(prefill_attention, q, k, v, scale), 2)
                 if profile and T == lengths[0]:
                     from torch.profiler import ProfilerActivity
                     from torch.profiler import profile as torch_profile
@@ -187,9 +197,10 @@ def print_table(result: dict[str, Any]) -> None:
     by_case: dict[str, dict[str, float]] = {}
     for r in result["rows"]:
         by_case.setdefault(r["case"], {})[r["dtype"]] = r["ms"]
-    print(f"{'case':<36} {'bf16 ms':>10} {'fp32 ms':>10}")
+    width = max(len(case) for case in by_case)
+    print(f"{'case':<{width}} {'bf16 ms':>10} {'fp32 ms':>10}")
     for case, ms in by_case.items():
-        print(f"{case:<36} {ms.get('bfloat16', float('nan')):>10.3f} {ms.get('float32', float('nan')):>10.3f}")
+        print(f"{case:<{width}} {ms.get('bfloat16', float('nan')):>10.3f} {ms.get('float32', float('nan')):>10.3f}")
     for title, table in result["profiles"].items():
         print(f"\n{title}\n{table}")
     for r in result.get("parts", []):

@@ -1,15 +1,20 @@
-"""Causal attention of a prompt chunk on CPU with AMX tiles (C, built by `kernels.native`): the prefill half of
-MLA's attention, queries and keys/values up-projected per head.
+"""Causal attention of a prompt chunk on CPU, the prefill half of MLA's attention (queries and keys/values
+up-projected per head), in one of two kernels:
 
     out_i = sum_{j <= past + i} softmax_j(scale * q_i . k_j) v_j      q [H, Tq, D], k [H, Tk, D], v [H, Tk, Dv]
 
-The query chunk is the last Tq of the Tk tokens (past = Tk - Tq). Flash attention in one pass, transposed so
-that queries lie on a vector's lanes: each 16-query block computes S^T = K Q^T and O^T = V^T P^T with bf16 tile
-products (fp32 sums), so the online softmax's running max and sum are per-lane vectors and need no horizontal
-reductions. Scores stay in L1 between the two products, the max is raised lazily (a block rescales the output
-only when a lane's max grows by more than 2^8), and the keys are taken in L2-sized passes over 1,024 queries
-at a time. torch's CPU flash kernel and vLLM's AMX kernel spend most of their time in the softmax between two
-library matmuls at these head sizes (32): ~500 ms for a 4K chunk at 16K tokens, 8 heads, one Xeon core.
+The query chunk is the last Tq of the Tk tokens (past = Tk - Tq).
+
+- `chunk_attention`: torch's CPU flash-attention kernel, any CPU and dtype.
+- `prefill_attention`: our own, for bf16 on CPUs with AMX (C, built by `kernels.native`). Flash attention in one
+  pass, transposed so that queries lie on a vector's lanes: each 16-query block computes S^T = K Q^T and
+  O^T = V^T P^T with bf16 tile products (fp32 sums), so the online softmax's running max and sum are per-lane
+  vectors and need no horizontal reductions. The scores of the next 32 keys are computed in tiles while the
+  vectors run this step's softmax; the first 32 output channels stay in tiles; the max is raised lazily (a
+  block rescales its output only when a lane's max grows by more than 2^8); the keys are taken in L2-sized
+  passes over 1,024 queries at a time. At head size 32 torch's kernel and vLLM's AMX kernel spend most of their
+  time in the softmax between two library matmuls: a 4K chunk at 16K tokens, 8 heads, took 448-483 ms in
+  torch's and 168-181 ms in ours on one Xeon core (benchmarks/NOTES.md).
 
 The tile products are AMX instructions where the compiler targets a CPU with AMX (`-march=native`), and a C
 emulation of the same products elsewhere: the emulation is slow and serves only to test the kernel's blocking,
@@ -23,6 +28,7 @@ import ctypes
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu_threads import run_row_blocks, threads_for
 from kernels.native import load as load_native
@@ -300,6 +306,27 @@ void prefill_attention(const uint16_t *qp, const uint16_t *kp, const uint16_t *v
     free(state);
 }
 """
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt chunk over its sequence: q [H, Tq, D], k/v [H, Tk, D] with the chunk's
+    own tokens last (Tk >= Tq). Returns [Tq, H, Dv].
+
+    Two calls of torch's CPU flash-attention kernel merged by their log-sum-exps: the earlier tokens
+    without a mask, the chunk's own tokens with the kernel's causal mask. One call with an explicit mask
+    computes every block of the masked-out half too (1.8x the time for a 4K chunk at 16K in bf16)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    past = k.shape[1] - q.shape[1]
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dqk != dv:  # the kernel wants one head size: zero channels change neither scores nor outputs
+        q, k = F.pad(q, (0, max(dv - dqk, 0))), F.pad(k, (0, max(dv - dqk, 0)))
+        v = F.pad(v, (0, max(dqk - dv, 0)))
+    new, lse_new = flash(q[None], k[None, :, past:], v[None, :, past:], 0.0, True, scale=scale)[:2]
+    if past:
+        old, lse_old = flash(q[None], k[None, :, :past], v[None, :, :past], 0.0, False, scale=scale)[:2]
+        w_old = torch.sigmoid(lse_old - lse_new).unsqueeze(-1)  # e^lse_old / (e^lse_old + e^lse_new)
+        new = torch.lerp(new.float(), old.float(), w_old).to(q.dtype)
+    return new[0, ..., :dv].transpose(0, 1)
 
 
 @functools.cache

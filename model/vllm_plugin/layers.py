@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
@@ -24,7 +23,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kernels.mla_decode_cpu import latent_decode_attention
-from kernels.prefill_attention_cpu import amx_available, prefill_attention
+from kernels.prefill_attention_cpu import amx_available, chunk_attention, prefill_attention
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
@@ -118,27 +117,6 @@ def expanded_values(mixed: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return torch.bmm(mixed.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of a prompt chunk over its sequence: q [H, Tq, D], k/v [H, Tk, D] with the chunk's
-    own tokens last (Tk >= Tq). Returns [Tq, H, Dv].
-
-    Two calls of torch's CPU flash-attention kernel merged by their log-sum-exps: the earlier tokens
-    without a mask, the chunk's own tokens with the kernel's causal mask. One call with an explicit mask
-    computes every block of the masked-out half too (1.8x the time for a 4K chunk at 16K in bf16)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    past = k.shape[1] - q.shape[1]
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if dqk != dv:  # the kernel wants one head size: zero channels change neither scores nor outputs
-        q, k = F.pad(q, (0, max(dv - dqk, 0))), F.pad(k, (0, max(dv - dqk, 0)))
-        v = F.pad(v, (0, max(dqk - dv, 0)))
-    new, lse_new = flash(q[None], k[None, :, past:], v[None, :, past:], 0.0, True, scale=scale)[:2]
-    if past:
-        old, lse_old = flash(q[None], k[None, :, :past], v[None, :, :past], 0.0, False, scale=scale)[:2]
-        w_old = torch.sigmoid(lse_old - lse_new).unsqueeze(-1)  # e^lse_old / (e^lse_old + e^lse_new)
-        new = torch.lerp(new.float(), old.float(), w_old).to(q.dtype)
-    return new[0, ..., :dv].transpose(0, 1)
-
-
 def cached_latents(kv_cache: torch.Tensor, pages: torch.Tensor, length: int, isa: str) -> torch.Tensor:
     """The first `length` latents of a request from a latent-cache layer's pages: kv_cache
     [blocks, 1, block, 2r] as vLLM's CPU backend holds it (per page: keys, packed for its kernel, then
@@ -166,8 +144,8 @@ def vllm_kernel_decodes_latents(isa: str) -> bool:
 def tiles_attend_prefills(isa: str) -> bool:
     """Whether MLA prefill attention runs in `prefill_attention` (AMX tiles) rather than torch's CPU flash
     kernel (`chunk_attention`): where vLLM chose its AMX kernel for the layer (a bf16 cache on an AMX CPU) and
-    our kernel's build has AMX. A 4K chunk at 16K tokens, 8 heads of 32, one Xeon core: 249-308 against
-    482-516 ms (benchmarks/NOTES.md)."""
+    our kernel's build has AMX. A 4K chunk at 16K tokens, 8 heads of 32, one Xeon core: 168-181 against
+    448-483 ms (benchmarks/NOTES.md)."""
     return isa == "amx" and amx_available()
 
 

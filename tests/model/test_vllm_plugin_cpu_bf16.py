@@ -81,7 +81,7 @@ def test_setting_is_validated_by_name() -> None:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("new,total,dqk,dv", [(9, 9, 32, 32), (5, 40, 32, 16), (64, 300, 16, 32), (130, 700, 32, 32)])
 def test_chunk_attention_matches_masked_sdpa(dtype, tol, new, total, dqk, dv) -> None:
-    from model.vllm_plugin.layers import chunk_attention
+    from kernels.prefill_attention_cpu import chunk_attention
 
     gen = torch.Generator().manual_seed(new)
     q = torch.randn(3, new, dqk, generator=gen).to(dtype)
