@@ -141,12 +141,12 @@ def vllm_kernel_decodes_latents(isa: str) -> bool:
     return isa == "amx"
 
 
-def tiles_attend_prefills(isa: str) -> bool:
+def tiles_attend_prefills(isa: str, dtype: torch.dtype) -> bool:
     """Whether MLA prefill attention runs in `prefill_attention` (AMX tiles) rather than torch's CPU flash
-    kernel (`chunk_attention`): where vLLM chose its AMX kernel for the layer (a bf16 cache on an AMX CPU) and
-    our kernel's build has AMX. A 4K chunk at 16K tokens, 8 heads of 32, one Xeon core: 168-181 against
+    kernel (`chunk_attention`): where vLLM chose its AMX kernel for the layer (a bf16 cache on an AMX CPU), the
+    layer computes in bf16 (`dtype`; fp32 compute can be asked for) and our kernel's build has AMX. A 4K chunk at 16K tokens, 8 heads of 32, one Xeon core: 168-181 against
     448-483 ms (benchmarks/NOTES.md)."""
-    return isa == "amx" and amx_available()
+    return isa == "amx" and dtype == torch.bfloat16 and amx_available()
 
 
 def latent_cache_supported(config: TaperConfig, vllm_config: VllmConfig) -> bool:
@@ -274,7 +274,7 @@ class VllmGatedMLA(GatedMLA):
         while nd < n and starts[nd + 1] - starts[nd] == 1:
             nd += 1
         out = q.new_zeros(T, H, self.v_head_dim)
-        attend = prefill_attention if tiles_attend_prefills(self.attn.isa) else chunk_attention
+        attend = prefill_attention if tiles_attend_prefills(self.attn.isa, q.dtype) else chunk_attention
         if nd:
             out[:nd] = self._latent_decode(q, meta, nd)
         for i in range(nd, n):

@@ -95,6 +95,15 @@ def test_chunk_attention_matches_masked_sdpa(dtype, tol, new, total, dqk, dv) ->
     assert float((out.double() - ref).norm() / ref.norm()) < tol
 
 
+def test_tiles_attend_prefills_only_for_bf16_layers_served_by_vllms_amx_kernel() -> None:
+    from kernels.prefill_attention_cpu import amx_available
+    from model.vllm_plugin.layers import tiles_attend_prefills
+
+    assert tiles_attend_prefills("amx", torch.bfloat16) == amx_available()
+    assert not tiles_attend_prefills("amx", torch.float32)  # fp32 compute asked for on an AMX CPU
+    assert not tiles_attend_prefills("vec", torch.bfloat16)
+
+
 # ---- a real engine in bf16 against fp32 ---------------------------------------------------------------------
 
 STEPS = 200
@@ -172,7 +181,7 @@ def test_bf16_engine_tracks_fp32_engine_over_hundreds_of_greedy_steps(
 
     tiles_calls: list[str] = []
     if prefill == "tiles":
-        monkeypatch.setattr(layers, "tiles_attend_prefills", lambda isa: tiles_calls.append(isa) or True)
+        monkeypatch.setattr(layers, "tiles_attend_prefills", lambda isa, dtype: tiles_calls.append(isa) or True)
     dtype16, outs = _run_engine(model_dir, "bfloat16", [(p, greedy) for p in prompts])
     monkeypatch.undo()  # the fp32 engine as it serves by default
     assert bool(tiles_calls) == (prefill == "tiles"), "the prefill steps did not reach the kernel choice"
