@@ -158,16 +158,17 @@ def _top2_gap(logprobs: dict) -> float:
 
 
 @pytest.mark.usefixtures("vllm_env")
-@pytest.mark.parametrize("prefill", ["torch_flash", "tiles"])
 def test_bf16_engine_tracks_fp32_engine_over_hundreds_of_greedy_steps(
-    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, prefill: str,
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The bf16 engine generates 200 greedy tokens per prompt (prefill, chunked prefill and decode paths);
-    the fp32 engine on the same weights scores those sequences. The bf16 engine's MLA prefill attention runs
-    in torch's flash kernel, or in the tile kernel (AMX CPUs' choice; emulated tiles elsewhere). Per step, the two logprobs of the chosen
-    token agree within bf16 rounding, and the bf16 choice is the fp32 argmax wherever fp32 was decided
-    (top-2 gap at least NEAR_TIE). Robust statistics, not the maximum: in bf16 a near-tied expert choice
-    of a random router occasionally flips, and then that step's logits move by up to ~1 (seen once in 600)."""
+    the fp32 engine on the same weights scores those sequences. The bf16 engine's MLA prefill attention
+    alternates call by call between the tile kernel (AMX CPUs' choice; emulated tiles elsewhere) and torch's
+    flash kernel: the first MLA layer's in tiles, the second's in torch's kernel. Per step, the two logprobs of
+    the chosen token agree within bf16 rounding, and the bf16 choice is the fp32 argmax wherever fp32 was
+    decided (top-2 gap at least NEAR_TIE). Robust statistics, not the maximum: in bf16 a near-tied expert
+    choice of a random router occasionally flips, and then that step's logits move by up to ~1 (seen once in
+    600)."""
     from vllm import SamplingParams
 
     near_tie, median_tol, p90_tol, min_agreement = 0.15, 0.02, 0.1, 0.95
@@ -179,12 +180,16 @@ def test_bf16_engine_tracks_fp32_engine_over_hundreds_of_greedy_steps(
     monkeypatch.setenv(ENV_VAR, "bfloat16")  # bf16 compute whatever this CPU's flags say
     from model.vllm_plugin import layers
 
-    tiles_calls: list[str] = []
-    if prefill == "tiles":
-        monkeypatch.setattr(layers, "tiles_attend_prefills", lambda isa, dtype: tiles_calls.append(isa) or True)
+    tiles: list[bool] = []
+
+    def alternate(isa: str, dtype: torch.dtype) -> bool:
+        tiles.append(len(tiles) % 2 == 0)
+        return tiles[-1]
+
+    monkeypatch.setattr(layers, "tiles_attend_prefills", alternate)
     dtype16, outs = _run_engine(model_dir, "bfloat16", [(p, greedy) for p in prompts])
     monkeypatch.undo()  # the fp32 engine as it serves by default
-    assert bool(tiles_calls) == (prefill == "tiles"), "the prefill steps did not reach the kernel choice"
+    assert True in tiles and False in tiles, "the prefill steps did not reach the kernel choice"
     generated = [o.outputs[0] for o in outs]
     scoring = [(p + list(g.token_ids), score) for p, g in zip(prompts, generated, strict=True)]
     dtype32, scored = _run_engine(model_dir, "float32", scoring)
