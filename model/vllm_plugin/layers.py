@@ -144,8 +144,8 @@ def vllm_kernel_decodes_latents(isa: str) -> bool:
 def tiles_attend_prefills(isa: str, dtype: torch.dtype) -> bool:
     """Whether MLA prefill attention runs in `prefill_attention` (AMX tiles) rather than torch's CPU flash
     kernel (`chunk_attention`): where vLLM chose its AMX kernel for the layer (a bf16 cache on an AMX CPU), the
-    layer computes in bf16 (`dtype`; fp32 compute can be asked for) and our kernel's build has AMX. A 4K chunk at 16K tokens, 8 heads of 32, one Xeon core: 168-181 against
-    448-483 ms (benchmarks/NOTES.md)."""
+    layer computes in bf16 (`dtype`; fp32 compute can be asked for) and our kernel's build has AMX. A 4K chunk
+    at 16K tokens, 8 heads of 32, one Xeon core: 168-181 against 448-483 ms (benchmarks/NOTES.md)."""
     return isa == "amx" and dtype == torch.bfloat16 and amx_available()
 
 
