@@ -336,14 +336,15 @@ def _library() -> tuple[ctypes.CDLL, bool]:
     lib.prefill_attention.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, i64, i64]
     lib.prefill_attention.restype = None
     lib.amx_built.restype = lib.amx_ready.restype = ctypes.c_int
-    if lib.amx_built() and not lib.amx_ready():
-        raise RuntimeError("this CPU has AMX but the kernel refused this process the tile state")
     return lib, bool(lib.amx_built())
 
 
+@functools.cache
 def amx_available() -> bool:
-    """Whether this CPU's build of the kernel runs its tile products on AMX (else in the slow C emulation)."""
-    return _library()[1]
+    """Whether this CPU's build of the kernel runs its tile products on AMX (else in the slow C emulation) and
+    the OS lets this process use the tiles (a sandbox may refuse the request)."""
+    lib, built = _library()
+    return built and bool(lib.amx_ready())
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -373,7 +374,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     vp = vp.view(H, nk // KEYS, KEYS, nvb, 16).permute(0, 1, 3, 4, 2).contiguous()
     out = torch.empty(tq, H, dv, dtype=torch.bfloat16)
     items = H * -(-nqb // BLOCKS_PER_ITEM)
-    fn = _library()[0].prefill_attention
+    lib, built = _library()
+    if built and not amx_available():  # the tile instructions would fault
+        raise RuntimeError("this CPU's build of the kernel uses AMX tiles, but the OS refused this process the "
+                           "tile state: use chunk_attention")
+    fn = lib.prefill_attention
 
     def run(lo: int, hi: int) -> None:
         fn(qp.data_ptr(), kp.data_ptr(), vp.data_ptr(), H, tq, tk, nds, nvb, dv, scale, out.data_ptr(), lo, hi)
