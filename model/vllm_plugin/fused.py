@@ -1,5 +1,6 @@
 """Weights derived for serving: concatenated projections (several `nn.Linear`s that read the same input run
-as one matmul: a decode step is made of many tiny ops, each costing more in dispatch than in arithmetic) and
+as one matmul: a decode step is made of many tiny ops, each costing more in dispatch than in arithmetic),
+matmuls prepared for the engine's GEMM kernels (`set_prepared_matmuls`: on CPU, vLLM's packed-weight kernels) and
 fp32 arrays for the compiled CPU loops.
 
 The parameters stay the HF model's (names, loading, weight sync untouched); each derived weight is a cache
@@ -16,13 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+PrepareMatmul = Callable[[torch.Tensor], "Callable[[torch.Tensor], torch.Tensor] | None"]
+"""Turns a weight W [out, in] into a function x [T, in] -> x W^T [T, out] in x's dtype (e.g. with W packed for
+the CPU's GEMM kernels), or None where it has no faster form for W."""
+
 
 class FusedLinear:
     """y = x @ cat(W_1, ..., W_n)^T split back into outputs: one per linear, or per group of adjacent
     linears when `groups` gives the group sizes (e.g. (3, 1) returns (x W_1|x W_2|x W_3, x W_4)).
     Not an nn.Module: it owns no parameters and is never saved."""
 
-    def __init__(self, *linears: nn.Module, groups: tuple[int, ...] | None = None) -> None:
+    def __init__(self, *linears: nn.Module, groups: tuple[int, ...] | None = None,
+                 prepare: PrepareMatmul | None = None) -> None:
         if any(getattr(lin, "bias", None) is not None for lin in linears):
             raise ValueError("FusedLinear fuses bias-free projections only")
         groups = groups or (1,) * len(linears)
@@ -33,8 +39,10 @@ class FusedLinear:
         for count in groups:
             self.sizes.append(sum(lin.weight.shape[0] for lin in linears[start:start + count]))
             start += count
+        self.prepare = prepare
         self._stamp: tuple | None = None
         self._weight: torch.Tensor | None = None
+        self._matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def weight(self) -> torch.Tensor | None:
         """The concatenated weight, rebuilt if a source changed; None for inference-mode weights (they
@@ -46,7 +54,8 @@ class FusedLinear:
             return None
         if stamp != self._stamp:
             with torch.no_grad():
-                self._weight = torch.cat([w.detach() for w in weights])
+                self._weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
+                self._matmul = None if self.prepare is None else self.prepare(self._weight)
             self._stamp = stamp
         return self._weight
 
@@ -54,9 +63,11 @@ class FusedLinear:
         weight = self.weight()
         if weight is None:
             y = torch.cat([F.linear(x, lin.weight.to(x.dtype)) for lin in self.linears], dim=-1)
+        elif self._matmul is not None and x.dtype == weight.dtype and x.dim() == 2:
+            y = self._matmul(x.contiguous())
         else:
             y = F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
-        return y.split(self.sizes, dim=-1)
+        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
 
 
 def _stamp(tensors: list[torch.Tensor]) -> tuple | None:
@@ -110,8 +121,22 @@ def fused(
     groups: tuple[int, ...] | None = None,
 ) -> FusedLinear:
     """The FusedLinear `name` of `module`, over the modules `linears()` returns, created on first use and
-    kept on the module."""
-    return _cached(module, name, lambda: FusedLinear(*linears(), groups=groups))
+    kept on the module; its matmul prepared as `set_prepared_matmuls` said for `module`."""
+    return _cached(module, name, lambda: FusedLinear(*linears(), groups=groups,
+                                                     prepare=module.__dict__.get("_serving_prepare")))
+
+
+def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """lin(x) for a bias-free linear, through its prepared matmul where there is one."""
+    return fused(lin, "self", lambda: (lin,))(x)[0]
+
+
+def set_prepared_matmuls(model: nn.Module, prepare: PrepareMatmul | None) -> None:
+    """Run the projections of every module under `model` (`fused`, `linear`) through matmuls `prepare` makes
+    from their weights (None: F.linear), rebuilt with the weights."""
+    for module in model.modules():
+        module.__dict__["_serving_prepare"] = prepare
+    drop_fused(model)
 
 
 def drop_fused(model: nn.Module) -> None:

@@ -28,7 +28,7 @@ from kernels.kda.recurrent_cpu import (
     slots_contiguous,
 )
 from model.layers.kda import KimiDeltaAttention
-from model.vllm_plugin.fused import FusedLinear, derived_arrays, fused
+from model.vllm_plugin.fused import FusedLinear, derived_arrays, fused, linear
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def kda_forward_with_state(
         return x.new_zeros(x.shape)
     xs = x[:T]
     qkv, f_low, beta, gate_low = _input_projection(layer)(xs)
-    f = layer.f_b_proj(f_low).unflatten(-1, (layer.num_v_heads, layer.head_dim))  # = layer.gate_input(xs)
+    f = linear(layer.f_b_proj, f_low).unflatten(-1, (layer.num_v_heads, layer.head_dim))  # = layer.gate_input(xs)
     nd = batch.num_decodes
     if nd == batch.num_requests:  # decode-only step
         o = _decode(layer, qkv, f, beta, conv_state, recurrent_state, batch.state_indices)
@@ -235,13 +235,13 @@ def kda_forward_with_state(
         o[t0:] = _prefill(layer, qkv[t0:], f[t0:], beta[t0:], conv_state, recurrent_state, qsl,
                           batch.state_indices[nd:], has_init)
     # = layer.output(o, xs), with W_ga x from the fused projection
-    gate = layer.g_b_proj(gate_low)
+    gate = linear(layer.g_b_proj, gate_low)
     if o.device.type == "cpu" and o.dtype == torch.float32:
         (norm_weight,) = derived_arrays(layer, "o_norm", lambda: (layer.o_norm.weight,), lambda *params: params)()
         normed = gated_rms_norm_cpu(o, gate, norm_weight, layer.o_norm.eps)
     else:
         normed = layer.o_norm(o, gate.unflatten(-1, (layer.num_v_heads, layer.v_head_dim))).flatten(-2)
-    out = layer.o_proj(normed)
+    out = linear(layer.o_proj, normed)
     if T == x.shape[0]:
         return out
     y = x.new_zeros(x.shape)

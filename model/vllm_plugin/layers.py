@@ -27,7 +27,7 @@ from kernels.prefill_attention_cpu import amx_available, chunk_attention, prefil
 from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
-from model.vllm_plugin.fused import fused
+from model.vllm_plugin.fused import fused, linear
 from model.vllm_plugin.kda_ops import (
     KDABatch,
     conv_state_shape,
@@ -193,15 +193,15 @@ class VllmGatedMLA(GatedMLA):
         q, c, gate = fused(self, "input", lambda: (
             self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj, self.g_proj))(x)
         if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_norm(q))
+            q = linear(self.q_b_proj, self.q_a_norm(q))
         if self.latent_cache:
             attn = self._latent_attention(q, self.kv_a_norm(c)).to(x.dtype)
         else:
-            kv = self.kv_b_proj(self.kv_a_norm(c))
+            kv = linear(self.kv_b_proj, self.kv_a_norm(c))
             kv = kv.unflatten(-1, (self.num_heads, self.qk_head_dim + self.v_head_dim))
             k, v = (t.flatten(-2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
             attn = self.attn(*(t.to(self.cache_dtype) for t in (q, k, v))).to(x.dtype)
-        return self.o_proj(attn * torch.sigmoid(gate))
+        return linear(self.o_proj, attn * torch.sigmoid(gate))
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_uk [H, Dqk, r] and W_uv [H, Dv, r], views of kv_b_proj's weight."""
@@ -284,7 +284,7 @@ class VllmGatedMLA(GatedMLA):
             else:
                 pages = meta.block_table[i, : (length + block - 1) // block]
                 latents = cached_latents(kv_cache, pages, length, self.attn.isa).to(q.dtype)
-            kv = self.kv_b_proj(latents).view(length, H, self.qk_head_dim + self.v_head_dim)
+            kv = linear(self.kv_b_proj, latents).view(length, H, self.qk_head_dim + self.v_head_dim)
             k, v = kv.transpose(0, 1).split([self.qk_head_dim, self.v_head_dim], dim=-1)
             qi = q[a:b].view(b - a, H, self.qk_head_dim).transpose(0, 1)
             out[a:b] = attend(qi, k, v, self.scale)

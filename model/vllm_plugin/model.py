@@ -30,7 +30,8 @@ from model.config import TaperConfig
 from model.layers.attn_res import AttnResState
 from model.layers.norm import RMSNorm
 from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
-from model.vllm_plugin.fused import drop_fused
+from model.vllm_plugin.cpu_gemm import prepare_cpu_matmul
+from model.vllm_plugin.fused import drop_fused, linear, set_prepared_matmuls
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
     VllmKimiDeltaAttention,
@@ -115,6 +116,8 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if current_platform.is_cpu():
+            set_prepared_matmuls(self, prepare_cpu_matmul)
         self.eval()  # MoE records balancing statistics only in training mode: frozen bias at inference
 
     # ---- vLLM model interface ----------------------------------------------------------------------
@@ -134,7 +137,7 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.model(inputs_embeds.to(self.compute_dtype)).to(self.model_dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states.to(self.compute_dtype))
+        return linear(self.lm_head, hidden_states.to(self.compute_dtype))
 
     @classmethod
     def get_mamba_state_shape_from_config(

@@ -13,7 +13,7 @@ from model.layers.attn_res import BlockAttnRes
 from model.layers.moe import Router, StableLatentMoE
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP, situ_glu
-from model.vllm_plugin.fused import derived_arrays, fused
+from model.vllm_plugin.fused import derived_arrays, fused, linear
 
 
 class VllmBlockAttnRes(BlockAttnRes):
@@ -64,7 +64,7 @@ class VllmSiTUGLUMLP(SiTUGLUMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = fused(self, "gate_up", lambda: (self.gate_proj, self.up_proj))(x)
-        return self.down_proj(situ_glu(gate, up, self.beta, self.beta_linear))
+        return linear(self.down_proj, situ_glu(gate, up, self.beta, self.beta_linear))
 
 
 # Small batches (decode) skip the HF dispatch's loop over experts. With at least n/2 routed (token, expert)
@@ -113,7 +113,7 @@ class VllmStableLatentMoE(StableLatentMoE):
             else:
                 y = self.experts(z, expert_ids, weights)
             latent = self.latent_norm(y).to(x.dtype)
-        out = self.latent_up(latent)
+        out = linear(self.latent_up, latent)
         if shared is not None:  # + shared(x), its down projection accumulated into out (no separate add pass)
             h = situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear)
             out.addmm_(h, shared.down_proj.weight.t())
