@@ -22,10 +22,45 @@ PrepareMatmul = Callable[[torch.Tensor], "Callable[[torch.Tensor], torch.Tensor]
 the CPU's GEMM kernels), or None where it has no faster form for W."""
 
 
+class DerivedLinear:
+    """y = x W^T for a weight W [out, in] built from parameters (W = build(*sources()): one linear's weight, a
+    concatenation, stacked expert weights as one matrix), rebuilt whenever a source changed, through the matmul
+    `prepare` makes from W where there is one. Not an nn.Module: it owns no parameters and is never saved."""
+
+    def __init__(self, sources: Callable[[], tuple[torch.Tensor, ...]], build: Callable[..., torch.Tensor],
+                 prepare: PrepareMatmul | None = None) -> None:
+        self.sources, self.build, self.prepare = sources, build, prepare
+        self._stamp: tuple | None = None
+        self._weight: torch.Tensor | None = None
+        self._matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def weight(self) -> torch.Tensor | None:
+        """W, rebuilt if a source changed; None for inference-mode sources (they carry no version counter to
+        watch)."""
+        sources = self.sources()
+        stamp = _stamp(sources)
+        if stamp is None:
+            return None
+        if stamp != self._stamp:
+            with torch.no_grad():
+                self._weight = self.build(*(t.detach() for t in sources))
+                self._matmul = None if self.prepare is None else self.prepare(self._weight)
+            self._stamp = stamp
+        return self._weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight()
+        if weight is None:
+            with torch.no_grad():
+                weight = self.build(*self.sources())
+        elif self._matmul is not None and x.dtype == weight.dtype and x.dim() == 2:
+            return self._matmul(x.contiguous())
+        return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+
+
 class FusedLinear:
     """y = x @ cat(W_1, ..., W_n)^T split back into outputs: one per linear, or per group of adjacent
-    linears when `groups` gives the group sizes (e.g. (3, 1) returns (x W_1|x W_2|x W_3, x W_4)).
-    Not an nn.Module: it owns no parameters and is never saved."""
+    linears when `groups` gives the group sizes (e.g. (3, 1) returns (x W_1|x W_2|x W_3, x W_4))."""
 
     def __init__(self, *linears: nn.Module, groups: tuple[int, ...] | None = None,
                  prepare: PrepareMatmul | None = None) -> None:
@@ -39,38 +74,20 @@ class FusedLinear:
         for count in groups:
             self.sizes.append(sum(lin.weight.shape[0] for lin in linears[start:start + count]))
             start += count
-        self.prepare = prepare
-        self._stamp: tuple | None = None
-        self._weight: torch.Tensor | None = None
-        self._matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # _parameters directly: nn.Module.__getattr__ costs more than the rest of the stamp check
+        self.linear = DerivedLinear(lambda: tuple(lin._parameters["weight"] for lin in linears),
+                                    lambda *weights: torch.cat(weights) if len(weights) > 1 else weights[0], prepare)
 
     def weight(self) -> torch.Tensor | None:
-        """The concatenated weight, rebuilt if a source changed; None for inference-mode weights (they
-        carry no version counter to watch)."""
-        # _parameters directly: nn.Module.__getattr__ costs more than the rest of this check
-        weights = [lin._parameters["weight"] for lin in self.linears]
-        stamp = _stamp(weights)
-        if stamp is None:
-            return None
-        if stamp != self._stamp:
-            with torch.no_grad():
-                self._weight = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0].detach()
-                self._matmul = None if self.prepare is None else self.prepare(self._weight)
-            self._stamp = stamp
-        return self._weight
+        """The concatenated weight (see `DerivedLinear.weight`)."""
+        return self.linear.weight()
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        weight = self.weight()
-        if weight is None:
-            y = torch.cat([F.linear(x, lin.weight.to(x.dtype)) for lin in self.linears], dim=-1)
-        elif self._matmul is not None and x.dtype == weight.dtype and x.dim() == 2:
-            y = self._matmul(x.contiguous())
-        else:
-            y = F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+        y = self.linear(x)
         return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
 
 
-def _stamp(tensors: list[torch.Tensor]) -> tuple | None:
+def _stamp(tensors: tuple[torch.Tensor, ...]) -> tuple | None:
     """Where each tensor's data is and how often it was modified in place; None for inference-mode tensors
     (they carry no version counter)."""
     try:
@@ -91,7 +108,7 @@ class DerivedArrays:
 
     def __call__(self) -> tuple[np.ndarray, ...]:
         sources = self.sources()
-        stamp = _stamp(list(sources))
+        stamp = _stamp(sources)
         if stamp is None or stamp != self._stamp:
             with torch.no_grad():
                 self._arrays = tuple(t.detach().to(torch.float32).contiguous().numpy()
@@ -126,9 +143,20 @@ def fused(
                                                      prepare=module.__dict__.get("_serving_prepare")))
 
 
+def derived_linear(
+    module: nn.Module, name: str, sources: Callable[[], tuple[torch.Tensor, ...]],
+    build: Callable[..., torch.Tensor],
+) -> DerivedLinear:
+    """The DerivedLinear `name` of `module`, created on first use and kept on the module; its matmul prepared as
+    `set_prepared_matmuls` said for `module`."""
+    return _cached(module, name, lambda: DerivedLinear(sources, build, module.__dict__.get("_serving_prepare")))
+
+
 def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """lin(x) for a bias-free linear, through its prepared matmul where there is one."""
-    return fused(lin, "self", lambda: (lin,))(x)[0]
+    if lin._parameters.get("bias") is not None:
+        raise ValueError("linear serves bias-free projections only")
+    return derived_linear(lin, "self", lambda: (lin._parameters["weight"],), lambda weight: weight)(x)
 
 
 def set_prepared_matmuls(model: nn.Module, prepare: PrepareMatmul | None) -> None:

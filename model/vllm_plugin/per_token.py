@@ -13,7 +13,7 @@ from model.layers.attn_res import BlockAttnRes
 from model.layers.moe import Router, StableLatentMoE
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP, situ_glu
-from model.vllm_plugin.fused import derived_arrays, fused, linear
+from model.vllm_plugin.fused import derived_arrays, derived_linear, fused, linear
 
 
 class VllmBlockAttnRes(BlockAttnRes):
@@ -113,11 +113,12 @@ class VllmStableLatentMoE(StableLatentMoE):
             else:
                 y = self.experts(z, expert_ids, weights)
             latent = self.latent_norm(y).to(x.dtype)
-        out = linear(self.latent_up, latent)
-        if shared is not None:  # + shared(x), its down projection accumulated into out (no separate add pass)
-            h = situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear)
-            out.addmm_(h, shared.down_proj.weight.t())
-        return out
+        if shared is None:
+            return linear(self.latent_up, latent)
+        # latent_up(latent) + shared(x) as one matmul: [latent | h] @ [W_up | W_down]^T
+        h = situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear)
+        return derived_linear(self, "up_and_shared_down", lambda: (self.latent_up.weight, shared.down_proj.weight),
+                              lambda up, down: torch.cat([up, down], dim=1))(torch.cat([latent, h], dim=-1))
 
     def _input_linears(self, with_router: bool) -> tuple[torch.nn.Module, ...]:
         shared = self.shared_expert
@@ -125,15 +126,20 @@ class VllmStableLatentMoE(StableLatentMoE):
         return ((self.router,) if with_router else ()) + heads
 
     def _dense_experts(self, z: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_k w_k Expert_{e_k}(z) for each token, fp32 sum: z [N, l], expert_ids/weights [N, k]."""
+        """sum_k w_k Expert_{e_k}(z) for each token: z [N, l], expert_ids/weights [N, k] -> [N, l] in z's dtype.
+        Two matmuls over all n experts' weights as single matrices: the combine weights (zero for unchosen
+        experts) scale each expert's activations, so the down projections' sum over experts is one matmul."""
         experts = self.experts
         n, inter = experts.n_experts, experts.intermediate_size
-        N, ell = z.shape
-        gate_up = (z @ experts.gate_up_proj.reshape(n * 2 * inter, ell).t()).view(N, n, 2 * inter)
+        N = z.shape[0]
+        gate_up = derived_linear(experts, "gate_up_rows", lambda: (experts.gate_up_proj,),
+                                 lambda w: w.flatten(0, 1))(z).view(N, n, 2 * inter)
         h = situ_glu(*gate_up.split(inter, dim=-1), experts.beta, experts.beta_linear)  # [N, n, I]
-        out = torch.bmm(h.transpose(0, 1), experts.down_proj.transpose(1, 2))  # [n, N, l]
         combine = weights.new_zeros(N, n).scatter_(1, expert_ids, weights)  # [N, n] fp32
-        return torch.bmm(out.permute(1, 2, 0).float(), combine.unsqueeze(-1)).squeeze(-1)
+        h = (h * combine.unsqueeze(-1)).to(z.dtype).view(N, n * inter)
+        # down_proj [n, l, I] as [l, n * I]: column e * I + i is expert e's down_proj[:, i]
+        return derived_linear(experts, "down_columns", lambda: (experts.down_proj,),
+                              lambda w: w.permute(1, 0, 2).reshape(w.shape[1], -1))(h)
 
     def _sorted_experts_cpu(self, z: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """latent_norm(experts(z)) in z's dtype, with the routing and the combine + norm as compiled passes

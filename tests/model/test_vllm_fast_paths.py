@@ -1,6 +1,6 @@
 """The serving plugin's fast paths against the HF modules they stand in for, on random inputs: fused
-projections (and that they follow in-place weight changes), the AttnRes depth mix, the dense decode MoE,
-MLA over a latent cache."""
+projections (and that they follow in-place weight changes), prepared matmuls (vLLM's CPU GEMM kernels), the
+AttnRes depth mix, the dense decode MoE, MLA over a latent cache."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from torch import nn
 
 from model.config import TaperConfig
 from model.layers.attn_res import BlockAttnRes
-from model.vllm_plugin.fused import FusedLinear, drop_fused, fused
+from model.vllm_plugin.fused import (
+    FusedLinear,
+    derived_linear,
+    drop_fused,
+    fused,
+    linear,
+    set_prepared_matmuls,
+)
 
 pytestmark = pytest.mark.usefixtures("vllm_env")
 
@@ -39,6 +46,65 @@ def test_fused_linear_matches_separate_linears_and_follows_weight_changes() -> N
     with torch.inference_mode():  # weights without a version counter: computed unfused, still right
         inf = nn.Linear(16, 4, bias=False)
     torch.testing.assert_close(FusedLinear(inf, c)(x)[0], inf(x), rtol=1e-6, atol=1e-6)
+
+
+def test_prepared_matmuls_serve_matching_inputs_and_are_rebuilt_with_the_weights() -> None:
+    """The logic around a prepared matmul, with a stand-in `prepare` that records its builds and marks its
+    outputs (+1000), so that every result says which path computed it."""
+    torch.manual_seed(1)
+    builds: list[torch.Tensor] = []
+
+    def prepare(weight: torch.Tensor):
+        builds.append(weight.clone())
+        if weight.shape[0] == 3:  # "no faster form for this weight"
+            return None
+        return lambda x: x @ weight.t() + 1000
+
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(8, 3, bias=False))
+    a, b = model[0], model[1]
+    x = torch.randn(4, 8)
+    assert fused(model, "before", lambda: (a, b))(x)[0].abs().max() < 100  # not prepared yet: F.linear
+    set_prepared_matmuls(model, prepare)
+    assert "_serving_fused" not in model.__dict__  # caches made before are dropped
+    ya, yb = fused(model, "ab", lambda: (a, b))(x)
+    torch.testing.assert_close(ya, a(x) + 1000, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(yb, b(x) + 1000, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(linear(a, x), a(x) + 1000, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(linear(b, x), b(x), rtol=1e-6, atol=1e-6)  # prepare gave None: F.linear
+    torch.testing.assert_close(linear(a, x.double()), x.double() @ a.weight.double().t())  # another dtype: F.linear
+    wide = torch.randn(4, 16)
+    torch.testing.assert_close(linear(a, wide[:, ::2]), a(wide[:, ::2]) + 1000, rtol=1e-6, atol=1e-4)  # strided
+    count = len(builds)
+    linear(a, x)
+    assert len(builds) == count  # unchanged weights: no rebuild
+    with torch.no_grad():
+        a.weight.mul_(2)  # in place, as a weight push does
+    torch.testing.assert_close(linear(a, x), a(x) + 1000, rtol=1e-6, atol=1e-4)
+    assert torch.equal(builds[-1], a.weight)
+    stacked = nn.Parameter(torch.randn(2, 5, 8))  # e.g. experts' weights as one matrix
+    holder = nn.Module()
+    set_prepared_matmuls(holder, prepare)
+    both = derived_linear(holder, "stacked", lambda: (stacked,), lambda w: w.flatten(0, 1))(x)
+    torch.testing.assert_close(both, x @ stacked.detach().flatten(0, 1).t() + 1000, rtol=1e-6, atol=1e-4)
+    with pytest.raises(ValueError, match="bias-free"):
+        linear(nn.Linear(8, 2), x)
+
+
+def test_cpu_matmuls_prepared_by_vllms_dispatch_match_fp64() -> None:
+    """`prepare_cpu_matmul` with vLLM's real kernels (whichever its dispatch picks on this CPU), bf16 weights of
+    decode and prefill shapes against fp64; fp32 weights are left to F.linear."""
+    from model.vllm_plugin.cpu_gemm import prepare_cpu_matmul
+
+    torch.manual_seed(2)
+    assert prepare_cpu_matmul(torch.randn(64, 32)) is None
+    for tokens, k, n in [(8, 256, 900), (1, 128, 256), (8, 32, 8), (300, 256, 640)]:
+        weight = (torch.randn(n, k) / k**0.5).bfloat16()
+        x = torch.randn(tokens, k).bfloat16()
+        matmul = prepare_cpu_matmul(weight)
+        y = matmul(x)
+        ref = x.double() @ weight.double().t()
+        assert y.dtype == torch.bfloat16 and y.shape == (tokens, n)
+        assert (y.double() - ref).norm() / ref.norm() < 1e-2, (tokens, k, n)
 
 
 @pytest.mark.parametrize("n_candidates,tokens", [(1, 3), (2, 1), (5, 8), (1, 130), (6, 200)])  # stacked / per candidate
