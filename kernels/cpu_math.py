@@ -89,3 +89,13 @@ def f32_or_bf16_bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
     if x.dtype == torch.bfloat16:
         return _NO_F32, x.view(torch.int16).numpy(), True
     return (x if x.dtype == torch.float32 else x.float()).numpy(), _NO_BF16, False
+
+
+def empty_f32_or_bf16(rows: int, cols: int, bf16: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """A new [rows, cols] CPU tensor for a compiled loop to fill, bf16 or fp32, with its arrays as
+    `f32_or_bf16_bits` gives them: allocated by numpy, so no tensor op hands it over."""
+    if bf16:
+        bits = np.empty((rows, cols), np.int16)
+        return torch.from_numpy(bits).view(torch.bfloat16), _NO_F32, bits
+    values = np.empty((rows, cols), np.float32)
+    return torch.from_numpy(values), values, _NO_BF16

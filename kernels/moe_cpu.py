@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from numba import boolean, float32, int16, int64, njit, void
 
-from kernels.cpu_math import COMPILE, f32_or_bf16_bits, load_row, store_row
+from kernels.cpu_math import COMPILE, empty_f32_or_bf16, f32_or_bf16_bits, load_row, store_row
 from kernels.cpu_threads import run_row_blocks, threads_for
 
 
@@ -113,8 +113,10 @@ def combine_rmsnorm_cpu(out: torch.Tensor, slot: torch.Tensor, weights: torch.Te
         raise ValueError(f"out {tuple(out.shape)}, slot {tuple(slot.shape)} and norm_weight "
                          f"{tuple(norm_weight.shape)} do not fit weights {tuple(weights.shape)}")
     out_f32, out_bits, from_bf16 = f32_or_bf16_bits(out)
-    y = torch.empty(T, ell, dtype=dtype)
-    y_f32, y_bits, to_bf16 = f32_or_bf16_bits(y)
+    to_bf16 = dtype == torch.bfloat16
+    if not to_bf16 and dtype != torch.float32:
+        raise ValueError(f"dtype must be fp32 or bf16, got {dtype}")
+    y, y_f32, y_bits = empty_f32_or_bf16(T, ell, to_bf16)
     slot_np = slot.to(torch.int64).contiguous().numpy()
     w = weights.detach().float().contiguous().numpy()
     nw = norm_weight.detach().float().contiguous().numpy()

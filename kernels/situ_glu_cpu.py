@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from numba import boolean, float32, int16, njit, void
 
-from kernels.cpu_math import COMPILE, exp_parts, f32_or_bf16_bits, load_row, store_row
+from kernels.cpu_math import COMPILE, empty_f32_or_bf16, exp_parts, f32_or_bf16_bits, load_row, store_row
 from kernels.cpu_threads import run_row_blocks, threads_for
 
 # below it tanh is its odd Taylor series to x^9 (error < 1e-9 relative); above it 1 - 2 / (1 + e^2x) loses
@@ -66,10 +66,9 @@ def situ_glu_cpu(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_linear:
     shape = gate.shape
     if gate.dim() != 2:  # (no reshape where none is needed: a decode step calls this once per MLP and MoE layer)
         gate, up = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
-    out = torch.empty(gate.shape, dtype=gate.dtype)
     gate_f32, gate_bits, bf16 = f32_or_bf16_bits(gate)
     up_f32, up_bits, _ = f32_or_bf16_bits(up)
-    out_f32, out_bits, _ = f32_or_bf16_bits(out)
+    out, out_f32, out_bits = empty_f32_or_bf16(*gate.shape, bf16)
     run_row_blocks(lambda lo, hi: situ_glu_rows(gate_f32[lo:hi], up_f32[lo:hi], gate_bits[lo:hi], up_bits[lo:hi], bf16,
                                                 np.float32(beta), np.float32(beta_linear), out_f32[lo:hi],
                                                 out_bits[lo:hi], bf16),

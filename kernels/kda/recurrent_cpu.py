@@ -24,7 +24,7 @@ import functools
 import numpy as np
 import torch
 
-from kernels.cpu_math import f32_or_bf16_bits
+from kernels.cpu_math import empty_f32_or_bf16, f32_or_bf16_bits
 from kernels.cpu_threads import run_row_blocks, threads_for
 from kernels.kda.common import L2NORM_EPS, preprocess, sequence_rows
 from kernels.kda.recurrent_cpu_c import SOURCE as RECURRENCE_SOURCE
@@ -161,9 +161,12 @@ def conv_recurrent_kda_decode_cpu(
         raise ValueError(f"conv_pool must be fp32 on the CPU, got {conv_pool.dtype} on {conv_pool.device}")
     n, HV, K = f.shape
     V = pool.shape[-1]
-    q, k, decay = (torch.empty(n, HV, K) for _ in range(3))
-    v = torch.empty(n, HV, V)
-    beta = torch.empty(n, HV)
+    # the recurrence's inputs live only between the two loops: numpy scratch in one block (q, k, decay, v, beta),
+    # no tensors
+    nhk, nhv = n * HV * K, n * HV * V
+    scratch = np.empty(3 * nhk + nhv + n * HV, np.float32)
+    q, k, decay = (scratch[i * nhk:(i + 1) * nhk].reshape(n, HV, K) for i in range(3))
+    v, beta = scratch[3 * nhk:3 * nhk + nhv].reshape(n, HV, V), scratch[3 * nhk + nhv:].reshape(n, HV)
     bounded = lower_bound is not None
     a_log = np.zeros(HV, np.float32) if bounded else _f32(A_log)
     slots = slots.to("cpu", torch.int64).contiguous()
@@ -173,11 +176,21 @@ def conv_recurrent_kda_decode_cpu(
 
     conv_decode_inputs(_f32(qkv), _f32(conv_weight), conv_pool.detach().numpy(), _f32(f), _f32(beta_logits), bounded,
                        np.float32(lower_bound if bounded else 0.0), a_log, _f32(dt_bias), num_heads, slots.numpy(),
-                       *(x.numpy() for x in (q, k, v, decay, beta)))
+                       q, k, v, decay, beta)
     o = torch.empty(n, HV, V)
-    starts = torch.arange(n)
-    _kda_rows_unchecked(q, k, v, decay, beta, scale, True, starts, starts + 1, slots, pool.detach(), o)
+    starts, ends = _decode_rows(n)
+    q_at = scratch.ctypes.data  # float32: 4 bytes
+    k_at, decay_at, v_at, beta_at = q_at + 4 * nhk, q_at + 8 * nhk, q_at + 12 * nhk, q_at + 12 * nhk + 4 * nhv
+    _kda_rows_c()(q_at, k_at, v_at, decay_at, beta_at, HV, K, V, scale, 1, L2NORM_EPS, starts.data_ptr(),
+                  ends.data_ptr(), slots.data_ptr(), n, pool.data_ptr(), pool.stride(0), o.data_ptr(),
+                  threads_for(n * HV * K * V, STATE_ELEMENTS_PER_THREAD))
     return o
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row bounds of n one-token sequences (0..n-1, 1..n; int64), kept: every decode step of a batch size uses them."""
+    return torch.arange(n), torch.arange(1, n + 1)
 
 
 def conv_silu_prefill_cpu(
@@ -214,11 +227,10 @@ def gated_rms_norm_cpu(o: torch.Tensor, gate: torch.Tensor, weight: Array, eps: 
     gate's dtype. torch's form makes ~8 passes over [T, HV, V], each slow in bf16 on a CPU."""
     T, HV, V = o.shape
     gate_f32, gate_bits, from_bf16 = f32_or_bf16_bits(gate)
-    out = torch.empty(T, HV * V, dtype=torch.bfloat16 if from_bf16 else torch.float32)
+    out, out_f32, out_bits = empty_f32_or_bf16(T, HV * V, from_bf16)
     from kernels.kda.recurrent_cpu_numba import gated_rms_norm_rows
 
-    o_rows, w = o.detach().contiguous().numpy(), _f32(weight)
-    out_f32, out_bits, _ = f32_or_bf16_bits(out)
+    o_rows, w = _f32(o), _f32(weight)
     run_row_blocks(lambda lo, hi: gated_rms_norm_rows(o_rows[lo:hi], gate_f32[lo:hi], gate_bits[lo:hi], from_bf16, w,
                                                       np.float32(eps), out_f32[lo:hi], out_bits[lo:hi], from_bf16),
                    T, threads_for(T * HV * V))
@@ -229,6 +241,8 @@ def _f32(x: Array) -> np.ndarray:
     """A contiguous fp32 numpy array of x (x itself when it is one)."""
     if isinstance(x, np.ndarray):
         return x
+    if x.dtype == torch.float32 and not x.requires_grad and x.is_contiguous():
+        return x.numpy()  # (a third of the cost of the general form, which a decode step runs ~100 times)
     return x.detach().to(torch.float32).contiguous().numpy()
 
 

@@ -6,6 +6,7 @@ served forms where vLLM is not installed."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.attn_res_cpu import attn_res_rmsnorm
 from kernels.moe_cpu import combine_rmsnorm_cpu, route_cpu
@@ -14,6 +15,12 @@ from model.layers.moe import Router, StableLatentMoE
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP, situ_glu
 from model.vllm_plugin.fused import derived_arrays, derived_linear, fused, linear
+
+
+def rms_norm(norm: RMSNorm, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """norm(x) in `dtype` (default x's) as torch's fused rms_norm over fp32: the module's formula in one op
+    instead of nine."""
+    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.eps).to(dtype or x.dtype)
 
 
 class VllmBlockAttnRes(BlockAttnRes):
@@ -98,8 +105,9 @@ class VllmStableLatentMoE(StableLatentMoE):
         outs = fused(self, name, lambda: self._input_linears(with_router))(x)
         if with_router:
             scores, outs = torch.sigmoid(outs[0]), outs[1:]
-        else:
-            scores = self.router.scores(x)
+        else:  # = self.router.scores(x), the fp32 copy of its weight kept
+            router = self.router
+            scores = torch.sigmoid(derived_linear(router, "fp32", lambda: (router.weight,), lambda w: w.float())(x.float()))
         z = outs[0]
         pairs = x.shape[0] * self.top_k
         if pairs > GATHERED_EXPERTS_MAX_PAIRS and x.device.type == "cpu":
@@ -112,7 +120,7 @@ class VllmStableLatentMoE(StableLatentMoE):
                 y = self._gathered_experts(z, expert_ids, weights)
             else:
                 y = self.experts(z, expert_ids, weights)
-            latent = self.latent_norm(y).to(x.dtype)
+            latent = rms_norm(self.latent_norm, y, x.dtype)
         if shared is None:
             return linear(self.latent_up, latent)
         # latent_up(latent) + shared(x) as one matmul: [latent | h] @ [W_up | W_down]^T
