@@ -34,7 +34,6 @@ from model.vllm_plugin.kda_ops import (
     kda_forward_with_state,
     recurrent_state_shape,
 )
-from model.vllm_plugin.per_token import rms_norm
 
 
 def oriented_conv_state_shape(channels_first: tuple[int, int]) -> tuple[int, int]:
@@ -194,11 +193,11 @@ class VllmGatedMLA(GatedMLA):
         q, c, gate = fused(self, "input", lambda: (
             self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj, self.g_proj))(x)
         if self.q_lora_rank is not None:
-            q = linear(self.q_b_proj, rms_norm(self.q_a_norm, q))
+            q = linear(self.q_b_proj, self.q_a_norm(q))
         if self.latent_cache:
-            attn = self._latent_attention(q, rms_norm(self.kv_a_norm, c)).to(x.dtype)
+            attn = self._latent_attention(q, self.kv_a_norm(c)).to(x.dtype)
         else:
-            kv = linear(self.kv_b_proj, rms_norm(self.kv_a_norm, c))
+            kv = linear(self.kv_b_proj, self.kv_a_norm(c))
             kv = kv.unflatten(-1, (self.num_heads, self.qk_head_dim + self.v_head_dim))
             k, v = (t.flatten(-2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
             attn = self.attn(*(t.to(self.cache_dtype) for t in (q, k, v))).to(x.dtype)

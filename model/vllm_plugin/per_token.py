@@ -6,7 +6,6 @@ served forms where vLLM is not installed."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attn_res_cpu import attn_res_rmsnorm
 from kernels.moe_cpu import combine_rmsnorm_cpu, route_cpu
@@ -15,12 +14,6 @@ from model.layers.moe import Router, StableLatentMoE
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP, situ_glu
 from model.vllm_plugin.fused import derived_arrays, derived_linear, fused, linear
-
-
-def rms_norm(norm: RMSNorm, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """norm(x) in `dtype` (default x's) as torch's fused rms_norm over fp32: the module's formula in one op
-    instead of nine."""
-    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.eps).to(dtype or x.dtype)
 
 
 class VllmBlockAttnRes(BlockAttnRes):
@@ -120,7 +113,7 @@ class VllmStableLatentMoE(StableLatentMoE):
                 y = self._gathered_experts(z, expert_ids, weights)
             else:
                 y = self.experts(z, expert_ids, weights)
-            latent = rms_norm(self.latent_norm, y, x.dtype)
+            latent = self.latent_norm(y).to(x.dtype)
         if shared is None:
             return linear(self.latent_up, latent)
         # latent_up(latent) + shared(x) as one matmul: [latent | h] @ [W_up | W_down]^T
