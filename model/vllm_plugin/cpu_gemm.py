@@ -1,11 +1,13 @@
 """The served projections' matmuls on CPU in vLLM's own GEMM kernels, prepared once per weight as vLLM's
 `UnquantizedLinearMethod` prepares its models' linears (`dispatch_cpu_unquantized_gemm`): on CPUs with AMX,
-sgl-kernel's packed-weight brgemm for weights up to 1 MiB, else a oneDNN matmul with the weight reordered for it
-once. torch's `F.linear` in bf16 reorders the weight on every call: at a decode step's 8 tokens that costs more than the
-arithmetic (a [256, 900] projection took 58 us as `F.linear` against 34 us with the weight reordered once, bf16 on
-one Xeon core with AMX; benchmarks/NOTES.md).
+sgl-kernel's packed-weight brgemm for weights up to 1 MiB (N a multiple of 16, K of 32), else a oneDNN matmul with
+the weight reordered for it once. torch's `F.linear` in bf16 hands oneDNN the weight unprepared, and at a decode
+step's 8 tokens that costs more than the arithmetic: a [256, 900] projection took 58 us as `F.linear` against
+34 us with the weight reordered once (bf16, one Xeon core with AMX; benchmarks/NOTES.md).
 
-bf16 weights only: in fp32 (CPUs without bf16 instructions) torch's own matmul has no reorder to save.
+bf16 weights only: in fp32 (CPUs without bf16 instructions) torch's own matmul has no reorder to save. The
+prepared copies sit beside the parameters, which weight pushes write: on CPU the projections' weights take
+twice their memory.
 """
 
 from __future__ import annotations

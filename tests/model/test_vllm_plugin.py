@@ -246,6 +246,49 @@ def test_weight_push_equals_fresh_engine_that_preempts(
     assert pushed == expected
 
 
+def test_projections_prepared_for_vllms_cpu_kernels_match_hf_through_a_weight_push(
+    model_dir: Path, hf_model, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The served projections through vLLM's prepared CPU GEMM kernels inside a real engine. The engine prepares
+    bf16 weights only; here fp32 weights are prepared too (vLLM's dispatch picks oneDNN's fp32 matmul), so that
+    every CPU runs the prepared path: greedy tokens and logprobs match the HF model, and after a weight push
+    (in place) the prepared copies are rebuilt and match the new HF model."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    import model.vllm_plugin.model as served
+    from model.vllm_plugin.weight_sync import push_weights
+
+    prepared: list[torch.Tensor] = []
+
+    def prepare_any_dtype(weight: torch.Tensor):
+        holder = SimpleNamespace(weight=weight)
+        dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+        prepared.append(weight)
+        return lambda x: holder.cpu_linear(x, weight, None)
+
+    monkeypatch.setattr(served, "prepare_cpu_matmul", prepare_any_dtype)
+    llm = _make_engine(model_dir)
+    try:
+        prompts = _prompts([5, 150], seed=7)  # 150 tokens: a chunked prefill
+        new_dir = _save_model(2, tmp_path_factory.mktemp("taper-tiny-pushed"), tokenizer_dir)
+        new_model = TaperForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+        for reference in (hf_model, new_model):
+            if reference is new_model:
+                count = len(prepared)
+                push_weights(llm, new_model.state_dict())
+            for prompt, out in zip(prompts, _generate(llm, prompts, _greedy()), strict=True):
+                completion = out.outputs[0]
+                assert list(completion.token_ids) == _hf_greedy(reference, prompt, MAX_TOKENS)
+                ref = _hf_logprobs(reference, prompt, list(completion.token_ids))
+                torch.testing.assert_close(_engine_logprobs(completion), ref, rtol=0, atol=LOGPROB_TOL)
+        assert count > 20 and len(prepared) >= 2 * count  # every projection prepared, and again after the push
+    finally:
+        _shutdown(llm)
+
+
 def test_later_turn_of_a_session_continues_from_the_kept_state_and_matches_hf(model_dir: Path, hf_model) -> None:
     """The rollout engine's multi-turn sessions on the hybrid model: the second turn continues the
     episode's request from the KDA state and latent cache vLLM kept, prefilling only the ids after the
