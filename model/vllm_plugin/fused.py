@@ -60,7 +60,8 @@ class DerivedLinear:
 
 class FusedLinear:
     """y = x @ cat(W_1, ..., W_n)^T split back into outputs: one per linear, or per group of adjacent
-    linears when `groups` gives the group sizes (e.g. (3, 1) returns (x W_1|x W_2|x W_3, x W_4))."""
+    linears when `groups` gives the group sizes (e.g. (3, 1) returns (x W_1|x W_2|x W_3, x W_4)). The linears
+    are modules with a `weight` [out, in]: nn.Linear, the MoE router."""
 
     def __init__(self, *linears: nn.Module, groups: tuple[int, ...] | None = None,
                  prepare: PrepareMatmul | None = None) -> None:
@@ -69,7 +70,6 @@ class FusedLinear:
         groups = groups or (1,) * len(linears)
         if sum(groups) != len(linears):
             raise ValueError(f"groups {groups} must add up to the {len(linears)} linears")
-        self.linears = linears  # modules with a `weight` [out, in]: nn.Linear, the MoE router
         self.sizes, start = [], 0
         for count in groups:
             self.sizes.append(sum(lin.weight.shape[0] for lin in linears[start:start + count]))
