@@ -76,20 +76,19 @@ def kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Ten
         raise ValueError(f"sequence bounds outside the {R} rows or slots outside the pool's {P}")
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    _kda_rows_unchecked(q, k, v, decay, beta, scale, l2norm, *index, pool, o, threads)
+    _kda_rows_unchecked(tuple(x.data_ptr() for x in (q, k, v, decay, beta)), R, HV, K, V, scale, l2norm, *index,
+                        pool, o, threads)
 
 
-def _kda_rows_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-                        beta: torch.Tensor, scale: float, l2norm: bool, starts: torch.Tensor, ends: torch.Tensor,
-                        slots: torch.Tensor, pool: torch.Tensor, o: torch.Tensor, threads: int | None = None) -> None:
-    """`kda_rows` for tensors already known to fit (built by the caller): at a decode step the checks would
-    cost as much as the recurrence. Pointers by `data_ptr` (numpy's `.ctypes.data` costs ~3 us each)."""
-    R, HV, K = q.shape
-    V = v.shape[2]
-    _kda_rows_c()(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), HV, K, V, scale,
-                  int(l2norm), L2NORM_EPS, starts.data_ptr(), ends.data_ptr(), slots.data_ptr(), len(starts),
-                  pool.data_ptr(), pool.stride(0), o.data_ptr(),
-                  threads or threads_for(R * HV * K * V, STATE_ELEMENTS_PER_THREAD))
+def _kda_rows_unchecked(inputs: tuple[int, int, int, int, int], rows: int, HV: int, K: int, V: int, scale: float,
+                        l2norm: bool, starts: torch.Tensor, ends: torch.Tensor, slots: torch.Tensor,
+                        pool: torch.Tensor, o: torch.Tensor, threads: int | None = None) -> None:
+    """`kda_rows` for arrays already known to fit (built by the caller): at a decode step the checks would cost
+    as much as the recurrence. `inputs`: the addresses of q, k, v, decay and beta (tensors' `data_ptr`, or the
+    decode step's numpy scratch); the rest by `data_ptr` (numpy's `.ctypes.data` costs ~3 us each)."""
+    _kda_rows_c()(*inputs, HV, K, V, scale, int(l2norm), L2NORM_EPS, starts.data_ptr(), ends.data_ptr(),
+                  slots.data_ptr(), len(starts), pool.data_ptr(), pool.stride(0), o.data_ptr(),
+                  threads or threads_for(rows * HV * K * V, STATE_ELEMENTS_PER_THREAD))
 
 
 def recurrent_kda_cpu(
@@ -179,11 +178,9 @@ def conv_recurrent_kda_decode_cpu(
                        q, k, v, decay, beta)
     o = torch.empty(n, HV, V)
     starts, ends = _decode_rows(n)
-    q_at = scratch.ctypes.data  # float32: 4 bytes
-    k_at, decay_at, v_at, beta_at = q_at + 4 * nhk, q_at + 8 * nhk, q_at + 12 * nhk, q_at + 12 * nhk + 4 * nhv
-    _kda_rows_c()(q_at, k_at, v_at, decay_at, beta_at, HV, K, V, scale, 1, L2NORM_EPS, starts.data_ptr(),
-                  ends.data_ptr(), slots.data_ptr(), n, pool.data_ptr(), pool.stride(0), o.data_ptr(),
-                  threads_for(n * HV * K * V, STATE_ELEMENTS_PER_THREAD))
+    q_at = scratch.ctypes.data  # float32: 4 bytes; q, k, decay, v, beta in that order
+    inputs = (q_at, q_at + 4 * nhk, q_at + 12 * nhk, q_at + 8 * nhk, q_at + 12 * nhk + 4 * nhv)  # q, k, v, decay, beta
+    _kda_rows_unchecked(inputs, n, HV, K, V, scale, True, starts, ends, slots, pool, o)
     return o
 
 
