@@ -23,6 +23,11 @@ def prepare_cpu_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.T
     """x [T, in] -> x W^T for a bf16 CPU weight W [out, in] (`fused.PrepareMatmul`); None for other weights."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
+    return vllm_cpu_matmul(weight)
+
+
+def vllm_cpu_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x W^T in the kernel vLLM's dispatch picks for a 2-d CPU weight W of any dtype it supports."""
     holder = SimpleNamespace(weight=weight)  # what vLLM's dispatch reads and sets (`cpu_linear`) on a layer
     dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
     cpu_linear = holder.cpu_linear

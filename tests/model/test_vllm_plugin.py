@@ -254,20 +254,15 @@ def test_projections_prepared_for_vllms_cpu_kernels_match_hf_through_a_weight_pu
     bf16 weights only; here fp32 weights are prepared too (vLLM's dispatch picks oneDNN's fp32 matmul), so that
     every CPU runs the prepared path: greedy tokens and logprobs match the HF model, and after a weight push
     (in place) the prepared copies are rebuilt and match the new HF model."""
-    from types import SimpleNamespace
-
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
     import model.vllm_plugin.model as served
+    from model.vllm_plugin.cpu_gemm import vllm_cpu_matmul
     from model.vllm_plugin.weight_sync import push_weights
 
     prepared: list[torch.Tensor] = []
 
     def prepare_any_dtype(weight: torch.Tensor):
-        holder = SimpleNamespace(weight=weight)
-        dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
         prepared.append(weight)
-        return lambda x: holder.cpu_linear(x, weight, None)
+        return vllm_cpu_matmul(weight)
 
     monkeypatch.setattr(served, "prepare_cpu_matmul", prepare_any_dtype)
     llm = _make_engine(model_dir)
