@@ -77,8 +77,8 @@ def store_row(row, values, bf16_bits, to_bf16, r, bits):  # pragma: no cover - c
             values[r, c] = row[c]
 
 
-_NO_F32 = np.empty((0, 0), np.float32)
-_NO_BF16 = np.empty((0, 0), np.int16)
+NO_F32 = np.empty((0, 0), np.float32)
+NO_BF16 = np.empty((0, 0), np.int16)
 
 
 def f32_or_bf16_bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -87,8 +87,8 @@ def f32_or_bf16_bits(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
     if x.requires_grad:  # (a decode step calls this a few times per layer: no needless tensor ops)
         x = x.detach()
     if x.dtype == torch.bfloat16:
-        return _NO_F32, x.view(torch.int16).numpy(), True
-    return (x if x.dtype == torch.float32 else x.float()).numpy(), _NO_BF16, False
+        return NO_F32, x.view(torch.int16).numpy(), True
+    return (x if x.dtype == torch.float32 else x.float()).numpy(), NO_BF16, False
 
 
 def empty_f32_or_bf16(rows: int, cols: int, bf16: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
@@ -96,6 +96,6 @@ def empty_f32_or_bf16(rows: int, cols: int, bf16: bool) -> tuple[torch.Tensor, n
     `f32_or_bf16_bits` gives them: allocated by numpy, so no tensor op hands it over."""
     if bf16:
         bits = np.empty((rows, cols), np.int16)
-        return torch.from_numpy(bits).view(torch.bfloat16), _NO_F32, bits
+        return torch.from_numpy(bits).view(torch.bfloat16), NO_F32, bits
     values = np.empty((rows, cols), np.float32)
-    return torch.from_numpy(values), values, _NO_BF16
+    return torch.from_numpy(values), values, NO_BF16

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attn_res_cpu import attn_res_rmsnorm
-from kernels.moe_cpu import combine_rmsnorm_cpu, route_cpu
+from kernels.moe_cpu import combine_rmsnorm_cpu, glu_combine_cpu, rmsnorm_glu_cpu, route_cpu, route_dense_cpu
 from model.layers.attn_res import BlockAttnRes
 from model.layers.moe import Router, StableLatentMoE
 from model.layers.norm import RMSNorm
@@ -96,18 +96,22 @@ class VllmStableLatentMoE(StableLatentMoE):
         with_router = x.dtype == torch.float32
         name = "input_with_router" if with_router else "input"
         outs = fused(self, name, lambda: self._input_linears(with_router))(x)
+        logits, outs = (outs[0], outs[1:]) if with_router else (None, outs)
+        pairs = x.shape[0] * self.top_k
+        dense = x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS and 2 * pairs >= self.n_experts
+        if dense and shared is not None and x.device.type == "cpu":
+            return self._dense_step_cpu(x, logits, outs)
         if with_router:
-            scores, outs = torch.sigmoid(outs[0]), outs[1:]
+            scores = torch.sigmoid(logits)
         else:  # = self.router.scores(x), the fp32 copy of its weight kept
             router = self.router
             scores = torch.sigmoid(derived_linear(router, "fp32", lambda: (router.weight,), lambda w: w.float())(x.float()))
         z = outs[0]
-        pairs = x.shape[0] * self.top_k
         if pairs > GATHERED_EXPERTS_MAX_PAIRS and x.device.type == "cpu":
             latent = self._sorted_experts_cpu(z, scores)
         else:
             expert_ids, weights = select_experts(self.router, scores)
-            if x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS and 2 * pairs >= self.n_experts:
+            if dense:
                 y = self._dense_experts(z, expert_ids, weights)
             elif pairs <= GATHERED_EXPERTS_MAX_PAIRS:
                 y = self._gathered_experts(z, expert_ids, weights)
@@ -116,10 +120,36 @@ class VllmStableLatentMoE(StableLatentMoE):
             latent = self.latent_norm(y).to(x.dtype)
         if shared is None:
             return linear(self.latent_up, latent)
-        # latent_up(latent) + shared(x) as one matmul: [latent | h] @ [W_up | W_down]^T
-        h = situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear)
-        return derived_linear(self, "up_and_shared_down", lambda: (self.latent_up.weight, shared.down_proj.weight),
-                              lambda up, down: torch.cat([up, down], dim=1))(torch.cat([latent, h], dim=-1))
+        return self._up_and_shared_down(torch.cat([latent, situ_glu(outs[1], outs[2], shared.beta, shared.beta_linear)],
+                                                  dim=-1))
+
+    def _up_and_shared_down(self, latent_and_h: torch.Tensor) -> torch.Tensor:
+        """latent_up(latent) + shared.down_proj(h) as one matmul: [latent | h] @ [W_up | W_down]^T."""
+        up, down = self.latent_up, self.shared_expert.down_proj
+        return derived_linear(self, "up_and_shared_down", lambda: (up.weight, down.weight),
+                              lambda w_up, w_down: torch.cat([w_up, w_down], dim=1))(latent_and_h)
+
+    def _dense_step_cpu(self, x: torch.Tensor, logits: torch.Tensor | None, outs: tuple[torch.Tensor, ...]
+                        ) -> torch.Tensor:
+        """A decode step's MoE on CPU (few tokens, a shared expert): `_dense_experts` with the routing, the
+        GLU scaled by the routing weights, and the latent norm beside the shared GLU as compiled passes
+        (`kernels.moe_cpu`) between the four matmuls, in place of ~50 small ops. `logits`: the router's, where
+        the fused input projection computed them (fp32); else the routing pass computes them from x."""
+        router, experts, shared = self.router, self.experts, self.shared_expert
+        if logits is None:
+            (weight,) = derived_arrays(router, "fp32_array", lambda: (router.weight,), lambda w: (w,))()
+            combine = route_dense_cpu(x, weight, router.bias_correction, router.top_k, router.routed_scaling_factor)
+        else:
+            combine = route_dense_cpu(logits, None, router.bias_correction, router.top_k,
+                                      router.routed_scaling_factor)
+        gate_up = derived_linear(experts, "gate_up_rows", lambda: (experts.gate_up_proj,),
+                                 lambda w: w.flatten(0, 1))(outs[0])
+        h = glu_combine_cpu(gate_up, combine, experts.beta, experts.beta_linear)
+        y = derived_linear(experts, "down_columns", lambda: (experts.down_proj,),
+                           lambda w: w.permute(1, 0, 2).reshape(w.shape[1], -1))(h)
+        (norm_weight,) = derived_arrays(self, "latent_norm", lambda: (self.latent_norm.weight,), lambda w: (w,))()
+        return self._up_and_shared_down(rmsnorm_glu_cpu(y, norm_weight, self.latent_norm.eps, outs[1], outs[2],
+                                                        shared.beta, shared.beta_linear))
 
     def _input_linears(self, with_router: bool) -> tuple[torch.nn.Module, ...]:
         shared = self.shared_expert
