@@ -151,7 +151,8 @@ def conv_recurrent_kda_decode_cpu(
     """A decode step of the KDA token mixer from its pre-conv channels, as two compiled loops: the depthwise
     causal conv + SiLU on each sequence's newest window (conv_pool [P, W-1, C] fp32, advanced in place),
     the gate in the kernel, sigmoid beta, the qk l2norm and the recurrence on pool [P, HV, K, V] fp32
-    (in place; the C loop). qkv [n, C], conv_weight [W, C], f [n, HV, K], beta_logits [n, HV], dt_bias [HV*K];
+    (in place; the C loop). qkv [n, C], f [n, HV, K] and beta_logits [n, HV] all fp32 or all bf16 (any strides
+    but f's last, e.g. column slices of a projection: read where they lie), conv_weight [W, C], dt_bias [HV*K];
     `lower_bound` set: the bounded gate, else A_log [HV]. Returns o [n, HV, V] fp32. Pools may have any
     strides, `pool` with `slots_contiguous`; nothing of this step is materialised in torch, where it costs
     ~100 small ops a layer. The parameters may be given as fp32 numpy arrays (a caller's cached copies)."""
@@ -173,9 +174,14 @@ def conv_recurrent_kda_decode_cpu(
         raise ValueError(f"slots {slots.tolist()} outside the pool's {pool.shape[0]}")
     from kernels.kda.recurrent_cpu_numba import conv_decode_inputs
 
-    conv_decode_inputs(_f32(qkv), _f32(conv_weight), conv_pool.detach().numpy(), _f32(f), _f32(beta_logits), bounded,
-                       np.float32(lower_bound if bounded else 0.0), a_log, _f32(dt_bias), num_heads, slots.numpy(),
-                       q, k, v, decay, beta)
+    (qkv_f32, qkv_bits, from_bf16), (f_f32, f_bits, f_bf16), (b_f32, b_bits, b_bf16) = (
+        f32_or_bf16_bits(x) for x in (qkv, f.reshape(n, HV * K), beta_logits))
+    if not from_bf16 == f_bf16 == b_bf16:
+        raise ValueError(f"qkv, f and beta_logits must share one dtype (fp32 or bf16), got {qkv.dtype}, {f.dtype} "
+                         f"and {beta_logits.dtype}")
+    conv_decode_inputs(qkv_f32, qkv_bits, f_f32, f_bits, b_f32, b_bits, from_bf16, _f32(conv_weight),
+                       conv_pool.detach().numpy(), bounded, np.float32(lower_bound if bounded else 0.0), a_log,
+                       _f32(dt_bias), num_heads, slots.numpy(), q, k, v, decay, beta)
     o = torch.empty(n, HV, V)
     starts, ends = _decode_rows(n)
     q_at = scratch.ctypes.data  # float32: 4 bytes; q, k, decay, v, beta in that order

@@ -24,11 +24,11 @@ def silu_inplace(x, exponent):  # pragma: no cover - compiled
         x[i] = x[i] / (np.float32(1.0) + p * scale[i])
 
 
-@njit(void(float32[:, ::1], int16[:, ::1], boolean, _VEC, boolean, float32, _VEC, int64, float32[:, ::1]), **COMPILE)
+@njit(void(float32[:, :], int16[:, :], boolean, _VEC, boolean, float32, _VEC, int64, float32[:, ::1]), **COMPILE)
 def gate_decay_rows(f, f_bf16, from_bf16, dt_bias, bounded, lower_bound, a_log, K,
                     decay):  # pragma: no cover - compiled
     """The forget gate's decay exp(g) for rows of raw gate inputs: f [R, HV*K] fp32, or with from_bf16 its
-    bf16 bits f_bf16; dt_bias [HV*K]; decay [R, HV*K]. Bounded: g = lower_bound * sigmoid(f + dt_bias); else
+    bf16 bits f_bf16 (any strides); dt_bias [HV*K]; decay [R, HV*K]. Bounded: g = lower_bound * sigmoid(f + dt_bias); else
     g = -exp(a_log[h]) * softplus(f + dt_bias) with a_log [HV] (softplus as torch computes it: linear above
     20). The two formulas of `kernels/kda/gate.py`, which this loop cannot call."""
     R, n = f_bf16.shape if from_bf16 else f.shape
@@ -123,37 +123,43 @@ def conv_pool_advance(x, x_bf16, from_bf16, conv_pool, starts, ends, slots, keep
                 conv_pool[s, tap, c] = row[c]
 
 
-@njit(void(float32[:, ::1], float32[:, ::1], float32[:, :, :], float32[:, :, ::1], float32[:, ::1], boolean,
-           float32, _VEC, _VEC, int64, _INDEX, _ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1]), **COMPILE)
-def conv_decode_inputs(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bound, a_log, dt_bias, H, slots,
-                       q, k, v, decay, beta):  # pragma: no cover - compiled
+@njit(void(float32[:, :], int16[:, :], float32[:, :], int16[:, :], float32[:, :], int16[:, :], boolean, float32[:, ::1],
+           float32[:, :, :], boolean, float32, _VEC, _VEC, int64, _INDEX, _ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1]),
+      **COMPILE)
+def conv_decode_inputs(qkv, qkv_bf16, f, f_bf16, beta_logits, beta_bf16, from_bf16, conv_w, conv_pool, bounded,
+                       lower_bound, a_log, dt_bias, H, slots, q, k, v, decay, beta):  # pragma: no cover - compiled
     """The recurrence's inputs for one token of each of n sequences, from the pre-conv channels: qkv [n, C]
-    (q|k|v channels), conv_w [W, C] (tap 0 the oldest), conv_pool [P, W-1, C] (the last W-1 inputs, oldest
-    first, advanced in place), f [n, HV, K] the raw gate input, beta_logits [n, HV], the gate's parameters
-    (bounded: lower_bound * sigmoid(f + dt_bias), else -exp(a_log) * softplus(f + dt_bias)). Writes q, k
-    [n, HV, K] (q/k heads expanded to the value heads, not normalised), v [n, HV, V], decay [n, HV, K] and
+    (q|k|v channels), f [n, HV*K] the raw gate input and beta_logits [n, HV], each fp32 or, with from_bf16, as
+    bf16 bits in the `_bf16` arguments (any strides); conv_w [W, C] (tap 0 the oldest), conv_pool [P, W-1, C]
+    (the last W-1 inputs, oldest first, advanced in place), the gate's parameters (bounded:
+    lower_bound * sigmoid(f + dt_bias), else -exp(a_log) * softplus(f + dt_bias)). Writes q, k [n, HV, K]
+    (q/k heads expanded to the value heads, not normalised), v [n, HV, V], decay [n, HV, K] and
     sigmoid(beta) [n, HV]; rows of skipped sequences (slot < 0) are left as they are."""
-    n, C = qkv.shape
+    n, HV, K = q.shape
+    C = conv_w.shape[1]
     W1 = conv_pool.shape[1]
-    HV, K = f.shape[1], f.shape[2]
     V = (C - 2 * H * K) // HV
     G = HV // H
+    x = np.empty(C, np.float32)
     y = np.empty(C, np.float32)
+    b = np.empty(HV, np.float32)
+    bits = np.empty(C, np.int32)
     exponent = np.empty(C, np.int32)
     for r in range(n):
         s = slots[r]
         if s < 0:
             continue
+        load_row(qkv, qkv_bf16, from_bf16, r, x, bits)
         for c in range(C):  # the causal conv's newest window, SiLU, and the window moved on by one
-            x = qkv[r, c]
-            acc = conv_w[W1, c] * x
+            acc = conv_w[W1, c] * x[c]
             for tap in range(W1):
                 acc += conv_w[tap, c] * conv_pool[s, tap, c]
             y[c] = acc
             for tap in range(W1 - 1):
                 conv_pool[s, tap, c] = conv_pool[s, tap + 1, c]
-            conv_pool[s, W1 - 1, c] = x
+            conv_pool[s, W1 - 1, c] = x[c]
         silu_inplace(y, exponent)
+        load_row(beta_logits, beta_bf16, from_bf16, r, b, bits)
         for h in range(HV):
             hq = h // G  # q/k head h serves value heads h*G .. h*G+G-1
             for i in range(K):
@@ -161,9 +167,8 @@ def conv_decode_inputs(qkv, conv_w, conv_pool, f, beta_logits, bounded, lower_bo
                 k[r, h, i] = y[H * K + hq * K + i]
             for j in range(V):
                 v[r, h, j] = y[2 * H * K + h * V + j]
-            beta[r, h] = np.float32(1.0) / (np.float32(1.0) + np.exp(-beta_logits[r, h]))
-    gate_decay_rows(f.reshape((n, HV * K)), np.empty((0, 0), np.int16), False, dt_bias, bounded, lower_bound, a_log,
-                    K, decay.reshape((n, HV * K)))
+            beta[r, h] = np.float32(1.0) / (np.float32(1.0) + np.exp(-b[h]))
+    gate_decay_rows(f, f_bf16, from_bf16, dt_bias, bounded, lower_bound, a_log, K, decay.reshape((n, HV * K)))
 
 
 @njit(void(float32[:, :, ::1], float32[:, :], int16[:, :], boolean, _VEC, float32, float32[:, ::1], int16[:, ::1],

@@ -28,7 +28,7 @@ from kernels.kda.recurrent_cpu import (
     slots_contiguous,
 )
 from model.layers.kda import KimiDeltaAttention
-from model.vllm_plugin.fused import FusedLinear, derived_arrays, fused, linear
+from model.vllm_plugin.fused import FusedLinear, derived_arrays, derived_linear, fused, linear
 
 
 @dataclass(frozen=True)
@@ -216,8 +216,8 @@ def kda_forward_with_state(
     if T == 0:
         return x.new_zeros(x.shape)
     xs = x[:T]
-    qkv, f_low, beta, gate_low = _input_projection(layer)(xs)
-    f = linear(layer.f_b_proj, f_low).unflatten(-1, (layer.num_v_heads, layer.head_dim))  # = layer.gate_input(xs)
+    qkv, beta, low = _input_projection(layer)(xs)
+    f, gate = _gate_projections(layer, low)  # f = layer.gate_input(xs); gate = W_gb W_ga xs, as layer.output uses it
     nd = batch.num_decodes
     if nd == batch.num_requests:  # decode-only step
         o = _decode(layer, qkv, f, beta, conv_state, recurrent_state, batch.state_indices)
@@ -234,8 +234,7 @@ def kda_forward_with_state(
         has_init = None if batch.has_initial_state is None else batch.has_initial_state[nd:]
         o[t0:] = _prefill(layer, qkv[t0:], f[t0:], beta[t0:], conv_state, recurrent_state, qsl,
                           batch.state_indices[nd:], has_init)
-    # = layer.output(o, xs), with W_ga x from the fused projection
-    gate = linear(layer.g_b_proj, gate_low)
+    # = layer.output(o, xs)
     if o.device.type == "cpu" and o.dtype == torch.float32:
         (norm_weight,) = derived_arrays(layer, "o_norm", lambda: (layer.o_norm.weight,), lambda *params: params)()
         normed = gated_rms_norm_cpu(o, gate, norm_weight, layer.o_norm.eps)
@@ -250,7 +249,27 @@ def kda_forward_with_state(
 
 
 def _input_projection(layer: KimiDeltaAttention) -> FusedLinear:
-    """Everything the layer computes from x in one matmul: (q|k|v pre-conv = `layer.project`, W_fa x,
-    beta logits = `layer.beta_logits`, W_ga x)."""
-    return fused(layer, "input", lambda: (layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj,
-                                          layer.b_proj, layer.g_a_proj), groups=(3, 1, 1, 1))
+    """Everything the layer computes from x in one matmul: (q|k|v pre-conv = `layer.project`,
+    beta logits = `layer.beta_logits`, W_fa x | W_ga x)."""
+    return fused(layer, "input", lambda: (layer.q_proj, layer.k_proj, layer.v_proj, layer.b_proj,
+                                          layer.f_a_proj, layer.g_a_proj), groups=(3, 1, 2))
+
+
+# Up to this many tokens on CPU, the gate's and the output gate's up-projections run as one matmul with their
+# weights block-diagonal: half its products are zeros, which at a decode step's few rows cost less than a
+# second call (~20 us).
+GATE_PROJECTIONS_FUSED_MAX_TOKENS = 64
+
+
+def _gate_projections(layer: KimiDeltaAttention, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low-rank gates' up-projections from low = [W_fa x | W_ga x] [T, K + V]: f = W_fb W_fa x
+    [T, HV, K] and the output gate W_gb W_ga x [T, HV*V]."""
+    HV, K, V = layer.num_v_heads, layer.head_dim, layer.v_head_dim
+    if low.device.type == "cpu" and low.shape[0] <= GATE_PROJECTIONS_FUSED_MAX_TOKENS:
+        both = derived_linear(layer, "gate_projections", lambda: (layer.f_b_proj.weight, layer.g_b_proj.weight),
+                              torch.block_diag)(low)
+        f, gate = both.split([HV * K, HV * V], dim=-1)
+    else:
+        f_low, gate_low = low.split([layer.f_a_proj.out_features, layer.g_a_proj.out_features], dim=-1)
+        f, gate = linear(layer.f_b_proj, f_low), linear(layer.g_b_proj, gate_low)
+    return f.unflatten(-1, (HV, K)), gate

@@ -107,15 +107,21 @@ def test_decode_without_slots_keeps_or_updates_the_given_state() -> None:
     assert rel_err(o, o0) < 1e-5 and rel_err(s, s0_ref) < 1e-5
 
 
+@pytest.mark.parametrize("inputs", ["fp32", "bf16 column slices"])
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
-def test_conv_and_recurrence_in_one_decode_step_match_their_torch_forms(gate: str) -> None:
+def test_conv_and_recurrence_in_one_decode_step_match_their_torch_forms(gate: str, inputs: str) -> None:
     """`conv_recurrent_kda_decode_cpu` (the engine's CPU decode step from pre-conv channels) against the
     causal conv + SiLU written out in torch and the fp64 naive recurrence: grouped heads (HV = 2H), paged
-    pools, a skipped sequence."""
+    pools, a skipped sequence; the inputs as fp32 tensors or as bf16 columns of one projection's output."""
     N, H, HV, K, V, W, slots = 5, 2, 4, 16, 8, 4, 9
     C = 2 * H * K + HV * V
     gen = torch.Generator().manual_seed(11)
-    qkv, f, beta_logits = torch.randn(N, C, generator=gen), torch.randn(N, HV, K, generator=gen), torch.randn(N, HV, generator=gen)
+    if inputs == "fp32":
+        qkv, f, beta_logits = (torch.randn(N, C, generator=gen), torch.randn(N, HV, K, generator=gen),
+                               torch.randn(N, HV, generator=gen))
+    else:
+        fused = torch.randn(N, C + HV * K + HV + 3, generator=gen).bfloat16()
+        qkv, f, beta_logits = fused[:, :C], fused[:, C:C + HV * K].unflatten(1, (HV, K)), fused[:, -HV - 3:-3]
     conv_weight = torch.randn(W, C, generator=gen) * 0.5
     conv_pages = torch.randn(slots, 2 * (W - 1) * C, generator=gen)
     conv_pool = conv_pages[:, :(W - 1) * C].view(slots, W - 1, C)
@@ -131,11 +137,12 @@ def test_conv_and_recurrence_in_one_decode_step_match_their_torch_forms(gate: st
 
     valid = idx >= 0
     used = idx[valid]
-    window = torch.cat([conv_before[used], qkv[valid, None]], dim=1)  # [n, W, C], oldest first
+    window = torch.cat([conv_before[used], qkv[valid, None].float()], dim=1)  # [n, W, C], oldest first
     y = F.silu((window * conv_weight).sum(1))
     q, k, v = y.split([H * K, H * K, HV * V], dim=-1)
     o_ref, s_ref = naive_recurrent_kda(
-        q.view(-1, 1, H, K), k.view(-1, 1, H, K), v.view(-1, 1, HV, V), f[valid, None], beta_logits[valid, None],
+        q.view(-1, 1, H, K), k.view(-1, 1, H, K), v.view(-1, 1, HV, V), f[valid, None].float(),
+        beta_logits[valid, None].float(),
         scale=K**-0.5, initial_state=pool_before[used], output_final_state=True, use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, dt_bias=dt_bias, **gate_kwargs)
     assert rel_err(o[valid], o_ref[:, 0]) < 1e-5 and (o[~valid] == 0).all()
