@@ -154,11 +154,12 @@ def conv_recurrent_kda_decode_cpu(
     (in place; the C loop). qkv [n, C], f [n, HV, K] and beta_logits [n, HV] all fp32 or all bf16 (any strides
     but f's last, e.g. column slices of a projection: read where they lie), conv_weight [W, C], dt_bias [HV*K];
     `lower_bound` set: the bounded gate, else A_log [HV]. Returns o [n, HV, V] fp32. Pools may have any
-    strides, `pool` with `slots_contiguous`; nothing of this step is materialised in torch, where it costs
+    strides but conv_pool's channels contiguous (vLLM's CPU layout) and `pool` with `slots_contiguous`; nothing of this step is materialised in torch, where it costs
     ~100 small ops a layer. The parameters may be given as fp32 numpy arrays (a caller's cached copies)."""
     _check_pool("pool", pool)
-    if conv_pool.dtype != torch.float32 or conv_pool.device.type != "cpu":
-        raise ValueError(f"conv_pool must be fp32 on the CPU, got {conv_pool.dtype} on {conv_pool.device}")
+    if conv_pool.dtype != torch.float32 or conv_pool.device.type != "cpu" or conv_pool.stride(-1) != 1:
+        raise ValueError(f"conv_pool must be fp32 on the CPU with its channels contiguous, got {conv_pool.dtype} on "
+                         f"{conv_pool.device} with strides {conv_pool.stride()}")
     n, HV, K = f.shape
     V = pool.shape[-1]
     # the recurrence's inputs live only between the two loops: numpy scratch in one block (q, k, decay, v, beta),
@@ -179,8 +180,11 @@ def conv_recurrent_kda_decode_cpu(
     if not from_bf16 == f_bf16 == b_bf16:
         raise ValueError(f"qkv, f and beta_logits must share one dtype (fp32 or bf16), got {qkv.dtype}, {f.dtype} "
                          f"and {beta_logits.dtype}")
-    conv_decode_inputs(qkv_f32, qkv_bits, f_f32, f_bits, b_f32, b_bits, from_bf16, _f32(conv_weight),
-                       conv_pool.detach().numpy(), bounded, np.float32(lower_bound if bounded else 0.0), a_log,
+    P, W1, C = conv_pool.shape
+    slot_stride, tap_stride = conv_pool.stride(0), conv_pool.stride(1)
+    span = torch.as_strided(conv_pool.detach(), (max(P - 1, 0) * slot_stride + (W1 - 1) * tap_stride + C,), (1,))
+    conv_decode_inputs(qkv_f32, qkv_bits, f_f32, f_bits, b_f32, b_bits, from_bf16, _f32(conv_weight), span.numpy(),
+                       slot_stride, tap_stride, bounded, np.float32(lower_bound if bounded else 0.0), a_log,
                        _f32(dt_bias), num_heads, slots.numpy(), q, k, v, decay, beta)
     o = torch.empty(n, HV, V)
     starts, ends = _decode_rows(n)

@@ -124,10 +124,11 @@ def conv_pool_advance(x, x_bf16, from_bf16, conv_pool, starts, ends, slots, keep
 
 
 @njit(void(float32[:, :], int16[:, :], float32[:, :], int16[:, :], float32[:, :], int16[:, :], boolean, float32[:, ::1],
-           float32[:, :, :], boolean, float32, _VEC, _VEC, int64, _INDEX, _ROWS, _ROWS, _ROWS, _ROWS, float32[:, ::1]),
-      **COMPILE)
-def conv_decode_inputs(qkv, qkv_bf16, f, f_bf16, beta_logits, beta_bf16, from_bf16, conv_w, conv_pool, bounded,
-                       lower_bound, a_log, dt_bias, H, slots, q, k, v, decay, beta):  # pragma: no cover - compiled
+           _VEC, int64, int64, boolean, float32, _VEC, _VEC, int64, _INDEX, _ROWS, _ROWS, _ROWS, _ROWS,
+           float32[:, ::1]), **COMPILE)
+def conv_decode_inputs(qkv, qkv_bf16, f, f_bf16, beta_logits, beta_bf16, from_bf16, conv_w, conv_pool, slot_stride,
+                       tap_stride, bounded, lower_bound, a_log, dt_bias, H, slots, q, k, v, decay,
+                       beta):  # pragma: no cover - compiled
     """The recurrence's inputs for one token of each of n sequences, from the pre-conv channels: qkv [n, C]
     (q|k|v channels), f [n, HV*K] the raw gate input and beta_logits [n, HV], each fp32 or, with from_bf16, as
     bf16 bits in the `_bf16` arguments (any strides); conv_w [W, C] (tap 0 the oldest), conv_pool [P, W-1, C]
@@ -136,8 +137,7 @@ def conv_decode_inputs(qkv, qkv_bf16, f, f_bf16, beta_logits, beta_bf16, from_bf
     (q/k heads expanded to the value heads, not normalised), v [n, HV, V], decay [n, HV, K] and
     sigmoid(beta) [n, HV]; rows of skipped sequences (slot < 0) are left as they are."""
     n, HV, K = q.shape
-    C = conv_w.shape[1]
-    W1 = conv_pool.shape[1]
+    W1, C = conv_w.shape[0] - 1, conv_w.shape[1]
     V = (C - 2 * H * K) // HV
     G = HV // H
     x = np.empty(C, np.float32)
@@ -150,23 +150,30 @@ def conv_decode_inputs(qkv, qkv_bf16, f, f_bf16, beta_logits, beta_bf16, from_bf
         if s < 0:
             continue
         load_row(qkv, qkv_bf16, from_bf16, r, x, bits)
-        for c in range(C):  # the causal conv's newest window, SiLU, and the window moved on by one
-            acc = conv_w[W1, c] * x[c]
-            for tap in range(W1):
-                acc += conv_w[tap, c] * conv_pool[s, tap, c]
-            y[c] = acc
-            for tap in range(W1 - 1):
-                conv_pool[s, tap, c] = conv_pool[s, tap + 1, c]
-            conv_pool[s, W1 - 1, c] = x[c]
+        # the causal conv's newest window, SiLU, and the window moved on by one. Rows are taken as slices: an
+        # index computed at run time may be negative (numba then wraps it), and that check stops LLVM from
+        # vectorising a loop (6x slower, measured)
+        newest = conv_w[W1]
+        for c in range(C):
+            y[c] = newest[c] * x[c]
+        for tap in range(W1):
+            at = s * slot_stride + tap * tap_stride
+            window, weight = conv_pool[at:at + C], conv_w[tap]
+            for c in range(C):
+                y[c] += weight[c] * window[c]
+        for tap in range(W1):
+            at = s * slot_stride + tap * tap_stride
+            older = conv_pool[at:at + C]
+            newer = conv_pool[at + tap_stride:at + tap_stride + C] if tap < W1 - 1 else x
+            for c in range(C):
+                older[c] = newer[c]
         silu_inplace(y, exponent)
         load_row(beta_logits, beta_bf16, from_bf16, r, b, bits)
         for h in range(HV):
             hq = h // G  # q/k head h serves value heads h*G .. h*G+G-1
-            for i in range(K):
-                q[r, h, i] = y[hq * K + i]
-                k[r, h, i] = y[H * K + hq * K + i]
-            for j in range(V):
-                v[r, h, j] = y[2 * H * K + h * V + j]
+            q[r, h] = y[hq * K:(hq + 1) * K]
+            k[r, h] = y[(H + hq) * K:(H + hq + 1) * K]
+            v[r, h] = y[2 * H * K + h * V:2 * H * K + (h + 1) * V]
             beta[r, h] = np.float32(1.0) / (np.float32(1.0) + np.exp(-b[h]))
     gate_decay_rows(f, f_bf16, from_bf16, dt_bias, bounded, lower_bound, a_log, K, decay.reshape((n, HV * K)))
 

@@ -104,7 +104,7 @@ def _decode(
     """One token for each of n requests: qkv [n, C], f [n, HV, K], beta [n, HV] (logits) -> o [n, HV, V]
     (fp32 on the CPU's compiled path, else qkv's dtype)."""
     if (qkv.device.type == "cpu" and conv_state.dtype == recurrent_state.dtype == torch.float32
-            and slots_contiguous(recurrent_state)):
+            and conv_state.stride(-2) == 1 and slots_contiguous(recurrent_state)):
         dt_bias, a_log = derived_arrays(layer, "decode_gate", lambda: (layer.dt_bias, layer.A_log),
                                         lambda *params: params)()
         return conv_recurrent_kda_decode_cpu(
