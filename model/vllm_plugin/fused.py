@@ -19,7 +19,8 @@ from torch import nn
 
 PrepareMatmul = Callable[[torch.Tensor], "Callable[[torch.Tensor], torch.Tensor] | None"]
 """Turns a weight W [out, in] into a function x [T, in] -> x W^T [T, out] in x's dtype (e.g. with W packed for
-the CPU's GEMM kernels), or None where it has no faster form for W."""
+the CPU's GEMM kernels; the result may be the leading columns of a wider product), or None where it has no
+faster form for W."""
 
 
 class DerivedLinear:

@@ -137,7 +137,8 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.model(inputs_embeds.to(self.compute_dtype)).to(self.model_dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return linear(self.lm_head, hidden_states.to(self.compute_dtype))
+        # contiguous for vLLM's samplers: a padded prepared matmul returns a column slice (cpu_gemm)
+        return linear(self.lm_head, hidden_states.to(self.compute_dtype)).contiguous()
 
     @classmethod
     def get_mamba_state_shape_from_config(

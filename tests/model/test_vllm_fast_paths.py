@@ -107,6 +107,22 @@ def test_cpu_matmuls_prepared_by_vllms_dispatch_match_fp64() -> None:
         assert (y.double() - ref).norm() / ref.norm() < 1e-2, (tokens, k, n)
 
 
+def test_cpu_matmuls_padded_for_sgl_kernels_return_the_weights_columns() -> None:
+    """A weight padded with zero rows (as `prepare_cpu_matmul` pads one whose N is not a multiple of 16 where
+    the padded weight gets sgl-kernel's brgemm): vLLM's kernel for the padded weight, its leading columns
+    against fp64. fp32 here, so that every CPU runs it (the padding is the same for bf16)."""
+    from model.vllm_plugin.cpu_gemm import SGL_ROWS, sgl_padding, vllm_cpu_matmul
+
+    torch.manual_seed(5)
+    weight, x = torch.randn(900, 256) / 16, torch.randn(8, 256)
+    y = vllm_cpu_matmul(weight, pad_rows=-900 % SGL_ROWS)(x)
+    assert y.shape == (8, 900) and y.stride(0) == 912
+    ref = x.double() @ weight.double().t()
+    assert (y.double() - ref).norm() / ref.norm() < 1e-5
+    assert sgl_padding(896, 256, torch.bfloat16) == 0 and sgl_padding(8, 256, torch.bfloat16) == 0
+    assert sgl_padding(900, 256, torch.bfloat16) in (0, 12)  # 12 where this CPU has AMX
+
+
 @pytest.mark.parametrize("n_candidates,tokens", [(1, 3), (2, 1), (5, 8), (1, 130), (6, 200)])  # stacked / per candidate
 def test_attn_res_matches_hf(n_candidates: int, tokens: int) -> None:
     from model.vllm_plugin.per_token import VllmBlockAttnRes

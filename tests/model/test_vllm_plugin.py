@@ -251,18 +251,19 @@ def test_projections_prepared_for_vllms_cpu_kernels_match_hf_through_a_weight_pu
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The served projections through vLLM's prepared CPU GEMM kernels inside a real engine. The engine prepares
-    bf16 weights only; here fp32 weights are prepared too (vLLM's dispatch picks oneDNN's fp32 matmul), so that
-    every CPU runs the prepared path: greedy tokens and logprobs match the HF model, and after a weight push
+    bf16 weights only; here fp32 weights are prepared too (vLLM's dispatch picks oneDNN's fp32 matmul), and padded
+    to a multiple of 16 rows as for sgl-kernel's brgemm (outputs that are column slices), so that every CPU runs
+    the prepared path: greedy tokens and logprobs match the HF model, and after a weight push
     (in place) the prepared copies are rebuilt and match the new HF model."""
     import model.vllm_plugin.model as served
-    from model.vllm_plugin.cpu_gemm import vllm_cpu_matmul
+    from model.vllm_plugin.cpu_gemm import SGL_ROWS, vllm_cpu_matmul
     from model.vllm_plugin.weight_sync import push_weights
 
     prepared: list[torch.Tensor] = []
 
-    def prepare_any_dtype(weight: torch.Tensor):
+    def prepare_any_dtype(weight: torch.Tensor):  # padded as for sgl-kernel's brgemm, on any CPU
         prepared.append(weight)
-        return vllm_cpu_matmul(weight)
+        return vllm_cpu_matmul(weight, pad_rows=-weight.shape[0] % SGL_ROWS)
 
     monkeypatch.setattr(served, "prepare_cpu_matmul", prepare_any_dtype)
     llm = _make_engine(model_dir)
