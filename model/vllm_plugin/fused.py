@@ -106,6 +106,7 @@ class DerivedArrays:
         self.sources, self.build = sources, build
         self._stamp: tuple | None = None
         self._arrays: tuple[np.ndarray, ...] = ()
+        self._tensors: tuple[tuple[np.ndarray, ...], tuple[torch.Tensor, ...]] = ((), ())
 
     def __call__(self) -> tuple[np.ndarray, ...]:
         sources = self.sources()
@@ -116,6 +117,13 @@ class DerivedArrays:
                                      for t in self.build(*sources))
             self._stamp = stamp
         return self._arrays
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The arrays as CPU tensors over the same memory, for loops that take tensors (made once per rebuild)."""
+        arrays = self()
+        if self._tensors[0] is not arrays:
+            self._tensors = (arrays, tuple(torch.from_numpy(a) for a in arrays))
+        return self._tensors[1]
 
 
 def _cached(module: nn.Module, name: str, make: Callable[[], object]) -> object:

@@ -55,8 +55,8 @@ class VllmBlockAttnRes(BlockAttnRes):
         key, norm_weight = derived_arrays(
             self, "key_and_norm", lambda: (self.norm.weight, self.query, norm.weight),
             lambda gamma, query, weight: (gamma.float() * query.float(), weight),
-        )()
-        return attn_res_rmsnorm(candidates, torch.from_numpy(key), self.eps, torch.from_numpy(norm_weight), norm.eps)
+        ).tensors()
+        return attn_res_rmsnorm(candidates, key, self.eps, norm_weight, norm.eps)
 
 
 class VllmSiTUGLUMLP(SiTUGLUMLP):
