@@ -37,7 +37,8 @@ STATE_ELEMENTS_PER_THREAD = 1 << 20  # ~0.2 ms of the recurrence on one core; a 
 def slots_contiguous(pool: torch.Tensor) -> bool:
     """Whether each slot of a state pool [P, HV, K, V] is one contiguous block (the slots themselves may lie
     apart, as in a serving engine's pages): what the compiled loops read and write in place."""
-    return pool.shape[0] == 0 or pool[0].is_contiguous()
+    _, HV, K, V = pool.shape
+    return pool.stride()[1:] == (K * V, V, 1) or pool.shape[0] == 0 or pool[0].is_contiguous()
 
 
 @functools.cache
@@ -171,8 +172,6 @@ def conv_recurrent_kda_decode_cpu(
     bounded = lower_bound is not None
     a_log = np.zeros(HV, np.float32) if bounded else _f32(A_log)
     slots = slots.to("cpu", torch.int64).contiguous()
-    if n and int(slots.max()) >= pool.shape[0]:
-        raise ValueError(f"slots {slots.tolist()} outside the pool's {pool.shape[0]}")
     from kernels.kda.recurrent_cpu_numba import conv_decode_inputs
 
     (qkv_f32, qkv_bits, from_bf16), (f_f32, f_bits, f_bf16), (b_f32, b_bits, b_bf16) = (
@@ -185,7 +184,7 @@ def conv_recurrent_kda_decode_cpu(
     span = torch.as_strided(conv_pool.detach(), (max(P - 1, 0) * slot_stride + (W1 - 1) * tap_stride + C,), (1,))
     conv_decode_inputs(qkv_f32, qkv_bits, f_f32, f_bits, b_f32, b_bits, from_bf16, _f32(conv_weight), span.numpy(),
                        slot_stride, tap_stride, bounded, np.float32(lower_bound if bounded else 0.0), a_log,
-                       _f32(dt_bias), num_heads, slots.numpy(), q, k, v, decay, beta)
+                       _f32(dt_bias), num_heads, slots.numpy(), min(P, pool.shape[0]), q, k, v, decay, beta)
     o = torch.empty(n, HV, V)
     starts, ends = _decode_rows(n)
     q_at = scratch.ctypes.data  # float32: 4 bytes; q, k, decay, v, beta in that order

@@ -124,10 +124,10 @@ def conv_pool_advance(x, x_bf16, from_bf16, conv_pool, starts, ends, slots, keep
 
 
 @njit(void(float32[:, :], int16[:, :], float32[:, :], int16[:, :], float32[:, :], int16[:, :], boolean, float32[:, ::1],
-           _VEC, int64, int64, boolean, float32, _VEC, _VEC, int64, _INDEX, _ROWS, _ROWS, _ROWS, _ROWS,
+           _VEC, int64, int64, boolean, float32, _VEC, _VEC, int64, _INDEX, int64, _ROWS, _ROWS, _ROWS, _ROWS,
            float32[:, ::1]), **COMPILE)
 def conv_decode_inputs(qkv, qkv_bf16, f, f_bf16, beta_logits, beta_bf16, from_bf16, conv_w, conv_pool, slot_stride,
-                       tap_stride, bounded, lower_bound, a_log, dt_bias, H, slots, q, k, v, decay,
+                       tap_stride, bounded, lower_bound, a_log, dt_bias, H, slots, num_slots, q, k, v, decay,
                        beta):  # pragma: no cover - compiled
     """The recurrence's inputs for one token of each of n sequences, from the pre-conv channels: qkv [n, C]
     (q|k|v channels), f [n, HV*K] the raw gate input and beta_logits [n, HV], each fp32 or, with from_bf16, as
@@ -135,9 +135,13 @@ def conv_decode_inputs(qkv, qkv_bf16, f, f_bf16, beta_logits, beta_bf16, from_bf
     (the last W-1 inputs, oldest first, advanced in place), the gate's parameters (bounded:
     lower_bound * sigmoid(f + dt_bias), else -exp(a_log) * softplus(f + dt_bias)). Writes q, k [n, HV, K]
     (q/k heads expanded to the value heads, not normalised), v [n, HV, V], decay [n, HV, K] and
-    sigmoid(beta) [n, HV]; rows of skipped sequences (slot < 0) are left as they are."""
+    sigmoid(beta) [n, HV]; rows of skipped sequences (slot < 0) are left as they are. Raises, before writing
+    anything, where a slot is not below `num_slots` (the pools' slots, which the C recurrence trusts)."""
     n, HV, K = q.shape
     W1, C = conv_w.shape[0] - 1, conv_w.shape[1]
+    for r in range(n):
+        if slots[r] >= num_slots:
+            raise ValueError("a slot lies outside the state pools")
     V = (C - 2 * H * K) // HV
     G = HV // H
     x = np.empty(C, np.float32)

@@ -92,7 +92,7 @@ def _stamp(tensors: tuple[torch.Tensor, ...]) -> tuple | None:
     """Where each tensor's data is and how often it was modified in place; None for inference-mode tensors
     (they carry no version counter)."""
     try:
-        return tuple((t.data_ptr(), t._version) for t in tensors)
+        return tuple([(t.data_ptr(), t._version) for t in tensors])  # (a list builds faster than a generator)
     except RuntimeError:
         return None
 
@@ -163,9 +163,13 @@ def derived_linear(
 
 def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """lin(x) for a bias-free linear, through its prepared matmul where there is one."""
-    if lin._parameters.get("bias") is not None:
-        raise ValueError("linear serves bias-free projections only")
-    return derived_linear(lin, "self", lambda: (lin._parameters["weight"],), lambda weight: weight)(x)
+    found = lin.__dict__.get("_serving_fused")  # (the lookup of `derived_linear`, without its closures: hot)
+    derived = None if found is None else found.get("self")
+    if derived is None:
+        if lin._parameters.get("bias") is not None:
+            raise ValueError("linear serves bias-free projections only")
+        derived = derived_linear(lin, "self", lambda: (lin._parameters["weight"],), lambda weight: weight)
+    return derived(x)
 
 
 def set_prepared_matmuls(model: nn.Module, prepare: PrepareMatmul | None) -> None:

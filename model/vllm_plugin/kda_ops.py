@@ -14,6 +14,7 @@ multiply-sum (a decode step is dominated by the count of small ops).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,9 +50,15 @@ class KDABatch:
     def num_requests(self) -> int:
         return int(self.state_indices.numel())
 
-    @property
+    # computed once per batch: every KDA layer of a step reads them (each read a tensor op or a copy)
+    @functools.cached_property
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        """state_indices as contiguous int64, as the compiled CPU loops take them."""
+        return self.state_indices.to(torch.int64).contiguous()
 
     def validate(self) -> None:
         n = self.num_requests
@@ -220,7 +227,7 @@ def kda_forward_with_state(
     f, gate = _gate_projections(layer, low)  # f = layer.gate_input(xs); gate = W_gb W_ga xs, as layer.output uses it
     nd = batch.num_decodes
     if nd == batch.num_requests:  # decode-only step
-        o = _decode(layer, qkv, f, beta, conv_state, recurrent_state, batch.state_indices)
+        o = _decode(layer, qkv, f, beta, conv_state, recurrent_state, batch.slots)
     elif nd == 0:  # prefill-only step: the kernel's output as it is (a copy of it cost ~5% of a 16K prefill)
         o = _prefill(layer, qkv, f, beta, conv_state, recurrent_state, batch.query_start_loc,
                      batch.state_indices, batch.has_initial_state)

@@ -94,13 +94,15 @@ class VllmKimiDeltaAttention(KimiDeltaAttention, MambaBase):
         if meta is None:  # profiling / dummy run: no state slots
             return torch.zeros_like(x)
         assert isinstance(meta, GDNAttentionMetadata)
-        n = meta.num_decodes + meta.num_prefills
-        batch = KDABatch(
-            num_decodes=meta.num_decodes,
-            query_start_loc=meta.non_spec_query_start_loc[: n + 1],
-            state_indices=meta.non_spec_state_indices_tensor[:n],
-            has_initial_state=None if meta.has_initial_state is None else meta.has_initial_state[:n],
-        )
+        batch = meta.__dict__.get("_taper_kda_batch")
+        if batch is None:  # once per step: the KDA layers share their metadata
+            n = meta.num_decodes + meta.num_prefills
+            batch = meta.__dict__["_taper_kda_batch"] = KDABatch(
+                num_decodes=meta.num_decodes,
+                query_start_loc=meta.non_spec_query_start_loc[: n + 1],
+                state_indices=meta.non_spec_state_indices_tensor[:n],
+                has_initial_state=None if meta.has_initial_state is None else meta.has_initial_state[:n],
+            )
         conv_state, recurrent_state = self.kv_cache
         if not is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)  # a (C, W-1) view of each slot

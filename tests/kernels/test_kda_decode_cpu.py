@@ -229,3 +229,17 @@ def test_prefill_reads_a_bf16_gate_input_as_its_bits(gate: str) -> None:
     assert torch.equal(o_bits, o_f32) and torch.equal(s_bits, s_f32)
     o_ref, s_ref = naive_recurrent_kda(*args, output_final_state=True, **x.kwargs)
     assert rel_err(o_bits, o_ref) < 1e-5 and rel_err(s_bits, s_ref) < 1e-5
+
+
+def test_a_decode_step_with_a_slot_outside_the_pools_raises_before_writing() -> None:
+    N, H, HV, K, V, W, slots = 3, 1, 2, 8, 8, 4, 4
+    C = 2 * H * K + HV * V
+    gen = torch.Generator().manual_seed(2)
+    conv_pool, pool = torch.randn(slots, W - 1, C, generator=gen), torch.randn(slots, HV, K, V, generator=gen)
+    before = conv_pool.clone(), pool.clone()
+    with pytest.raises(ValueError, match="outside the state pools"):
+        conv_recurrent_kda_decode_cpu(
+            torch.randn(N, C, generator=gen), torch.randn(W, C, generator=gen), conv_pool,
+            torch.randn(N, HV, K, generator=gen), torch.randn(N, HV, generator=gen), num_heads=H, scale=K**-0.5,
+            lower_bound=-5.0, A_log=None, dt_bias=torch.zeros(HV * K), slots=torch.tensor([0, slots, 1]), pool=pool)
+    assert torch.equal(conv_pool, before[0]) and torch.equal(pool, before[1])
