@@ -148,13 +148,13 @@ def attn_res_rmsnorm(candidates: list[torch.Tensor], key: torch.Tensor, eps: flo
             raise ValueError(f"{name} must be a contiguous fp32 CPU tensor of shape {(d,)}, got {x.dtype} "
                              f"{tuple(x.shape)}")
     out = torch.empty(T, d, dtype=dtype)
-    pointers = (ctypes.c_void_p * len(rows))(*(c.data_ptr() for c in rows))
-    bf16 = int(dtype == torch.bfloat16)
+    pointers = (ctypes.c_void_p * len(rows))(*[c.data_ptr() for c in rows])
+    args = (pointers, len(rows), d, int(dtype == torch.bfloat16), key.data_ptr(), eps, norm_weight.data_ptr(),
+            norm_eps, out.data_ptr())
     fn = _attn_res_rmsnorm_c()
-
-    def block(lo: int, hi: int) -> None:
-        fn(pointers, len(rows), d, bf16, key.data_ptr(), eps, norm_weight.data_ptr(), norm_eps, out.data_ptr(), lo,
-           hi)
-
-    run_row_blocks(block, T, threads or threads_for(T * d * len(rows)))
+    threads = threads or threads_for(T * d * len(rows))
+    if threads == 1:  # a decode step's call: no blocks to hand out
+        fn(*args, 0, T)
+    else:
+        run_row_blocks(lambda lo, hi: fn(*args, lo, hi), T, threads)
     return out

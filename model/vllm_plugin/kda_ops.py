@@ -222,7 +222,7 @@ def kda_forward_with_state(
     T = batch.num_tokens
     if T == 0:
         return x.new_zeros(x.shape)
-    xs = x[:T]
+    xs = x if T == x.shape[0] else x[:T]
     qkv, beta, low = _input_projection(layer)(xs)
     f, gate = _gate_projections(layer, low)  # f = layer.gate_input(xs); gate = W_gb W_ga xs, as layer.output uses it
     nd = batch.num_decodes
