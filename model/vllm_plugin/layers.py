@@ -134,13 +134,21 @@ def cached_latents(kv_cache: torch.Tensor, pages: torch.Tensor, length: int, isa
     return values.reshape(-1, r)[:length]
 
 
-def vllm_kernel_decodes_latents(isa: str) -> bool:
+# Up to this many latents in a step's longest sequence, MLA decodes use `latent_decode_attention` even where vLLM's
+# AMX kernel serves the layer: per MLA layer of a decode step (8 sequences, bf16, one Xeon core, in an engine),
+# ours against vLLM's took 0.82 against 1.10 ms at 512 latents, 2.46 against 1.29 at 2,048 and 3.77 against 2.12
+# at 4,096; where the two lines cross (~800) is interpolated.
+OUR_KERNEL_MAX_LATENTS = 768
+
+
+def vllm_kernel_decodes_latents(isa: str, longest: int) -> bool:
     """Whether MLA decode steps over the latent cache use vLLM's CPU attention kernel rather than
-    `latent_decode_attention`, by the kernel kind vLLM chose for the layer. On AMX CPUs (bf16 caches) vLLM's AMX
-    kernel is the faster: 8.0 against 11.8 ms for 8 sequences of 16K latents on a Xeon. Elsewhere ours, which
-    reads each latent once where vLLM's kernel reads a key copy and a value copy: 13.3 against 20.9 ms on that
-    Xeon in fp32, 12.9 against 25.0 ms in bf16 on an AVX2 CPU (benchmarks/NOTES.md)."""
-    return isa == "amx"
+    `latent_decode_attention`, by the kernel kind vLLM chose for the layer and the step's longest sequence
+    (`longest` latents). On AMX CPUs (bf16 caches) vLLM's AMX kernel is the faster but for short sequences
+    (`OUR_KERNEL_MAX_LATENTS`): 8.0 against 11.8 ms for 8 sequences of 16K latents on a Xeon. Elsewhere ours,
+    which reads each latent once where vLLM's kernel reads a key copy and a value copy: 13.3 against 20.9 ms on
+    that Xeon in fp32, 12.9 against 25.0 ms in bf16 on an AVX2 CPU (benchmarks/NOTES.md)."""
+    return isa == "amx" and longest > OUR_KERNEL_MAX_LATENTS
 
 
 def tiles_attend_prefills(isa: str, dtype: torch.dtype) -> bool:
@@ -232,7 +240,7 @@ class VllmGatedMLA(GatedMLA):
         up-projection. Returns [n, H, Dv]."""
         w_uk, w_uv = self._up_weights_fp32()
         q_abs = absorbed_queries(q[:n].view(n, self.num_heads, self.qk_head_dim).float(), w_uk)
-        if vllm_kernel_decodes_latents(self.attn.isa):
+        if vllm_kernel_decodes_latents(self.attn.isa, meta.max_seq_len):
             mixed = self._vllm_latent_decode(q_abs.to(self.cache_dtype), meta, n)
         else:
             mixed = latent_decode_attention(q_abs.to(q.dtype), self.attn.kv_cache, meta.block_table,

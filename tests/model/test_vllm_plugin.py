@@ -183,7 +183,7 @@ def test_greedy_decodes_through_vllms_kernel_match_hf_too(engine, hf_model, monk
     from model.vllm_plugin import layers
 
     kinds: list[str] = []
-    monkeypatch.setattr(layers, "vllm_kernel_decodes_latents", lambda isa: kinds.append(isa) or True)
+    monkeypatch.setattr(layers, "vllm_kernel_decodes_latents", lambda isa, longest: kinds.append(isa) or True)
     prompts = _prompts([1, 23, 150], seed=3)
     for prompt, out in zip(prompts, _generate(engine, prompts, _greedy()), strict=True):
         completion = out.outputs[0]

@@ -104,6 +104,14 @@ def test_tiles_attend_prefills_only_for_bf16_layers_served_by_vllms_amx_kernel()
     assert not tiles_attend_prefills("vec", torch.bfloat16)
 
 
+def test_vllms_kernel_decodes_latents_on_amx_cpus_past_short_sequences() -> None:
+    from model.vllm_plugin.layers import OUR_KERNEL_MAX_LATENTS, vllm_kernel_decodes_latents
+
+    assert vllm_kernel_decodes_latents("amx", OUR_KERNEL_MAX_LATENTS + 1)
+    assert not vllm_kernel_decodes_latents("amx", OUR_KERNEL_MAX_LATENTS)
+    assert not vllm_kernel_decodes_latents("vec", 16384)
+
+
 # ---- a real engine in bf16 against fp32 ---------------------------------------------------------------------
 
 STEPS = 200
