@@ -85,7 +85,7 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = self.linear(x)
-        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
+        return y.split_with_sizes(self.sizes, dim=-1) if len(self.sizes) > 1 else (y,)
 
 
 def _stamp(tensors: tuple[torch.Tensor, ...]) -> tuple | None:
