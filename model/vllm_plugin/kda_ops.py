@@ -264,7 +264,7 @@ def _input_projection(layer: KimiDeltaAttention) -> FusedLinear:
 
 # Up to this many tokens on CPU, the gate's and the output gate's up-projections run as one matmul with their
 # weights block-diagonal: half its products are zeros, which at a decode step's few rows cost less than a
-# second call (~20 us).
+# second matmul call.
 GATE_PROJECTIONS_FUSED_MAX_TOKENS = 64
 
 

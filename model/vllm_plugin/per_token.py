@@ -13,7 +13,7 @@ from model.layers.attn_res import BlockAttnRes
 from model.layers.moe import Router, StableLatentMoE
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP, situ_glu
-from model.vllm_plugin.fused import derived_arrays, derived_linear, fused, linear
+from model.vllm_plugin.fused import DerivedLinear, derived_arrays, derived_linear, fused, linear
 
 
 class VllmBlockAttnRes(BlockAttnRes):
@@ -136,17 +136,13 @@ class VllmStableLatentMoE(StableLatentMoE):
         (`kernels.moe_cpu`) between the four matmuls, in place of ~50 small ops. `logits`: the router's, where
         the fused input projection computed them (fp32); else the routing pass computes them from x."""
         router, experts, shared = self.router, self.experts, self.shared_expert
+        weight = None
         if logits is None:
             (weight,) = derived_arrays(router, "fp32_array", lambda: (router.weight,), lambda w: (w,))()
-            combine = route_dense_cpu(x, weight, router.bias_correction, router.top_k, router.routed_scaling_factor)
-        else:
-            combine = route_dense_cpu(logits, None, router.bias_correction, router.top_k,
-                                      router.routed_scaling_factor)
-        gate_up = derived_linear(experts, "gate_up_rows", lambda: (experts.gate_up_proj,),
-                                 lambda w: w.flatten(0, 1))(outs[0])
-        h = glu_combine_cpu(gate_up, combine, experts.beta, experts.beta_linear)
-        y = derived_linear(experts, "down_columns", lambda: (experts.down_proj,),
-                           lambda w: w.permute(1, 0, 2).reshape(w.shape[1], -1))(h)
+        combine = route_dense_cpu(x if logits is None else logits, weight, router.bias_correction, router.top_k,
+                                  router.routed_scaling_factor)
+        gate_up_rows, down_columns = self._all_experts()
+        y = down_columns(glu_combine_cpu(gate_up_rows(outs[0]), combine, experts.beta, experts.beta_linear))
         (norm_weight,) = derived_arrays(self, "latent_norm", lambda: (self.latent_norm.weight,), lambda w: (w,))()
         return self._up_and_shared_down(rmsnorm_glu_cpu(y, norm_weight, self.latent_norm.eps, outs[1], outs[2],
                                                         shared.beta, shared.beta_linear))
@@ -163,14 +159,19 @@ class VllmStableLatentMoE(StableLatentMoE):
         experts = self.experts
         n, inter = experts.n_experts, experts.intermediate_size
         N = z.shape[0]
-        gate_up = derived_linear(experts, "gate_up_rows", lambda: (experts.gate_up_proj,),
-                                 lambda w: w.flatten(0, 1))(z).view(N, n, 2 * inter)
+        gate_up_rows, down_columns = self._all_experts()
+        gate_up = gate_up_rows(z).view(N, n, 2 * inter)
         h = situ_glu(*gate_up.split(inter, dim=-1), experts.beta, experts.beta_linear)  # [N, n, I]
         combine = weights.new_zeros(N, n).scatter_(1, expert_ids, weights)  # [N, n] fp32
-        h = (h * combine.unsqueeze(-1)).to(z.dtype).view(N, n * inter)
-        # down_proj [n, l, I] as [l, n * I]: column e * I + i is expert e's down_proj[:, i]
-        return derived_linear(experts, "down_columns", lambda: (experts.down_proj,),
-                              lambda w: w.permute(1, 0, 2).reshape(w.shape[1], -1))(h)
+        return down_columns((h * combine.unsqueeze(-1)).to(z.dtype).view(N, n * inter))
+
+    def _all_experts(self) -> tuple[DerivedLinear, DerivedLinear]:
+        """Every expert at once: the gate|up projections as the rows of one weight [n * 2I, l], the down
+        projections as the columns of one [l, n * I] (column e * I + i is expert e's down_proj[:, i])."""
+        experts = self.experts
+        return (derived_linear(experts, "gate_up_rows", lambda: (experts.gate_up_proj,), lambda w: w.flatten(0, 1)),
+                derived_linear(experts, "down_columns", lambda: (experts.down_proj,),
+                               lambda w: w.permute(1, 0, 2).reshape(w.shape[1], -1)))
 
     def _sorted_experts_cpu(self, z: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """latent_norm(experts(z)) in z's dtype, with the routing and the combine + norm as compiled passes
