@@ -256,7 +256,8 @@ def route_dense_cpu(x: torch.Tensor, router_weight: np.ndarray | None, bias: tor
         weight = np.empty((0, 1), np.float32)
     else:
         (rows, rows_bits, bf16), logits, weight = f32_or_bf16_bits(x), NO_F32, router_weight
-    route_dense_rows(rows, rows_bits, bf16, weight, logits, bias.float().contiguous().numpy(), top_k, np.float32(scaling), combine)
+    route_dense_rows(rows, rows_bits, bf16, weight, logits, bias.float().contiguous().numpy(), top_k,
+                     np.float32(scaling), combine)
     return torch.from_numpy(combine)
 
 
