@@ -85,6 +85,7 @@ def route_rows(scores, bias, scaling, weights, rows, slot, counts):  # pragma: n
 
 @njit(inline="always", **COMPILE)
 def _rmsnorm(row, norm_weight, eps):  # pragma: no cover - compiled
+    """row <- row / sqrt(mean(row^2) + eps) * norm_weight, in place."""
     ell = row.shape[0]
     sq = np.float32(0.0)
     for c in range(ell):
@@ -113,9 +114,6 @@ def combine_rmsnorm_rows(out, out_bf16, from_bf16, slot, weights, norm_weight, e
             w = weights[t, j]
             for c in range(ell):
                 acc[c] += w * row[c]
-        sq = np.float32(0.0)
-        for c in range(ell):
-            sq += acc[c] * acc[c]
         _rmsnorm(acc, norm_weight, eps)
         store_row(acc, y, y_bf16, to_bf16, t, bits)
 

@@ -155,8 +155,9 @@ def conv_recurrent_kda_decode_cpu(
     (in place; the C loop). qkv [n, C], f [n, HV, K] and beta_logits [n, HV] all fp32 or all bf16 (any strides
     but f's last, e.g. column slices of a projection: read where they lie), conv_weight [W, C], dt_bias [HV*K];
     `lower_bound` set: the bounded gate, else A_log [HV]. Returns o [n, HV, V] fp32. Pools may have any
-    strides but conv_pool's channels contiguous (vLLM's CPU layout) and `pool` with `slots_contiguous`; nothing of this step is materialised in torch, where it costs
-    ~100 small ops a layer. The parameters may be given as fp32 numpy arrays (a caller's cached copies)."""
+    strides but conv_pool's channels contiguous (vLLM's CPU layout) and `pool` with `slots_contiguous`;
+    nothing of this step is materialised in torch, where it costs ~100 small ops a layer. The parameters may be
+    given as fp32 numpy arrays (a caller's cached copies)."""
     _check_pool("pool", pool)
     if conv_pool.dtype != torch.float32 or conv_pool.device.type != "cpu" or conv_pool.stride(-1) != 1:
         raise ValueError(f"conv_pool must be fp32 on the CPU with its channels contiguous, got {conv_pool.dtype} on "

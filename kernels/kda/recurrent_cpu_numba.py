@@ -28,9 +28,9 @@ def silu_inplace(x, exponent):  # pragma: no cover - compiled
 def gate_decay_rows(f, f_bf16, from_bf16, dt_bias, bounded, lower_bound, a_log, K,
                     decay):  # pragma: no cover - compiled
     """The forget gate's decay exp(g) for rows of raw gate inputs: f [R, HV*K] fp32, or with from_bf16 its
-    bf16 bits f_bf16 (any strides); dt_bias [HV*K]; decay [R, HV*K]. Bounded: g = lower_bound * sigmoid(f + dt_bias); else
-    g = -exp(a_log[h]) * softplus(f + dt_bias) with a_log [HV] (softplus as torch computes it: linear above
-    20). The two formulas of `kernels/kda/gate.py`, which this loop cannot call."""
+    bf16 bits f_bf16 (any strides); dt_bias [HV*K]; decay [R, HV*K]. Bounded: g = lower_bound * sigmoid(f +
+    dt_bias); else g = -exp(a_log[h]) * softplus(f + dt_bias) with a_log [HV] (softplus as torch computes it:
+    linear above 20). The two formulas of `kernels/kda/gate.py`, which this loop cannot call."""
     R, n = f_bf16.shape if from_bf16 else f.shape
     x = np.empty(n, np.float32)
     bits = np.empty((2, n), np.int32)
