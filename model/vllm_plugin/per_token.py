@@ -6,6 +6,7 @@ served forms where vLLM is not installed."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.attn_res_cpu import attn_res_rmsnorm
 from kernels.moe_cpu import combine_rmsnorm_cpu, glu_combine_cpu, rmsnorm_glu_cpu, route_cpu, route_dense_cpu
@@ -13,7 +14,14 @@ from model.layers.attn_res import BlockAttnRes
 from model.layers.moe import Router, StableLatentMoE
 from model.layers.norm import RMSNorm
 from model.layers.situ_glu import SiTUGLUMLP, situ_glu
-from model.vllm_plugin.fused import DerivedLinear, derived_arrays, derived_linear, fused, linear
+from model.vllm_plugin.fused import (
+    DerivedArrays,
+    DerivedLinear,
+    derived_arrays,
+    derived_linear,
+    fused,
+    linear,
+)
 
 
 class VllmBlockAttnRes(BlockAttnRes):
@@ -104,8 +112,7 @@ class VllmStableLatentMoE(StableLatentMoE):
         if with_router:
             scores = torch.sigmoid(logits)
         else:  # = self.router.scores(x), the fp32 copy of its weight kept
-            router = self.router
-            scores = torch.sigmoid(derived_linear(router, "fp32", lambda: (router.weight,), lambda w: w.float())(x.float()))
+            scores = torch.sigmoid(F.linear(x.float(), self._router_weight_fp32().tensors()[0]))
         z = outs[0]
         if pairs > GATHERED_EXPERTS_MAX_PAIRS and x.device.type == "cpu":
             latent = self._sorted_experts_cpu(z, scores)
@@ -136,9 +143,7 @@ class VllmStableLatentMoE(StableLatentMoE):
         (`kernels.moe_cpu`) between the four matmuls, in place of ~50 small ops. `logits`: the router's, where
         the fused input projection computed them (fp32); else the routing pass computes them from x."""
         router, experts, shared = self.router, self.experts, self.shared_expert
-        weight = None
-        if logits is None:
-            (weight,) = derived_arrays(router, "fp32_array", lambda: (router.weight,), lambda w: (w,))()
+        weight = self._router_weight_fp32()()[0] if logits is None else None
         combine = route_dense_cpu(x if logits is None else logits, weight, router.bias_correction, router.top_k,
                                   router.routed_scaling_factor)
         gate_up_rows, down_columns = self._all_experts()
@@ -164,6 +169,11 @@ class VllmStableLatentMoE(StableLatentMoE):
         h = situ_glu(*gate_up.split(inter, dim=-1), experts.beta, experts.beta_linear)  # [N, n, I]
         combine = weights.new_zeros(N, n).scatter_(1, expert_ids, weights)  # [N, n] fp32
         return down_columns((h * combine.unsqueeze(-1)).to(z.dtype).view(N, n * inter))
+
+    def _router_weight_fp32(self) -> DerivedArrays:
+        """The router's weight in fp32 (kept: the routing computes in fp32 whatever the model's dtype)."""
+        router = self.router
+        return derived_arrays(router, "fp32", lambda: (router.weight,), lambda w: (w,))
 
     def _all_experts(self) -> tuple[DerivedLinear, DerivedLinear]:
         """Every expert at once: the gate|up projections as the rows of one weight [n * 2I, l], the down
