@@ -28,6 +28,7 @@ from model.config import TaperConfig
 from model.layers.kda import KimiDeltaAttention
 from model.layers.mla import GatedMLA
 from model.vllm_plugin.fused import derived_arrays, fused, linear
+from model.vllm_plugin.kda_metadata import KDAAttentionBackend
 from model.vllm_plugin.kda_ops import (
     KDABatch,
     conv_state_shape,
@@ -80,6 +81,9 @@ class VllmKimiDeltaAttention(KimiDeltaAttention, MambaBase):
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.GDN_ATTN
+
+    def get_attn_backend(self) -> type[KDAAttentionBackend]:
+        return KDAAttentionBackend
 
     def get_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         return oriented_conv_state_shape(conv_state_shape(self)), recurrent_state_shape(self)

@@ -312,3 +312,44 @@ def test_later_turn_of_a_session_continues_from_the_kept_state_and_matches_hf(mo
     assert second.token_ids and second.token_ids == expected[: len(second.token_ids)]
     torch.testing.assert_close(torch.tensor(second.logprobs), _hf_logprobs(hf_model, context, second.token_ids),
                                atol=LOGPROB_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("state_cache_mode", ["align", "none"])
+def test_kda_metadata_of_decode_steps_is_vllms(state_cache_mode, model_dir, hf_model, monkeypatch) -> None:
+    """The KDA layers' direct build for decode-only steps gives every field vLLM's GDN build gives, with prefix
+    caching (states aligned to pages) and without; a step of one-token prompts (one token each, but prefills)
+    takes vLLM's build."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    from model.vllm_plugin.kda_metadata import KDAMetadataBuilder, decode_only
+
+    direct: list[int] = []
+    one_token_prefills: list[int] = []
+    build = KDAMetadataBuilder.build
+
+    def checked(self, common_prefix_len, m, *args, **kwargs):
+        out = build(self, common_prefix_len, m, *args, **kwargs)
+        if decode_only(m):
+            ref = GDNAttentionMetadataBuilder.build(self, common_prefix_len, m, *args, **kwargs)
+            for field in dataclasses.fields(ref):
+                got, want = getattr(out, field.name), getattr(ref, field.name)
+                same = torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+                assert same, f"{field.name}: {got} != {want}"
+            direct.append(m.num_reqs)
+        elif m.max_query_len == 1:
+            one_token_prefills.append(out.num_prefills)
+        return out
+
+    monkeypatch.setattr(KDAMetadataBuilder, "build", checked)
+    llm = _make_engine(model_dir, enable_prefix_caching=state_cache_mode == "align")
+    try:
+        assert llm.llm_engine.vllm_config.cache_config.mamba_cache_mode == state_cache_mode
+        prompts = [[5], [9], [17]]
+        for prompt, out in zip(prompts, _generate(llm, prompts, _greedy()), strict=True):
+            assert list(out.outputs[0].token_ids) == _hf_greedy(hf_model, prompt, MAX_TOKENS)
+    finally:
+        _shutdown(llm)
+    assert direct and max(direct) == len(prompts), "no decode step of the whole batch took the direct build"
+    assert one_token_prefills and min(one_token_prefills) > 0
