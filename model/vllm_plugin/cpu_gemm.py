@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 from vllm.model_executor.layers.utils import check_cpu_sgl_kernel, dispatch_cpu_unquantized_gemm
+from vllm.platforms import current_platform
 
 SGL_ROWS = 16  # sgl-kernel's brgemm takes N in tiles of 16
 
@@ -46,9 +47,32 @@ def vllm_cpu_matmul(weight: torch.Tensor, pad_rows: int = 0) -> Callable[[torch.
     n = weight.shape[0]
     if pad_rows:
         weight = torch.cat([weight, weight.new_zeros(pad_rows, weight.shape[1])])
+    sgl = check_cpu_sgl_kernel(*weight.shape, weight.dtype) and not current_platform.is_zen_cpu()
+    matmul = _sgl_matmul(weight) if sgl else _dispatched_matmul(weight)
+    if pad_rows:
+        return lambda x: matmul(x)[:, :n]
+    return matmul
+
+
+def _dispatched_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     holder = SimpleNamespace(weight=weight)  # what vLLM's dispatch reads and sets (`cpu_linear`) on a layer
     dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
     cpu_linear = holder.cpu_linear
-    if pad_rows:
-        return lambda x: cpu_linear(x, weight, None)[:, :n]
     return lambda x: cpu_linear(x, weight, None)
+
+
+def _sgl_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """vLLM's dispatch's sgl-kernel branch (the weight packed once, then `weight_packed_linear`), calling the
+    kernel directly. vLLM's wrapper, which also reshapes both operands and finds the op's overload by name on
+    every call, held 5.4% of a decode step's samples on one Xeon core with AMX (the benchmark model, py-spy;
+    benchmarks/NOTES.md), its allocation (kept here) among them. x: [T, in], contiguous, in W's dtype."""
+    packed = torch.ops._C.convert_weight_packed(weight)
+    kernel = torch.ops._C.weight_packed_linear.default
+    n = weight.shape[0]
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)
+        kernel(out, x, packed, None, True)
+        return out
+
+    return matmul

@@ -5,12 +5,17 @@ fp32 arrays for the compiled CPU loops.
 
 The parameters stay the HF model's (names, loading, weight sync untouched); each derived weight is a cache
 that is rebuilt whenever any source weight was replaced or modified in place (tracked by its storage
-pointer and version counter; `drop_fused` after a load), so a weight push cannot leave it stale. Importable without vLLM.
+pointer and version counter; `drop_fused` after a load), so a weight push cannot leave it stale. A served model
+checks all of its caches' sources at once at the start of each forward step (`StepCheck`), where checking each
+cache when it is used cost ~5% of a decode step (the benchmark model, py-spy on one Xeon core; benchmarks/NOTES.md).
+Importable without vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -23,39 +28,61 @@ the CPU's GEMM kernels; the result may be the leading columns of a wider product
 faster form for W."""
 
 
-class DerivedLinear:
+class _Derived:
+    """A cache built from parameters (`sources()`), rebuilt when one was replaced or modified in place; trusted
+    without a check while the `StepCheck` it belongs to vouches for every source."""
+
+    def __init__(self, sources: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+        self.sources = sources
+        self._stamp: tuple | None = None
+        self._check: StepCheck | None = None
+
+    def _rebuild(self, sources: tuple[torch.Tensor, ...]) -> None:
+        raise NotImplementedError
+
+    def refresh(self) -> bool:
+        """Rebuild if a source changed; False for inference-mode sources (no version counter to watch)."""
+        if self._stamp is not None and self._check is not None and self._check.trusted:
+            return True
+        sources = self.sources()
+        stamp = _stamp(sources)
+        if stamp is None:
+            return False
+        if stamp != self._stamp:
+            with torch.no_grad():
+                self._rebuild(tuple(t.detach() for t in sources))
+            self._stamp = stamp
+        return True
+
+
+class DerivedLinear(_Derived):
     """y = x W^T for a weight W [out, in] built from parameters (W = build(*sources()): one linear's weight, a
     concatenation, stacked expert weights as one matrix), rebuilt whenever a source changed, through the matmul
     `prepare` makes from W where there is one. Not an nn.Module: it owns no parameters and is never saved."""
 
     def __init__(self, sources: Callable[[], tuple[torch.Tensor, ...]], build: Callable[..., torch.Tensor],
                  prepare: PrepareMatmul | None = None) -> None:
-        self.sources, self.build, self.prepare = sources, build, prepare
-        self._stamp: tuple | None = None
+        super().__init__(sources)
+        self.build, self.prepare = build, prepare
         self._weight: torch.Tensor | None = None
         self._matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    def _rebuild(self, sources: tuple[torch.Tensor, ...]) -> None:
+        self._weight = self.build(*sources)
+        self._matmul = None if self.prepare is None else self.prepare(self._weight)
+
     def weight(self) -> torch.Tensor | None:
-        """W, rebuilt if a source changed; None for inference-mode sources (they carry no version counter to
-        watch)."""
-        sources = self.sources()
-        stamp = _stamp(sources)
-        if stamp is None:
-            return None
-        if stamp != self._stamp:
-            with torch.no_grad():
-                self._weight = self.build(*(t.detach() for t in sources))
-                self._matmul = None if self.prepare is None else self.prepare(self._weight)
-            self._stamp = stamp
-        return self._weight
+        """W, rebuilt if a source changed; None for inference-mode sources."""
+        return self._weight if self.refresh() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight()
-        if weight is None:
+        if not self.refresh():
             with torch.no_grad():
                 weight = self.build(*self.sources())
-        elif self._matmul is not None and x.dtype == weight.dtype and x.dim() == 2:
-            return self._matmul(x.contiguous())
+        else:
+            weight = self._weight
+            if self._matmul is not None and x.dtype == weight.dtype and x.dim() == 2:
+                return self._matmul(x.contiguous())
         return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
 
 
@@ -97,33 +124,91 @@ def _stamp(tensors: tuple[torch.Tensor, ...]) -> tuple | None:
         return None
 
 
-class DerivedArrays:
+class DerivedArrays(_Derived):
     """fp32 numpy arrays computed from parameters (e.g. a product of two), for compiled CPU loops: rebuilt
     whenever a source parameter was replaced or modified in place, so the loops never see stale weights."""
 
     def __init__(self, sources: Callable[[], tuple[torch.Tensor, ...]],
                  build: Callable[..., tuple[torch.Tensor, ...]]) -> None:
-        self.sources, self.build = sources, build
-        self._stamp: tuple | None = None
+        super().__init__(sources)
+        self.build = build
         self._arrays: tuple[np.ndarray, ...] = ()
-        self._tensors: tuple[tuple[np.ndarray, ...], tuple[torch.Tensor, ...]] = ((), ())
+        self._tensors: tuple[torch.Tensor, ...] = ()
+
+    def _rebuild(self, sources: tuple[torch.Tensor, ...]) -> None:
+        self._arrays = tuple(t.to(torch.float32).contiguous().numpy() for t in self.build(*sources))
+        self._tensors = ()
 
     def __call__(self) -> tuple[np.ndarray, ...]:
-        sources = self.sources()
-        stamp = _stamp(sources)
-        if stamp is None or stamp != self._stamp:
+        if not self.refresh():  # inference-mode sources: computed every time
             with torch.no_grad():
-                self._arrays = tuple(t.detach().to(torch.float32).contiguous().numpy()
-                                     for t in self.build(*sources))
-            self._stamp = stamp
+                return tuple(t.detach().to(torch.float32).contiguous().numpy() for t in self.build(*self.sources()))
         return self._arrays
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The arrays as CPU tensors over the same memory, for loops that take tensors (made once per rebuild)."""
-        arrays = self()
-        if self._tensors[0] is not arrays:
-            self._tensors = (arrays, tuple(torch.from_numpy(a) for a in arrays))
-        return self._tensors[1]
+        if not self.refresh():
+            return tuple(torch.from_numpy(a) for a in self())
+        if not self._tensors:
+            self._tensors = tuple(torch.from_numpy(a) for a in self._arrays)
+        return self._tensors
+
+
+_registrations = itertools.count()
+_registered = [next(_registrations)]
+
+
+def _count_registration(*_: object) -> None:
+    _registered[0] = next(_registrations)
+
+
+# A parameter or buffer assigned to a module (a new object, where a check would watch the old one's stamp).
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+
+
+class StepCheck:
+    """The derived caches of one model, checked together at the start of each forward step (`step`): while a
+    step runs, the caches skip their own checks, which cost more one by one than all of them in one pass. A
+    forward changes no weights, so the check at its start holds until it ends. A step after a change (a weight
+    pushed or modified in place, a parameter assigned anew, a cache added) checks and rebuilds every cache."""
+
+    def __init__(self) -> None:
+        self.trusted = False
+        self._members: list[_Derived] = []
+        self._tensors: list[torch.Tensor] = []
+        self._stamp: tuple | None = None
+        self._registered = -1
+
+    def add(self, member: _Derived) -> None:
+        member._check = self
+        self._members.append(member)
+        self._stamp = None
+
+    def clear(self) -> None:
+        for member in self._members:
+            member._check = None
+        self._members, self._tensors, self._stamp = [], [], None
+
+    def _verify(self) -> bool:
+        if self._stamp is not None and self._registered == _registered[0] and _stamp(self._tensors) == self._stamp:
+            return True
+        self._registered = _registered[0]
+        if not all([member.refresh() for member in self._members]):
+            self._stamp = None
+            return False
+        self._tensors = [t for member in self._members for t in member.sources()]
+        self._stamp = _stamp(self._tensors)
+        return self._stamp is not None
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One forward step with every cache checked at its start (rebuilt where stale)."""
+        self.trusted = self._verify()
+        try:
+            yield
+        finally:
+            self.trusted = False
 
 
 def _cached(module: nn.Module, name: str, make: Callable[[], object]) -> object:
@@ -131,6 +216,9 @@ def _cached(module: nn.Module, name: str, make: Callable[[], object]) -> object:
     found = cache.get(name)
     if found is None:
         found = cache[name] = make()
+        check = module.__dict__.get("_serving_step_check")
+        if check is not None:
+            check.add(found.linear if isinstance(found, FusedLinear) else found)
     return found
 
 
@@ -184,3 +272,18 @@ def drop_fused(model: nn.Module) -> None:
     """Forget every cached concatenation under `model` (after loading weights by any route)."""
     for module in model.modules():
         module.__dict__.pop("_serving_fused", None)
+    check = model.__dict__.get("_serving_step_check")
+    if check is not None:
+        check.clear()
+
+
+def step_check(model: nn.Module) -> StepCheck:
+    """The `StepCheck` of the caches under `model` (made on first use, for the caches made from then on)."""
+    check = model.__dict__.get("_serving_step_check")
+    if check is None:
+        check = StepCheck()
+        for module in model.modules():
+            module.__dict__["_serving_step_check"] = check
+            for found in module.__dict__.get("_serving_fused", {}).values():
+                check.add(found.linear if isinstance(found, FusedLinear) else found)
+    return check

@@ -31,7 +31,7 @@ from model.layers.attn_res import AttnResState
 from model.layers.norm import RMSNorm
 from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
 from model.vllm_plugin.cpu_gemm import prepare_cpu_matmul
-from model.vllm_plugin.fused import drop_fused, linear, set_prepared_matmuls
+from model.vllm_plugin.fused import drop_fused, linear, set_prepared_matmuls, step_check
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
     VllmKimiDeltaAttention,
@@ -118,6 +118,7 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
             self.lm_head.weight = self.model.embed_tokens.weight
         if current_platform.is_cpu():
             set_prepared_matmuls(self, prepare_cpu_matmul)
+        step_check(self)  # the derived weights made from here on are checked once per step
         self.eval()  # MoE records balancing statistics only in training mode: frozen bias at inference
 
     # ---- vLLM model interface ----------------------------------------------------------------------
@@ -134,7 +135,8 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
     ) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
-        return self.model(inputs_embeds.to(self.compute_dtype)).to(self.model_dtype)
+        with step_check(self).step():
+            return self.model(inputs_embeds.to(self.compute_dtype)).to(self.model_dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # contiguous for vLLM's samplers: a padded prepared matmul returns a column slice (cpu_gemm)

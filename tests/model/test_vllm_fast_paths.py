@@ -12,11 +12,13 @@ from model.config import TaperConfig
 from model.layers.attn_res import BlockAttnRes
 from model.vllm_plugin.fused import (
     FusedLinear,
+    derived_arrays,
     derived_linear,
     drop_fused,
     fused,
     linear,
     set_prepared_matmuls,
+    step_check,
 )
 
 pytestmark = pytest.mark.usefixtures("vllm_env")
@@ -46,6 +48,55 @@ def test_fused_linear_matches_separate_linears_and_follows_weight_changes() -> N
     with torch.inference_mode():  # weights without a version counter: computed unfused, still right
         inf = nn.Linear(16, 4, bias=False)
     torch.testing.assert_close(FusedLinear(inf, c)(x)[0], inf(x), rtol=1e-6, atol=1e-6)
+
+
+def test_step_check_vouches_for_caches_within_a_step_and_catches_every_change_between_steps() -> None:
+    """Caches registered with a model's `StepCheck` skip their own checks inside a step; a change before a step
+    (in place, a parameter assigned anew, a buffer) reaches every cache, also one the next step does not use."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(8, 3, bias=False))
+    model.register_buffer("scale", torch.randn(3))
+    a, b = model[0], model[1]
+    check = step_check(model)
+    x = torch.randn(4, 8)
+
+    def scaled() -> torch.Tensor:
+        (w,) = derived_arrays(model, "scaled", lambda: (b.weight, model.scale), lambda w, s: (w * s[:, None],))()
+        return torch.from_numpy(w)
+
+    def expect() -> None:
+        torch.testing.assert_close(fused(model, "ab", lambda: (a, b))(x)[0], a(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(scaled(), b.weight.detach() * model.scale[:, None], rtol=1e-6, atol=1e-6)
+
+    expect()
+    assert len(check._members) == 2
+    with check.step():
+        assert check.trusted
+        expect()
+    with torch.no_grad():
+        a.weight.mul_(3)
+    with check.step():
+        expect()  # the fused weight was rebuilt at the step's start
+    with torch.no_grad():
+        model.scale.add_(1)
+    with check.step():
+        fused(model, "ab", lambda: (a, b))(x)  # this step uses one cache only
+    with check.step():
+        expect()  # the other was rebuilt too
+    b.weight = nn.Parameter(torch.randn(3, 8))  # a new parameter object: its stamp was never taken
+    with check.step():
+        expect()
+    with check.step():  # inside a step the caches trust the check made at its start
+        with torch.no_grad():
+            a.weight.mul_(2)
+        assert not torch.allclose(fused(model, "ab", lambda: (a, b))(x)[0], a(x))
+    assert not check.trusted
+    expect()  # outside a step every cache checks its sources itself
+    drop_fused(model)
+    assert not check._members
+    with check.step():
+        expect()
+    assert len(check._members) == 2
 
 
 def test_prepared_matmuls_serve_matching_inputs_and_are_rebuilt_with_the_weights() -> None:
