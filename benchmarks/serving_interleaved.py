@@ -1,4 +1,4 @@
-"""Decode steps of the serving benchmark's models, interleaved in one process: a paired comparison.
+"""Decode steps (or prefills) of the serving benchmark's models, interleaved in one process: a paired comparison.
 
 `serving.py` runs each model in its own process, one after another; on a shared machine the host's load
 changes between them and moves a model's step time by up to ~2x from one run to the next (benchmarks/NOTES.md,
@@ -6,11 +6,15 @@ issue 30). Here every model's engine lives in one process and the measurement ta
 each model per round, so a busy moment slows all of them alike. The comparison is the per-round ratio of each
 model's step time to the first model's (its median and range over the rounds).
 
-Per context: `--batch` prompts of that length per model, prefilled until every request decodes, then
-`--rounds` rounds of one full-batch decode step per model (thread-CPU ms). Prints a table and writes JSON.
+Per context, `--phase decode` (the default): `--batch` prompts of that length per model, prefilled until every
+request decodes, then `--rounds` rounds of one full-batch decode step per model (thread-CPU ms). `--phase
+prefill`: `--rounds` rounds of one prefill of `--batch` new prompts per model, thread-CPU seconds from adding the
+prompts until every request has its first token (each asks for one token, so none decodes meanwhile; vLLM's
+default chunking, as in `serving.py`). Prints a table and writes JSON.
 
-    python benchmarks/serving_interleaved.py                            # 512 and 16K, batch 8
+    python benchmarks/serving_interleaved.py                            # decode at 512 and 16K, batch 8
     python benchmarks/serving_interleaved.py --contexts 512 --rounds 100
+    python benchmarks/serving_interleaved.py --phase prefill --contexts 4096 --rounds 4
 """
 
 from __future__ import annotations
@@ -49,6 +53,37 @@ def decoding_engine(model_dir: Path, dtype: str, batch: int, context: int, round
     return llm
 
 
+def prefilling_engine(model_dir: Path, dtype: str, batch: int, context: int) -> Any:
+    """An engine for prefills of `batch` prompts of `context` tokens (settings as `serving.py`'s), warmed up."""
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=context + 8, max_num_seqs=batch,
+              kv_cache_memory_bytes=(3 << 30) if context > 4096 else (1 << 28), seed=0)
+    warmup = min(context, 2048)  # compiled passes and caches ready before the first measured round
+    prefill_cpu_s(llm, [[3 + (i + j) % 1500 for j in range(warmup)] for i in range(batch)], "warmup")
+    return llm
+
+
+def prefill_cpu_s(llm: Any, prompts: list[list[int]], tag: str) -> float:
+    """Thread-CPU seconds until every prompt has its first (and only) token."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.thread_time()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.thread_time() - start
+
+
+def result_keys(phase: str) -> tuple[str, str]:
+    """A result row's keys for the phase's times and their ratios to the first model's."""
+    return ("prefill_cpu_s", "prefill_ratio_to_first") if phase == "prefill" else ("step_ms", "step_ratio_to_first")
+
+
 def measure(models: list[str], context: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from model.tokenizer import TOKENIZER_DIR
 
@@ -56,23 +91,28 @@ def measure(models: list[str], context: int, args: argparse.Namespace, tmp: Path
     for name in models:
         model_dir = tmp / f"{name}-{context}"
         build_checkpoint(name, model_dir, Path(TOKENIZER_DIR), args.dtype)
-        engines[name] = decoding_engine(model_dir, args.dtype, args.batch, context, args.rounds)
-    steps_ms: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(args.rounds):
+        engines[name] = (prefilling_engine(model_dir, args.dtype, args.batch, context) if args.phase == "prefill"
+                         else decoding_engine(model_dir, args.dtype, args.batch, context, args.rounds))
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for r in range(args.rounds):
+        prompts = [[3 + (r * 131 + i * 7 + j) % 1500 for j in range(context)] for i in range(args.batch)]
         for name, llm in engines.items():
-            start = time.thread_time()
-            llm.llm_engine.step()
-            steps_ms[name].append((time.thread_time() - start) * 1e3)
+            if args.phase == "prefill":
+                times[name].append(prefill_cpu_s(llm, prompts, f"round{r}"))
+            else:
+                start = time.thread_time()
+                llm.llm_engine.step()
+                times[name].append((time.thread_time() - start) * 1e3)
     for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
     first = models[0]
-    row: dict[str, Any] = {"context": context, "step_ms": {}, "step_ratio_to_first": {}}
-    for name, times in steps_ms.items():
-        row["step_ms"][name] = {"median": statistics.median(times), "min": min(times),
-                                "p90": sorted(times)[int(0.9 * len(times))]}
-        ratios = [t / f for t, f in zip(times, steps_ms[first], strict=True)]
-        row["step_ratio_to_first"][name] = {"median": statistics.median(ratios), "min": min(ratios),
-                                            "max": max(ratios)}
+    time_key, ratio_key = result_keys(args.phase)
+    row: dict[str, Any] = {"context": context, "phase": args.phase, time_key: {}, ratio_key: {}}
+    for name, values in times.items():
+        row[time_key][name] = {"median": statistics.median(values), "min": min(values),
+                               "p90": sorted(values)[int(0.9 * len(values))]}
+        ratios = [t / f for t, f in zip(values, times[first], strict=True)]
+        row[ratio_key][name] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     return row
 
 
@@ -80,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS,
                         help="the first is the reference of the ratios")
+    parser.add_argument("--phase", default="decode", choices=["decode", "prefill"])
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 16384])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=60)
@@ -98,17 +139,20 @@ def main() -> None:
     machine = machine_info()
     print(f"machine: {describe(machine)}", flush=True)
     results: dict[str, Any] = {"machine": machine, "settings": {
-        "batch": args.batch, "rounds": args.rounds, "dtype": args.dtype, "threads": 1,
+        "phase": args.phase, "batch": args.batch, "rounds": args.rounds, "dtype": args.dtype, "threads": 1,
         "engine": "vLLM in-process, eager, prefix caching off; all models' engines in one process"}, "runs": []}
     with tempfile.TemporaryDirectory(prefix="taper-interleaved-") as tmp:
         for context in args.contexts:
             results["runs"].append(measure(args.models, context, args, Path(tmp)))
-    print(f"\nthread-CPU ms per full-batch decode step (batch {args.batch}, {args.rounds} rounds); "
-          f"ratio: the model's step over {args.models[0]}'s in the same round")
+    what = ("thread-CPU s per prefill of the batch" if args.phase == "prefill"
+            else "thread-CPU ms per full-batch decode step")
+    time_key, ratio_key = result_keys(args.phase)
+    print(f"\n{what} (batch {args.batch}, {args.rounds} rounds); ratio: the model's time over {args.models[0]}'s in "
+          f"the same round")
     print(f"{'context':>8} {'model':<12} {'median':>8} {'min':>8} {'p90':>8} {'ratio median':>13} {'ratio range':>14}")
     for row in results["runs"]:
         for name in args.models:
-            step, ratio = row["step_ms"][name], row["step_ratio_to_first"][name]
+            step, ratio = row[time_key][name], row[ratio_key][name]
             print(f"{row['context']:>8} {name:<12} {step['median']:8.2f} {step['min']:8.2f} {step['p90']:8.2f} "
                   f"{ratio['median']:12.2f}x {ratio['min']:6.2f}-{ratio['max']:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@ _pool: ThreadPoolExecutor | None = None
 def threads_for(elements: int, per_thread: int | None = None) -> int:
     """Threads for a pass over `elements` values: torch's intra-op count (what the engine or the user set),
     fewer where a thread would get under `per_thread` (default MIN_ELEMENTS_PER_THREAD) of them."""
-    return max(1, min(torch.get_num_threads(), elements // (per_thread or MIN_ELEMENTS_PER_THREAD)))
+    blocks = elements // (per_thread or MIN_ELEMENTS_PER_THREAD)
+    return 1 if blocks <= 1 else min(torch.get_num_threads(), blocks)  # (a decode step's calls: no torch call)
 
 
 def run_row_blocks(fn: Callable[[int, int], None], rows: int, threads: int) -> None:

@@ -212,10 +212,10 @@ class StepCheck:
 
 
 def _cached(module: nn.Module, name: str, make: Callable[[], object]) -> object:
-    cache = module.__dict__.setdefault("_serving_fused", {})
-    found = cache.get(name)
+    cache = module.__dict__.get("_serving_fused")
+    found = None if cache is None else cache.get(name)
     if found is None:
-        found = cache[name] = make()
+        found = module.__dict__.setdefault("_serving_fused", {})[name] = make()
         check = module.__dict__.get("_serving_step_check")
         if check is not None:
             check.add(found.linear if isinstance(found, FusedLinear) else found)
