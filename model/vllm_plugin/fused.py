@@ -6,14 +6,13 @@ fp32 arrays for the compiled CPU loops.
 The parameters stay the HF model's (names, loading, weight sync untouched); each derived weight is a cache
 that is rebuilt whenever any source weight was replaced or modified in place (tracked by its storage
 pointer and version counter; `drop_fused` after a load), so a weight push cannot leave it stale. A served model
-checks all of its caches' sources at once at the start of each forward step (`StepCheck`), where checking each
-cache when it is used cost ~5% of a decode step (the benchmark model, py-spy on one Xeon core; benchmarks/NOTES.md).
-Importable without vLLM.
+checks all of its caches' sources at once at the start of each forward step (`StepCheck`): checking each cache
+when used held 7.6% of a decode step's samples, the pass 2% (the benchmark model, py-spy on one Xeon core;
+benchmarks/NOTES.md). Importable without vLLM.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -154,12 +153,12 @@ class DerivedArrays(_Derived):
         return self._tensors
 
 
-_registrations = itertools.count()
-_registered = [next(_registrations)]
+_registrations = 0  # parameters and buffers assigned to modules so far, anywhere
 
 
 def _count_registration(*_: object) -> None:
-    _registered[0] = next(_registrations)
+    global _registrations
+    _registrations += 1
 
 
 # A parameter or buffer assigned to a module (a new object, where a check would watch the old one's stamp).
@@ -191,9 +190,9 @@ class StepCheck:
         self._members, self._tensors, self._stamp = [], [], None
 
     def _verify(self) -> bool:
-        if self._stamp is not None and self._registered == _registered[0] and _stamp(self._tensors) == self._stamp:
+        if self._stamp is not None and self._registered == _registrations and _stamp(self._tensors) == self._stamp:
             return True
-        self._registered = _registered[0]
+        self._registered = _registrations
         if not all([member.refresh() for member in self._members]):
             self._stamp = None
             return False
@@ -218,8 +217,12 @@ def _cached(module: nn.Module, name: str, make: Callable[[], object]) -> object:
         found = module.__dict__.setdefault("_serving_fused", {})[name] = make()
         check = module.__dict__.get("_serving_step_check")
         if check is not None:
-            check.add(found.linear if isinstance(found, FusedLinear) else found)
+            check.add(_derived_of(found))
     return found
+
+
+def _derived_of(found: object) -> _Derived:
+    return found.linear if isinstance(found, FusedLinear) else found
 
 
 def derived_arrays(
@@ -278,12 +281,13 @@ def drop_fused(model: nn.Module) -> None:
 
 
 def step_check(model: nn.Module) -> StepCheck:
-    """The `StepCheck` of the caches under `model` (made on first use, for the caches made from then on)."""
+    """The `StepCheck` of the caches under `model`, made on first use with the caches already there; the caches
+    made later join it."""
     check = model.__dict__.get("_serving_step_check")
     if check is None:
         check = StepCheck()
         for module in model.modules():
             module.__dict__["_serving_step_check"] = check
             for found in module.__dict__.get("_serving_fused", {}).values():
-                check.add(found.linear if isinstance(found, FusedLinear) else found)
+                check.add(_derived_of(found))
     return check
