@@ -134,20 +134,23 @@ class DerivedArrays(_Derived):
         self._arrays: tuple[np.ndarray, ...] = ()
         self._tensors: tuple[torch.Tensor, ...] = ()
 
+    def _computed(self, sources: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
+        with torch.no_grad():
+            return tuple(t.detach().to(torch.float32).contiguous().numpy() for t in self.build(*sources))
+
     def _rebuild(self, sources: tuple[torch.Tensor, ...]) -> None:
-        self._arrays = tuple(t.to(torch.float32).contiguous().numpy() for t in self.build(*sources))
+        self._arrays = self._computed(sources)
         self._tensors = ()
 
     def __call__(self) -> tuple[np.ndarray, ...]:
         if not self.refresh():  # inference-mode sources: computed every time
-            with torch.no_grad():
-                return tuple(t.detach().to(torch.float32).contiguous().numpy() for t in self.build(*self.sources()))
+            return self._computed(self.sources())
         return self._arrays
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The arrays as CPU tensors over the same memory, for loops that take tensors (made once per rebuild)."""
         if not self.refresh():
-            return tuple(torch.from_numpy(a) for a in self())
+            return tuple(torch.from_numpy(a) for a in self._computed(self.sources()))
         if not self._tensors:
             self._tensors = tuple(torch.from_numpy(a) for a in self._arrays)
         return self._tensors
