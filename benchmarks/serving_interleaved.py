@@ -95,7 +95,8 @@ def measure(models: list[str], context: int, args: argparse.Namespace, tmp: Path
                          else decoding_engine(model_dir, args.dtype, args.batch, context, args.rounds))
     times: dict[str, list[float]] = {name: [] for name in models}
     for r in range(args.rounds):
-        prompts = [[3 + (r * 131 + i * 7 + j) % 1500 for j in range(context)] for i in range(args.batch)]
+        if args.phase == "prefill":
+            prompts = [[3 + (r * 131 + i * 7 + j) % 1500 for j in range(context)] for i in range(args.batch)]
         for name, llm in engines.items():
             if args.phase == "prefill":
                 times[name].append(prefill_cpu_s(llm, prompts, f"round{r}"))
