@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import gate_fn
+from kernels.kda.recurrent_cpu import slots_contiguous
 from kernels.kda.triton_chunk import flat_cu_seqlens
 from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
 
@@ -18,13 +19,14 @@ from kernels.kda.triton_config import DEFAULT_CONFIG, KDAKernelConfig
 @triton.jit
 def _recurrent_unit(
     q, k, v, f, beta, dt_bias, a_log, o, h0, ht, slot, i_n, i_v, i_hv, i_h, bos, eos, scale, lower_bound,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    stride_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, INPLACE: tl.constexpr, USE_GATE: tl.constexpr,
     BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     EVICT: tl.constexpr,
 ):
     """Value tile i_v of sequence i_n (tokens bos..eos-1, state slot `slot`), value head i_hv: the state tile in
-    registers across the tokens."""
+    registers across the tokens. Slot s of the pool h0 starts stride_slot elements after slot s - 1 (a serving
+    engine's pages hold other states between the slots)."""
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -42,10 +44,10 @@ def _recurrent_unit(
         if HAS_H0:
             # each state tile is read once and written once: EVICT keeps it from displacing what is reused in L2
             if EVICT:
-                b_h += tl.load(h0 + (slot * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0,
+                b_h += tl.load(h0 + slot * stride_slot + i_hv * K * V + s_off, mask=m_kv, other=0.0,
                                eviction_policy="evict_first").to(tl.float32)
             else:
-                b_h += tl.load(h0 + (slot * HV + i_hv) * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
+                b_h += tl.load(h0 + slot * stride_slot + i_hv * K * V + s_off, mask=m_kv, other=0.0).to(tl.float32)
         bias = tl.zeros([BK], dtype=tl.float32)
         if HAS_BIAS:
             bias += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -72,17 +74,17 @@ def _recurrent_unit(
             tl.store(o + t * (HV * V) + i_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if INPLACE:
             if EVICT:
-                tl.store(h0 + (slot * HV + i_hv) * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv,
+                tl.store(h0 + slot * stride_slot + i_hv * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv,
                          eviction_policy="evict_first")
             else:
-                tl.store(h0 + (slot * HV + i_hv) * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv)
+                tl.store(h0 + slot * stride_slot + i_hv * K * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_kv)
         if STORE_FINAL:
             tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, b_h, mask=m_kv)
 
 
 @triton.jit
 def recurrent_kda_kernel(
-    q, k, v, f, beta, dt_bias, a_log, o, h0, ht, cu_seqlens, slots, scale, lower_bound,
+    q, k, v, f, beta, dt_bias, a_log, o, h0, ht, cu_seqlens, slots, scale, lower_bound, stride_slot,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SLOTS: tl.constexpr, STORE_FINAL: tl.constexpr, INPLACE: tl.constexpr,
     USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
@@ -97,14 +99,14 @@ def recurrent_kda_kernel(
     if HAS_SLOTS:
         slot = tl.load(slots + i_n).to(tl.int64)
     _recurrent_unit(q, k, v, f, beta, dt_bias, a_log, o, h0, ht, slot, i_n, i_v, i_hv, i_h, bos, eos, scale,
-                    lower_bound, H, HV, K, V, BK, BV, HAS_H0, STORE_FINAL, INPLACE, USE_GATE, BOUNDED, HAS_BIAS,
-                    L2NORM, BETA_SIGMOID, EVICT)
+                    lower_bound, stride_slot, H, HV, K, V, BK, BV, HAS_H0, STORE_FINAL, INPLACE, USE_GATE, BOUNDED,
+                    HAS_BIAS, L2NORM, BETA_SIGMOID, EVICT)
 
 
 @triton.jit
 def recurrent_kda_step_kernel(
-    q, k, v, f, beta, dt_bias, a_log, o, h0, pool, ht, slots, cu_seqlens, scale, lower_bound, n_units, n_seqs,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    q, k, v, f, beta, dt_bias, a_log, o, h0, pool, ht, slots, cu_seqlens, scale, lower_bound, stride_slot, n_units,
+    n_seqs, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SLOTS: tl.constexpr, STORE_FINAL: tl.constexpr, INPLACE: tl.constexpr,
     USE_GATE: tl.constexpr, BOUNDED: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, HAS_CU: tl.constexpr = False,
@@ -113,9 +115,9 @@ def recurrent_kda_step_kernel(
     sequence x value head) units. The loop has no branches, so Triton software-pipelines it: the slot index and
     state tile of the next STAGES - 1 units are copied to shared memory while this unit is computed (the one-unit
     programs of recurrent_kda_kernel each wait for their own tile). With TMA, h0 is a tensor descriptor over
-    the pool as [slots * HV * K, V] (K == BK) and the tiles move by bulk copies; `pool` is the same memory as
-    a pointer. HAS_CU: [1, T, ...] inputs with cu_seqlens and T == N sequences (the varlen layout of a decode
-    step): sequence n's token is cu_seqlens[n]; the loop stores only for sequences of exactly one token, and if
+    the pool as [slots * HV * K, V] (K == BK, a contiguous pool) and the tiles move by bulk copies; `pool` is the
+    same memory as a pointer, slot s stride_slot elements after slot s - 1. HAS_CU: [1, T, ...] inputs with
+    cu_seqlens and T == N sequences (the varlen layout of a decode step): sequence n's token is cu_seqlens[n]; the loop stores only for sequences of exactly one token, and if
     any sequence has another length (read on the device: no host sync) a plain loop afterwards runs those
     sequences token by token as recurrent_kda_kernel does."""
     NVT: tl.constexpr = (V + BV - 1) // BV
@@ -147,13 +149,14 @@ def recurrent_kda_step_kernel(
             m_live = m_live & ((s_off * 0 + n_tok) == 1)
             m_out = m_v & ((o_v * 0 + n_tok) == 1)
             m_fin = m_kv & ((s_off * 0 + n_tok) == 1)
-        row = (tl.maximum(slot, 0) * HV + i_hv) * K
+        row = (tl.maximum(slot, 0) * HV + i_hv) * K  # the tile's first row in the TMA view
+        tile = tl.maximum(slot, 0) * stride_slot + i_hv * K * V  # its first element through the pointer
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_H0:
             if TMA:
                 b_h += tl.where(live, h0.load([row.to(tl.int32), i_v * BV]), 0.0)
             else:
-                b_h += tl.load(h0 + row * V + s_off, mask=m_live, other=0.0).to(tl.float32)
+                b_h += tl.load(h0 + tile + s_off, mask=m_live, other=0.0).to(tl.float32)
         b_q = tl.load(q + t * (H * K) + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + t * (H * K) + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + t * (HV * V) + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -181,7 +184,7 @@ def recurrent_kda_step_kernel(
                 if live:
                     h0.store([row.to(tl.int32), i_v * BV], b_h)
             else:
-                tl.store(h0 + row * V + s_off, b_h.to(h0.dtype.element_ty), mask=m_live)
+                tl.store(h0 + tile + s_off, b_h.to(h0.dtype.element_ty), mask=m_live)
         if STORE_FINAL:
             tl.store(ht + (i_n * HV + i_hv) * K * V + s_off, tl.where(live, b_h, 0.0), mask=m_fin)
     if HAS_CU:
@@ -206,8 +209,9 @@ def recurrent_kda_step_kernel(
                     if HAS_SLOTS:
                         slot = tl.load(slots + i_n).to(tl.int64)
                     _recurrent_unit(q, k, v, f, beta, dt_bias, a_log, o, pool, ht, slot, i_n, i_v, i_hv,
-                                    i_hv // (HV // H), bos, eos, scale, lower_bound, H, HV, K, V, BK, BV, HAS_H0,
-                                    STORE_FINAL, INPLACE, USE_GATE, BOUNDED, HAS_BIAS, L2NORM, BETA_SIGMOID, False)
+                                    i_hv // (HV // H), bos, eos, scale, lower_bound, stride_slot, H, HV, K, V, BK,
+                                    BV, HAS_H0, STORE_FINAL, INPLACE, USE_GATE, BOUNDED, HAS_BIAS, L2NORM,
+                                    BETA_SIGMOID, False)
 
 
 _SMS: dict[int, int] = {}
@@ -243,12 +247,18 @@ def _launch_step(q, k, v, g, beta, o, initial_state, ht, slots, cu_seqlens, N, s
         h0 = TensorDescriptor.from_tensor(initial_state.view(-1, V), [BK, BV])
     recurrent_kda_step_kernel[(_step_programs(n_units, cfg, q.device),)](
         q, k, v, g, beta, dt_bias, A_log, o, h0, initial_state, ht, slots, cu_seqlens, scale,
-        lower_bound if lower_bound is not None else 0.0, n_units, N, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        lower_bound if lower_bound is not None else 0.0, _slot_stride(initial_state, HV, K, V), n_units, N,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         HAS_H0=initial_state is not None, HAS_SLOTS=slots is not None, STORE_FINAL=ht is not None, INPLACE=inplace,
         USE_GATE=use_gate_in_kernel, BOUNDED=lower_bound is not None, HAS_BIAS=dt_bias is not None,
         L2NORM=use_qk_l2norm_in_kernel, BETA_SIGMOID=use_beta_sigmoid_in_kernel, TMA=tma,
         STAGES=cfg.decode_step_stages, HAS_CU=cu_seqlens is not None, num_warps=cfg.decode_step_warps,
     )
+
+
+def _slot_stride(pool: torch.Tensor | None, HV: int, K: int, V: int) -> int:
+    """Elements from one slot of a state pool to the next: HV * K * V when contiguous, a page in a serving engine."""
+    return HV * K * V if pool is None or pool.shape[0] < 2 else pool.stride(0)
 
 
 _ROWS_CU: dict[tuple, torch.Tensor] = {}
@@ -284,8 +294,8 @@ def fused_recurrent_kda_triton(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     inplace = initial_state is not None and inplace_final_state
-    if inplace and not initial_state.is_contiguous():
-        raise ValueError("initial_state must be contiguous to be updated in place")
+    if initial_state is not None and not slots_contiguous(initial_state):
+        raise ValueError("initial_state: each slot [HV, K, V] must be contiguous (the slots may lie apart)")
     store_final = not inplace and (output_final_state or ssm_state_indices is not None)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if store_final else None
     # one token per sequence: rows of T = 1, or cu_seqlens over as many tokens as sequences (if some sequence then
@@ -300,7 +310,7 @@ def fused_recurrent_kda_triton(
     cu = cu_seqlens if cu_seqlens is not None else _rows_cu_seqlens(B, T, q.device)
     recurrent_kda_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, v, g, beta, dt_bias, A_log, o, initial_state, ht, cu, ssm_state_indices, scale,
-        lower_bound if lower_bound is not None else 0.0,
+        lower_bound if lower_bound is not None else 0.0, _slot_stride(initial_state, HV, K, V),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HAS_H0=initial_state is not None,
         HAS_SLOTS=ssm_state_indices is not None, STORE_FINAL=store_final, INPLACE=inplace,
         USE_GATE=use_gate_in_kernel, BOUNDED=lower_bound is not None, HAS_BIAS=dt_bias is not None,

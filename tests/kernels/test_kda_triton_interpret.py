@@ -41,7 +41,7 @@ def test_triton_chunk_forward_and_gradients(results, case):
     assert not bad, f"{case}: relative errors over {TOL}: {bad}"
 
 
-@pytest.mark.parametrize("case", ["decode_slots", "decode_slots_bv8"])
+@pytest.mark.parametrize("case", ["decode_slots", "decode_slots_bv8", "decode_slots_paged"])
 def test_triton_decode_state_slots(results, case):
     r = results[case]
     assert r["o"] < TOL and r["slots"] < TOL
@@ -51,7 +51,8 @@ def test_triton_decode_state_slots(results, case):
 @pytest.mark.parametrize("case", ["decode_step_slots", "decode_step_slots_tma", "decode_step_out_of_place",
                                   "decode_step_no_slots", "decode_step_no_state", "decode_step_varlen_ones",
                                   "decode_step_varlen_ones_bv8", "decode_step_varlen_mixed",
-                                  "decode_step_varlen_mixed_out"])
+                                  "decode_step_varlen_mixed_out", "decode_step_slots_paged",
+                                  "decode_step_varlen_mixed_paged"])
 def test_triton_decode_one_token_kernel(results, case):
     r = results[case]
     assert r["o"] < TOL and r["state"] < TOL

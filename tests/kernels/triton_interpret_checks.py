@@ -51,11 +51,32 @@ def chunk_case(B, T, H, HV, K, V, chunk, seed, config=None, lower_bound_given=Fa
     return out
 
 
-def decode_case(seed, config=None):
+PAGE_PAD = 24  # elements between two slots of a paged pool
+
+
+def state_pool(slots, HV, K, V, gen, paged=False):
+    """A random state pool [slots, HV, K, V]; `paged`: each slot in a page of its own with other data around it
+    (as a serving engine's pages hold the conv state beside the recurrent one), and the pages' buffer."""
+    if not paged:
+        return torch.randn(slots, HV, K, V, generator=gen), None
+    pages = torch.randn(slots, HV * K * V + PAGE_PAD, generator=gen)
+    return pages[:, PAGE_PAD // 2:PAGE_PAD // 2 + HV * K * V].view(slots, HV, K, V), pages
+
+
+def pad_untouched(pages, before_pages):
+    """Whether the data between a paged pool's slots was left alone (True for an unpaged pool)."""
+    if pages is None:
+        return True
+    H = PAGE_PAD // 2
+    return bool(torch.equal(pages[:, :H], before_pages[:, :H]) and torch.equal(pages[:, -H:], before_pages[:, -H:]))
+
+
+def decode_case(seed, config=None, paged=False):
     N, HV, slots = 4, 4, 6
     x = make_inputs(N, 1, 2, HV, 32, 16, gate="bounded", beta_logits=True, seed=seed)
     kw = {k: v for k, v in x.kwargs.items()}
-    pool = torch.randn(slots, HV, 32, 16, generator=torch.Generator().manual_seed(seed))
+    pool, pages = state_pool(slots, HV, 32, 16, torch.Generator().manual_seed(seed), paged)
+    before_pages = None if pages is None else pages.clone()
     before = pool.clone()
     idx = torch.tensor([4, -1, 0, 2])
     o, final = fused_recurrent_kda_triton(
@@ -69,8 +90,9 @@ def decode_case(seed, config=None):
     untouched = torch.ones(slots, dtype=torch.bool)
     untouched[idx[valid]] = False
     return {"o": rel_err(o[valid], o_ref), "slots": rel_err(pool[idx[valid]], s_ref),
-            "padded_zero": bool((o[~valid] == 0).all()), "others_untouched": bool(torch.equal(pool[untouched], before[untouched])),
-            "returned_pool": final is pool}
+            "padded_zero": bool((o[~valid] == 0).all()),
+            "others_untouched": bool(torch.equal(pool[untouched], before[untouched]))
+            and pad_untouched(pages, before_pages), "returned_pool": final is pool}
 
 
 def decode_varlen_case(seed, config=None):
@@ -88,15 +110,16 @@ def decode_varlen_case(seed, config=None):
     return {"o": rel_err(o, o_ref), "final_state": rel_err(final, s_ref)}
 
 
-def decode_step_case(seed, config, slots=True, inplace=True, with_state=True):
+def decode_step_case(seed, config, slots=True, inplace=True, with_state=True, paged=False):
     """The one-token-per-row decode kernel (recurrent_kda_step_kernel) against the fp64 recurrence: slots with a
-    padded row, in place; or out of place with final states; or without an initial state."""
+    padded row, in place; or out of place with final states; or without an initial state; `paged`: the pool's
+    slots apart in pages."""
     N, HV, n_slots = 5, 4, 7
     x = make_inputs(N, 1, 2, HV, 32, 16, gate="bounded", beta_logits=True, seed=seed)
     kw = dict(x.kwargs)
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(n_slots if slots else N, HV, 32, 16, generator=gen)
-    before = pool.clone()
+    pool, pages = state_pool(n_slots if slots else N, HV, 32, 16, gen, paged)
+    before, before_pages = pool.clone(), None if pages is None else pages.clone()
     idx = torch.tensor([4, -1, 0, 6, 2]) if slots else None
     o, final = fused_recurrent_kda_triton(
         *x.args(), scale=32**-0.5, initial_state=pool if with_state else None, output_final_state=not inplace,
@@ -113,7 +136,8 @@ def decode_step_case(seed, config, slots=True, inplace=True, with_state=True):
         untouched = torch.ones(pool.shape[0], dtype=torch.bool)
         untouched[rows] = False
         res.update(state=rel_err(pool[rows], s_ref),
-                   others_untouched=bool(torch.equal(pool[untouched], before[untouched])))
+                   others_untouched=bool(torch.equal(pool[untouched], before[untouched]))
+                   and pad_untouched(pages, before_pages))
     else:
         res.update(state=rel_err(final[valid], s_ref), others_untouched=bool(torch.equal(pool, before)),
                    padded_state_zero=bool((final[~valid] == 0).all()))
@@ -123,15 +147,15 @@ def decode_step_case(seed, config, slots=True, inplace=True, with_state=True):
 TMA = dict(decode_step_tma_min_bytes=0)  # the one-token kernel's TMA path at these small sizes
 
 
-def decode_step_varlen_case(seed, config, cu, padded=1, inplace=True):
+def decode_step_varlen_case(seed, config, cu, padded=1, inplace=True, paged=False):
     """The one-token kernel on [1, T, ...] inputs with cu_seqlens and T == N sequences, against the fp64
     recurrence: slots with a padded sequence; lengths other than 1 go through the kernel's token-by-token loop."""
     N, HV, T = len(cu) - 1, 4, cu[-1]
     x = make_inputs(1, T, 2, HV, 32, 16, gate="bounded", beta_logits=True, cu_seqlens=cu, seed=seed)
     kw = dict(x.kwargs)
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(N + 2, HV, 32, 16, generator=gen)
-    before = pool.clone()
+    pool, pages = state_pool(N + 2, HV, 32, 16, gen, paged)
+    before, before_pages = pool.clone(), None if pages is None else pages.clone()
     idx = torch.randperm(N + 2, generator=gen)[:N]
     idx[padded] = -1
     o, final = fused_recurrent_kda_triton(
@@ -150,7 +174,8 @@ def decode_step_varlen_case(seed, config, cu, padded=1, inplace=True):
         untouched = torch.ones(pool.shape[0], dtype=torch.bool)
         untouched[idx[valid]] = False
         res.update(state=rel_err(pool[idx[valid]], s_ref[valid]),
-                   others_untouched=bool(torch.equal(pool[untouched], before[untouched])))
+                   others_untouched=bool(torch.equal(pool[untouched], before[untouched]))
+                   and pad_untouched(pages, before_pages))
     else:
         res.update(state=rel_err(final[valid], s_ref[valid]), others_untouched=bool(torch.equal(pool, before)),
                    padded_state_zero=bool((final[~valid] == 0).all()))
@@ -361,6 +386,12 @@ def main() -> None:
         "decode_varlen": decode_varlen_case(6),
         # value tiles of 8: two programs per head
         "decode_slots_bv8": decode_case(5, KDAKernelConfig(decode_block_v=8, decode_step=False)),
+        # slots apart in pages, as vLLM's hybrid cache lays them out: the general kernel, the one-token kernel
+        # (pointer loads: TMA needs a contiguous pool) and its token-by-token loop for other lengths
+        "decode_slots_paged": decode_case(7, KDAKernelConfig(decode_step=False), paged=True),
+        "decode_step_slots_paged": decode_step_case(27, KDAKernelConfig(**TMA), paged=True),
+        "decode_step_varlen_mixed_paged": decode_step_varlen_case(28, KDAKernelConfig(), [0, 0, 2, 3, 3, 5],
+                                                                  padded=4, paged=True),
         "decode_varlen_bv8": decode_varlen_case(6, KDAKernelConfig(decode_block_v=8)),
         # the persistent one-token decode kernel: pointer loads in two value tiles; TMA descriptors (the default);
         # out of place, without slots, without an initial state
