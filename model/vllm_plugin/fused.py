@@ -67,8 +67,13 @@ class DerivedLinear(_Derived):
         self._matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _rebuild(self, sources: tuple[torch.Tensor, ...]) -> None:
-        self._weight = self.build(*sources)
-        self._matmul = None if self.prepare is None else self.prepare(self._weight)
+        weight, old = self.build(*sources), self._weight
+        if (self.prepare is None and old is not None and old.is_cuda and old.shape == weight.shape
+                and old.dtype == weight.dtype and old.data_ptr() != weight.data_ptr()):
+            old.copy_(weight)  # in place: a CUDA graph captured over this weight reads the new values
+            return
+        self._weight = weight
+        self._matmul = None if self.prepare is None else self.prepare(weight)
 
     def weight(self) -> torch.Tensor | None:
         """W, rebuilt if a source changed; None for inference-mode sources."""
@@ -202,6 +207,13 @@ class StepCheck:
         self._tensors = [t for member in self._members for t in member.sources()]
         self._stamp = _stamp(self._tensors)
         return self._stamp is not None
+
+    def refresh(self) -> None:
+        """Rebuild every stale cache now (after a weight load): on a GPU in place, so that CUDA graphs, which
+        replay without running this check, read the new weights."""
+        self.trusted = False
+        self._stamp = None
+        self._verify()
 
     @contextmanager
     def step(self) -> Iterator[None]:

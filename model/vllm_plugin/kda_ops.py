@@ -38,23 +38,26 @@ class KDABatch:
 
     query_start_loc: [n+1] token offsets of the n requests; state_indices: [n] state slot per request;
     has_initial_state: [n] bool, True where a prefill continues from its slot (None: every request
-    continues); num_decodes: the first num_decodes requests are one-token decodes (they always continue).
+    continues); num_decodes: the first num_decodes requests are one-token decodes (they always continue);
+    num_tokens: the step's token count (query_start_loc[-1]) where the caller knows it, so that no step reads
+    it from the device (a CUDA graph cannot).
     """
 
     num_decodes: int
     query_start_loc: torch.Tensor
     state_indices: torch.Tensor
     has_initial_state: torch.Tensor | None
+    num_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_tokens is None:
+            object.__setattr__(self, "num_tokens", int(self.query_start_loc[-1]))
 
     @property
     def num_requests(self) -> int:
         return int(self.state_indices.numel())
 
     # computed once per batch: every KDA layer of a step reads them (each read a tensor op or a copy)
-    @functools.cached_property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
-
     @functools.cached_property
     def slots(self) -> torch.Tensor:
         """state_indices as contiguous int64, as the compiled CPU loops take them."""
@@ -220,6 +223,7 @@ def kda_forward_with_state(
     tokens are padding and get zeros). conv_state [slots, C, W-1] and recurrent_state [slots, HV, K, V]
     are pools updated in place at the batch's slots. Returns y [T', d]."""
     T = batch.num_tokens
+    assert T is not None
     if T == 0:
         return x.new_zeros(x.shape)
     xs = x if T == x.shape[0] else x[:T]

@@ -7,6 +7,7 @@ on CPU and over the up-projected keys/values elsewhere (NoPE). The layers that w
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from vllm.config import VllmConfig
@@ -52,11 +53,13 @@ def kda_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]
     """(conv state, recurrent state): fp32 recurrent state unless configured otherwise; the conv state in
     the model dtype, but fp32 on CPU unless configured, where the compiled decode step reads and advances
     it in place (C x (W-1) values a slot: small beside the recurrent state)."""
-    conv, recurrent = MambaStateDtypeCalculator.kda_state_dtype(
-        vllm_config.model_config.dtype,
-        vllm_config.cache_config.mamba_cache_dtype,
-        vllm_config.cache_config.mamba_ssm_cache_dtype,
-    )
+    cache = vllm_config.cache_config
+    calculator = MambaStateDtypeCalculator.kda_state_dtype
+    if len(inspect.signature(calculator).parameters) >= 3:  # vLLM 0.32: the recurrent state's dtype configurable
+        conv, recurrent = calculator(vllm_config.model_config.dtype, cache.mamba_cache_dtype,
+                                     cache.mamba_ssm_cache_dtype)
+    else:  # vLLM 0.26: always fp32
+        conv, recurrent = calculator(vllm_config.model_config.dtype, cache.mamba_cache_dtype)
     if current_platform.is_cpu() and vllm_config.cache_config.mamba_cache_dtype == "auto":
         conv = torch.float32
     return conv, recurrent
@@ -103,6 +106,7 @@ class VllmKimiDeltaAttention(KimiDeltaAttention, MambaBase):
             n = meta.num_decodes + meta.num_prefills
             batch = meta.__dict__["_taper_kda_batch"] = KDABatch(
                 num_decodes=meta.num_decodes,
+                num_tokens=meta.num_actual_tokens,  # padded in a full CUDA graph's decode step, as x is
                 query_start_loc=meta.non_spec_query_start_loc[: n + 1],
                 state_indices=meta.non_spec_state_indices_tensor[:n],
                 has_initial_state=None if meta.has_initial_state is None else meta.has_initial_state[:n],

@@ -31,7 +31,8 @@ from model.layers.attn_res import AttnResState
 from model.layers.norm import RMSNorm
 from model.vllm_plugin.cpu_dtype import cpu_compute_dtype
 from model.vllm_plugin.cpu_gemm import prepare_cpu_matmul
-from model.vllm_plugin.fused import drop_fused, linear, set_prepared_matmuls, step_check
+from model.vllm_plugin.fused import linear, set_prepared_matmuls, step_check
+from model.vllm_plugin.gpu_support import check_gpu_servable
 from model.vllm_plugin.layers import (
     VllmGatedMLA,
     VllmKimiDeltaAttention,
@@ -100,9 +101,10 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
         config = vllm_config.model_config.hf_config
         if not isinstance(config, TaperConfig):
             raise TypeError(f"hf_config must be a TaperConfig, got {type(config).__name__}")
-        if vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-            # The KDA and MoE paths read batch layouts on the host (eager only, no graph capture).
-            raise ValueError("enforce_eager: the Taper vLLM model must be served with enforce_eager=True")
+        if current_platform.is_cpu() and vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            raise ValueError("enforce_eager: on CPU the Taper vLLM model is served with enforce_eager=True")
+        if current_platform.is_cuda_alike():
+            check_gpu_servable(config, vllm_config.model_config.dtype)
         self.config = config
         self.model_dtype = vllm_config.model_config.dtype
         if current_platform.is_cpu():
@@ -177,5 +179,5 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
                     )
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 loaded.add(name)
-        drop_fused(self)
+        step_check(self).refresh()  # the derived weights now (in place on a GPU: captured graphs read them)
         return loaded

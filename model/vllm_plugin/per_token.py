@@ -111,8 +111,10 @@ class VllmStableLatentMoE(StableLatentMoE):
             return self._dense_step_cpu(x, logits, outs)
         if with_router:
             scores = torch.sigmoid(logits)
-        else:  # = self.router.scores(x), the fp32 copy of its weight kept
+        elif x.device.type == "cpu":  # = self.router.scores(x), the fp32 copy of its weight kept
             scores = torch.sigmoid(F.linear(x.float(), self._router_weight_fp32().tensors()[0]))
+        else:  # on a GPU one low-precision GEMM with fp32 logits
+            scores = self.router.scores(x)
         z = outs[0]
         if pairs > GATHERED_EXPERTS_MAX_PAIRS and x.device.type == "cpu":
             latent = self._sorted_experts_cpu(z, scores)

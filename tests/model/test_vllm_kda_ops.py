@@ -17,6 +17,7 @@ from model.vllm_plugin.kda_ops import (
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = dict(rtol=1e-3, atol=1e-4) if DEVICE.type == "cuda" else dict(rtol=1e-4, atol=2e-5)
+BF16_REL_TOL = 2e-2  # ||served - fp32 layer|| / ||fp32 layer|| with bf16 weights, activations and conv state
 
 # Engine-like steps: (sequence, new tokens, state slot); decodes first, then prefills. Sequence 2's prompt
 # is split over two steps (chunked prefill), sequence 3 starts while others decode, sequence 1's state
@@ -42,15 +43,34 @@ def _layer(gate: str) -> KimiDeltaAttention:
     return layer.to(DEVICE).eval()
 
 
+def _pool(num_slots: int, shape: tuple[int, ...], dtype: torch.dtype, paged: bool) -> torch.Tensor:
+    """A random state pool [num_slots, *shape]; `paged`: each slot inside a larger page, as vLLM's hybrid cache
+    lays them out (the slots lie apart)."""
+    if not paged:
+        return torch.randn(num_slots, *shape, device=DEVICE).to(dtype)
+    size = int(torch.Size(shape).numel())
+    pages = torch.randn(num_slots, size + 40, device=DEVICE).to(dtype)
+    return pages[:, 8:8 + size].view(num_slots, *shape)
+
+
+# (dtype, paged pools): fp32 as the CPU serves it; bf16 with an fp32 recurrent state and pools inside pages, as
+# the GPU engine serves it (against the fp32 layer: bf16's rounding, not the HF layer's in bf16, is the bound).
+CASES = [(torch.float32, False), (torch.float32, True)] + (
+    [(torch.bfloat16, True)] if DEVICE.type == "cuda" else [])
+
+
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
-def test_chunked_prefill_and_decode_on_state_slots_match_hf_layer(gate: str) -> None:
-    layer = _layer(gate)
+@pytest.mark.parametrize(("dtype", "paged"), CASES)
+def test_chunked_prefill_and_decode_on_state_slots_match_hf_layer(gate: str, dtype: torch.dtype,
+                                                                   paged: bool) -> None:
+    reference = _layer(gate)
+    layer = _layer(gate).to(dtype)
     torch.manual_seed(1)
     seqs = [torch.randn(n, layer.q_proj.in_features, device=DEVICE) for n in LENGTHS]
     num_slots = 8
     # Stale garbage in the pools: fresh prefills must ignore it.
-    conv = torch.randn(num_slots, *conv_state_shape(layer), device=DEVICE)
-    rec = torch.randn(num_slots, *recurrent_state_shape(layer), device=DEVICE)
+    conv = _pool(num_slots, conv_state_shape(layer), dtype, paged)
+    rec = _pool(num_slots, recurrent_state_shape(layer), torch.float32, paged)
     done = [0] * len(seqs)
     slot_of: dict[int, int] = {}
     outs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -72,8 +92,8 @@ def test_chunked_prefill_and_decode_on_state_slots_match_hf_layer(gate: str) -> 
             has_initial_state=torch.tensor([done[i] > 0 for i, _, _ in entries], device=DEVICE),
         )
         batch.validate()
-        x = torch.cat([seqs[i][done[i]:done[i] + n] for i, n, _ in entries])
-        padded = torch.cat([x, torch.randn(3, x.shape[1], device=DEVICE)])  # rows past the batch: padding
+        x = torch.cat([seqs[i][done[i]:done[i] + n] for i, n, _ in entries]).to(dtype)
+        padded = torch.cat([x, torch.randn(3, x.shape[1], device=DEVICE).to(dtype)])  # rows past the batch
         with torch.no_grad():
             y = kda_forward_with_state(layer, padded, conv, rec, batch)
         assert torch.equal(y[x.shape[0]:], torch.zeros_like(y[x.shape[0]:]))
@@ -83,10 +103,16 @@ def test_chunked_prefill_and_decode_on_state_slots_match_hf_layer(gate: str) -> 
     assert done == LENGTHS
     for i, seq in enumerate(seqs):
         with torch.no_grad():
-            ref, ref_conv, ref_rec = layer(seq[None], output_states=True)
-        torch.testing.assert_close(torch.cat(outs[i]), ref[0], **TOL)
-        torch.testing.assert_close(rec[slot_of[i]], ref_rec[0], **TOL)
-        torch.testing.assert_close(conv[slot_of[i]], ref_conv[0], **TOL)
+            ref, ref_conv, ref_rec = reference(seq.to(dtype).float()[None], output_states=True)
+        if dtype == torch.float32:
+            torch.testing.assert_close(torch.cat(outs[i]), ref[0], **TOL)
+            torch.testing.assert_close(rec[slot_of[i]], ref_rec[0], **TOL)
+            torch.testing.assert_close(conv[slot_of[i]], ref_conv[0], **TOL)
+        else:  # bf16 activations and weights against the fp32 layer
+            for got, want in ((torch.cat(outs[i]), ref[0]), (rec[slot_of[i]], ref_rec[0]),
+                              (conv[slot_of[i]], ref_conv[0])):
+                err = (got.float() - want).norm() / want.norm()
+                assert err < BF16_REL_TOL, f"sequence {i}: relative error {err:.2e}"
 
 
 def test_batch_validation_names_the_field() -> None:
