@@ -149,7 +149,7 @@ def time_weight_push(llm: Any, model_dir: Path, repeats: int = 5) -> dict[str, f
             "push_bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
 
-def run_model(name: str, cases: list[tuple[int, int]], gpu_memory_utilization: float) -> dict[str, Any]:
+def run_model(name: str, cases: list[tuple[int, int]], gpu_memory_utilization: float, eager: bool) -> dict[str, Any]:
     import torch
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -161,9 +161,10 @@ def run_model(name: str, cases: list[tuple[int, int]], gpu_memory_utilization: f
         start = time.perf_counter()
         llm = LLM(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=longest,
                   max_num_seqs=max(b for _, b in cases), max_num_batched_tokens=16384, enable_prefix_caching=False,
-                  gpu_memory_utilization=gpu_memory_utilization, seed=0)
+                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, seed=0)
         up_s = time.perf_counter() - start
-        row: dict[str, Any] = {"model": name, "params": counts, "engine_up_s": up_s, "cases": []}
+        row: dict[str, Any] = {"model": name, "params": counts, "cuda_graphs": not eager, "engine_up_s": up_s,
+                               "cases": []}
         run_case(llm, 512, 8, seed=99)  # warm-up: kernels compiled and tuned outside the measurements
         for seed, (context, batch) in enumerate(cases):
             result = run_case(llm, context, batch, seed)
@@ -199,14 +200,17 @@ def print_table(results: list[dict[str, Any]]) -> None:
     def ratio(a: Any, b: Any) -> str:
         return f"{a / b:6.2f}" if a and b else "     -"
 
+    graphs = {r["model"]: r.get("cuda_graphs", True) for r in results}
     for (model, context, batch), c in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
         ours = model == "taper"
-        print(f"{model:<11} {context:>7} {batch:>5} {c['concurrency']:>4} {fmt(c['decode_tok_s'], '12.0f')} "
+        print(f"{model + ('' if graphs[model] else '*'):<11} {context:>7} {batch:>5} {c['concurrency']:>4} {fmt(c['decode_tok_s'], '12.0f')} "
               f"{fmt(c['decode_step_ms_median'], '8.2f')} {fmt(c['prefill_tok_s'], '13.0f')} "
               f"{fmt(c['ttft_s_mean'], '7.2f')} {c['cache_bytes_per_sequence'] / 2**20:13.1f} "
               f"{ratio(c['decode_tok_s'], rows.get(('llama', context, batch), {}).get('decode_tok_s')) if ours else '':>6} "
               f"{ratio(c['decode_tok_s'], rows.get(('qwen3_next', context, batch), {}).get('decode_tok_s')) if ours else '':>6}")
+    if not all(graphs.values()):
+        print("* served without CUDA graphs")
     for r in results:
         if "weight_push" in r:
             w = r["weight_push"]
@@ -227,6 +231,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--cases", nargs="+", type=parse_case, default=[parse_case(c) for c in DEFAULT_CASES])
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--eager", nargs="*", default=[], choices=MODELS, help="models served without CUDA graphs")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/...)")
     parser.add_argument("--report", nargs="+", type=Path, help="print the table of these JSON files and exit")
     args = parser.parse_args()
@@ -241,7 +246,7 @@ def main() -> None:
     import model.vllm_plugin as plugin
 
     plugin.register()
-    results = [run_model(name, args.cases, args.gpu_memory_utilization) for name in args.models]
+    results = [run_model(name, args.cases, args.gpu_memory_utilization, name in args.eager) for name in args.models]
     out = args.out or RESULTS_DIR / f"serving_gpu_{'_'.join(args.models)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": versions(), "new_tokens": NEW_TOKENS, "results": results}, indent=1))

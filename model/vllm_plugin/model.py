@@ -180,4 +180,7 @@ class TaperForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 loaded.add(name)
         step_check(self).refresh()  # the derived weights now (in place on a GPU: captured graphs read them)
+        for module in self.modules():
+            if isinstance(module, VllmStableLatentMoE):
+                module.build_caches()
         return loaded

@@ -134,9 +134,23 @@ class VllmStableLatentMoE(StableLatentMoE):
 
     def _up_and_shared_down(self, latent_and_h: torch.Tensor) -> torch.Tensor:
         """latent_up(latent) + shared.down_proj(h) as one matmul: [latent | h] @ [W_up | W_down]^T."""
+        return self._up_and_shared_down_linear()(latent_and_h)
+
+    def _up_and_shared_down_linear(self) -> DerivedLinear:
         up, down = self.latent_up, self.shared_expert.down_proj
         return derived_linear(self, "up_and_shared_down", lambda: (up.weight, down.weight),
-                              lambda w_up, w_down: torch.cat([w_up, w_down], dim=1))(latent_and_h)
+                              lambda w_up, w_down: torch.cat([w_up, w_down], dim=1))
+
+    def build_caches(self) -> None:
+        """Build every derived weight a step may use now. On a GPU the decode steps of some sizes are first run
+        while vLLM captures their CUDA graphs, where a weight built on first use would hold nothing until the
+        graph's first replay (a capture records kernels without running them)."""
+        with_router = self.router.weight.dtype == torch.float32
+        fused(self, "input_with_router" if with_router else "input", lambda: self._input_linears(with_router)).weight()
+        for derived in self._all_experts():
+            derived.weight()
+        if self.shared_expert is not None:
+            self._up_and_shared_down_linear().weight()
 
     def _dense_step_cpu(self, x: torch.Tensor, logits: torch.Tensor | None, outs: tuple[torch.Tensor, ...]
                         ) -> torch.Tensor:

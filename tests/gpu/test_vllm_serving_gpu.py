@@ -1,15 +1,17 @@
 """TaperForCausalLM served by vLLM on a CUDA GPU (in-process, bf16) against the HF model on the same weights.
 
-The `small` preset with random weights. One engine with CUDA graphs on (vLLM's default mode: decode steps
-replay full graphs), prefix caching on and chunked prefill (a token budget below the longest prompts); a second
-with graphs off and prefix caching off. The engine's greedy tokens must be the HF model's argmax where the HF
-model is not nearly tied, and its logprobs the HF model's within bf16 bounds; the two engines must agree.
+The `small` preset with random weights. An engine with graphs off and prefix caching off, and one with CUDA
+graphs on (vLLM's default mode: decode steps replay full graphs) and prefix caching on; both with chunked
+prefill (a token budget below the longest prompts). Against the HF model in fp32, each engine's logprobs must be
+as close as the HF model's own bf16 forward, its greedy tokens the argmax up to bf16 near-ties; the two engines
+must agree.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,17 +40,18 @@ ENGINE_KWARGS = dict(
 
 
 def _random_weights(model: TaperForCausalLM, seed: int) -> None:
-    """Perturb every tensor (norms, AttnRes queries and the balancing bias too) and sharpen the output layer, so
-    that each piece changes the outputs and greedy choices are rarely near ties."""
+    """Perturb every tensor (norms, AttnRes queries and the balancing bias too), so that each piece changes the
+    outputs. Mildly: with the CPU tests' 0.3 on norms and queries, `small` in bf16 is chaotic (the HF model's own
+    bf16 forward moved logprobs by up to 7 nats against its fp32 one on an H200), and no bound tells a bug from
+    rounding."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             noise = torch.randn(tensor.shape, generator=gen).to(tensor.dtype)
             if name.endswith(("norm.weight", "res.query")) or "bias_correction" in name:
-                tensor.add_(0.3 * noise)
+                tensor.add_(0.05 * noise)
             else:
                 tensor.add_(0.02 * noise)
-        model.lm_head.weight.mul_(2.0)
 
 
 def _save_model(seed: int, out: Path) -> Path:
@@ -128,9 +131,11 @@ def _check_against_hf(model: TaperForCausalLM, prompts: list[list[int]], outputs
                 break
     bound = max(2 * max(hf_err), LOGPROB_FLOOR)
     stats = {"served_worst": max(served_err), "hf_bf16_worst": max(hf_err), "bound": bound,
+             "served_median": statistics.median(served_err), "hf_bf16_median": statistics.median(hf_err),
              "checked_share": checked / total}
     print("parity:", stats)
     assert max(served_err) <= bound, stats
+    assert statistics.median(served_err) <= 2 * statistics.median(hf_err) + 0.01, stats
     return stats
 
 
@@ -145,12 +150,15 @@ def _fp32_copy(model: TaperForCausalLM) -> TaperForCausalLM:
 AGREEMENT_PROMPTS = dict(lengths=[9, 64, 250, 1300, 2600] + [50] * 27, seed=4)
 
 
-class TestWithGraphs:
-    """One engine, CUDA graphs and prefix caching on; it is shut down after the class."""
+class ServedEngine:
+    """The tests of one engine (`ENGINE`: its settings beside ENGINE_KWARGS), shut down after the class."""
+
+    ENGINE: dict = {}
+    NAME = ""
 
     @pytest.fixture(scope="class")
-    def engine(self, model_dir: Path, recorded: dict) -> Iterator[object]:
-        llm = _make_engine(model_dir, enable_prefix_caching=True)
+    def engine(self, model_dir: Path) -> Iterator[object]:
+        llm = _make_engine(model_dir, **self.ENGINE)
         yield llm
         _shutdown(llm)
 
@@ -164,24 +172,13 @@ class TestWithGraphs:
         assert stats["checked_share"] > 0.5, stats
         assert list(batch[0].token_ids) == list(one[0].token_ids)  # batch 1 and batch 64 agree
 
-    def test_prefix_cache_hits_give_the_same_tokens(self, engine, hf_model) -> None:
-        """The same prompts again: the second run starts from cached KV and KDA states."""
-        prompts = _prompts([300, 600, 1100], seed=2)
-        first = _generate(engine, prompts, _greedy())
-        again = _generate(engine, prompts, _greedy())
-        for a, b in zip(first, again, strict=True):
-            assert list(a.token_ids) == list(b.token_ids)
-            diffs = [abs(a.logprobs[t][x].logprob - b.logprobs[t][x].logprob) for t, x in enumerate(a.token_ids)]
-            assert max(diffs) <= TIE_TOL
-        _check_against_hf(hf_model, prompts, again)
-
-    def test_record_for_the_eager_engine(self, engine, recorded: dict) -> None:
+    def test_record_greedy_outputs(self, engine, recorded: dict) -> None:
         prompts = _prompts(**AGREEMENT_PROMPTS)
-        recorded["with_graphs"] = [list(o.token_ids) for o in _generate(engine, prompts, _greedy())]
-        assert len(recorded["with_graphs"]) == len(prompts)
+        recorded[self.NAME] = [list(o.token_ids) for o in _generate(engine, prompts, _greedy())]
+        assert len(recorded[self.NAME]) == len(prompts)
 
     def test_weight_push_on_the_device_then_match_hf(self, engine, hf_model, model_dir) -> None:
-        """New weights from CUDA tensors into the running engine (no CPU copy), under its captured graphs."""
+        """New weights from CUDA tensors into the running engine (no CPU copy; under its captured graphs, if any)."""
         from model.vllm_plugin import push_weights
 
         pushed = TaperForCausalLM(TaperConfig.from_pretrained(model_dir))
@@ -199,21 +196,42 @@ class TestWithGraphs:
         assert any(float(ref_old[t].max() - ref_old[t, x]) > 1.0 for t, x in enumerate(after[0].token_ids))
 
 
+class TestEager(ServedEngine):
+    """No CUDA graphs, prefix caching off."""
+
+    ENGINE = dict(enforce_eager=True, enable_prefix_caching=False)
+    NAME = "eager"
+
+
+class TestWithGraphs(ServedEngine):
+    """CUDA graphs (vLLM's default mode: decode steps replay full graphs) and prefix caching on."""
+
+    ENGINE = dict(enable_prefix_caching=True)
+    NAME = "graphs"
+
+    def test_prefix_cache_hits_give_the_same_tokens(self, engine, hf_model) -> None:
+        """The same prompts again: the second run starts from cached KV and KDA states."""
+        prompts = _prompts([300, 600, 1100], seed=2)
+        first = _generate(engine, prompts, _greedy())
+        again = _generate(engine, prompts, _greedy())
+        for a, b in zip(first, again, strict=True):
+            assert list(a.token_ids) == list(b.token_ids)
+            diffs = [abs(a.logprobs[t][x].logprob - b.logprobs[t][x].logprob) for t, x in enumerate(a.token_ids)]
+            assert max(diffs) <= TIE_TOL
+        _check_against_hf(hf_model, prompts, again)
+
+
 @pytest.fixture(scope="module")
 def recorded() -> dict:
     return {}
 
 
-def test_graphs_off_and_no_prefix_cache_agree_with_graphs_on(model_dir, hf_model, recorded: dict) -> None:
-    prompts = _prompts(**AGREEMENT_PROMPTS)
-    eager = _make_engine(model_dir, enforce_eager=True, enable_prefix_caching=False)
-    try:
-        without = _generate(eager, prompts, _greedy())
-    finally:
-        _shutdown(eager)
-    _check_against_hf(hf_model, prompts, without)
-    same = sum(list(o.token_ids) == g for o, g in zip(without, recorded["with_graphs"], strict=True))
-    assert same >= len(prompts) - 2, f"graphs on and off agree on {same} of {len(prompts)} sequences"
+def test_graphs_on_and_off_agree(recorded: dict) -> None:
+    """The two engines' greedy tokens (recorded by their classes in this run of the module)."""
+    missing = {"eager", "graphs"} - set(recorded)
+    assert not missing, f"run the whole module: no outputs recorded by {sorted(missing)}"
+    same = sum(a == b for a, b in zip(recorded["eager"], recorded["graphs"], strict=True))
+    assert same >= len(recorded["eager"]) - 2, f"graphs on and off agree on {same} of {len(recorded['eager'])}"
 
 
 def test_unservable_config_fails_at_engine_start_naming_the_field(tmp_path: Path) -> None:
