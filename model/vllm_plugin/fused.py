@@ -70,7 +70,10 @@ class DerivedLinear(_Derived):
         weight, old = self.build(*sources), self._weight
         if (self.prepare is None and old is not None and old.is_cuda and old.shape == weight.shape
                 and old.dtype == weight.dtype and old.data_ptr() != weight.data_ptr()):
-            old.copy_(weight)  # in place: a CUDA graph captured over this weight reads the new values
+            # in place: a CUDA graph captured over this weight reads the new values. A weight first built in a
+            # step (vLLM runs them in inference mode) is an inference tensor, written to only in that mode.
+            with torch.inference_mode(old.is_inference()):
+                old.copy_(weight)
             return
         self._weight = weight
         self._matmul = None if self.prepare is None else self.prepare(weight)
