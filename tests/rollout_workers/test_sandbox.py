@@ -7,6 +7,7 @@ run, the python environment refuses to start, unless the operator chose the unsa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import json
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import rollout_workers.environments.sandbox as sandbox_module
+import rollout_workers.environments.sandbox_cgroup as sandbox_cgroup
 from rollout_workers.environments.python_env import PythonEnv
 from rollout_workers.environments.sandbox import (
     SANDBOX_UID,
@@ -54,6 +56,41 @@ def secret() -> Iterator[str]:
     del os.environ[SECRET_VAR]
 
 
+@pytest.fixture(scope="module")
+def delegated_cgroup() -> Iterator[tuple[str, list[str]]]:
+    """A parent cgroup delegated to SANDBOX_UID, as an operator sets one up for an unprivileged worker:
+    (TAPER_SANDBOX_CGROUP, the cgroup.procs files the worker must start in). v1: a child of this process's
+    cgroup in each hierarchy, owned by the uid. v2: a parent whose children get the controllers, owned by
+    the uid, with the worker in a leaf of its own (a cgroup v2 parent with controllers holds no process)."""
+    name = "taper-test-" + secrets.token_hex(4)
+    try:
+        parents = sandbox_cgroup.find_parents("/" + name)
+    except sandbox_cgroup.CgroupUnavailable:
+        parents = sandbox_cgroup.find_parents(None)  # v1: the parent must exist; make it under our own
+    made: list[str] = []
+    if parents.version == 2:
+        parent = parents.dirs["unified"]
+        worker = os.path.join(parent, "worker")
+        os.mkdir(worker)
+        made += [worker, parent]
+        owned = [parent, os.path.join(parent, "cgroup.procs"), worker, os.path.join(worker, "cgroup.procs")]
+        setting, start_in = "/" + name, [os.path.join(worker, "cgroup.procs")]
+    else:
+        owned = []
+        for d in dict.fromkeys(parents.dirs.values()):
+            child = os.path.join(d, name)
+            os.mkdir(child)
+            made.append(child)
+            owned += [child, os.path.join(child, "cgroup.procs"), os.path.join(child, "tasks")]
+        setting, start_in = name, []
+    for path in owned:
+        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    yield setting, start_in
+    for d in made:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+
+
 @pytest.fixture(params=["root", "unprivileged"])
 def run(request: pytest.FixtureRequest, secret: str) -> Run:
     """Make a sandbox call as the given worker user: `run(code, limits=LIMITS, stdin="")`."""
@@ -64,13 +101,16 @@ def run(request: pytest.FixtureRequest, secret: str) -> Run:
     if os.geteuid() != 0:
         return lambda code, limits=LIMITS, stdin="": run_python(code, limits, stdin)
     python = sandbox_module._sandbox_python(SandboxConfig(), as_root=True)  # one uid 65534 can run
+    cgroup, start_in = request.getfixturevalue("delegated_cgroup")
 
     def run_unprivileged(code: str, limits: SandboxLimits = LIMITS, stdin: str = "") -> SandboxResult:
         request = json.dumps({"code": code, "limits": dataclasses.asdict(limits), "stdin": stdin})
-        env = {"PATH": "/usr/bin:/bin", SECRET_VAR: secret}
-        proc = subprocess.run([python, str(RUNNER), sandbox_module.__file__], input=request, capture_output=True,
-                              text=True, timeout=120, env=env, cwd="/", user=SANDBOX_UID, group=SANDBOX_UID,
-                              extra_groups=[])
+        env = {"PATH": "/usr/bin:/bin", SECRET_VAR: secret, "TAPER_SANDBOX_CGROUP": cgroup}
+        # the sandbox's own launcher: into the worker's cgroup, then down to the uid, then the worker
+        launch = [sys.executable, "-I", "-S", "-c", sandbox_module._LAUNCHER, str(SANDBOX_UID), str(len(start_in)),
+                  *start_in]
+        proc = subprocess.run([*launch, python, str(RUNNER), sandbox_module.__file__], input=request,
+                              capture_output=True, text=True, timeout=120, env=env, cwd="/")
         assert proc.returncode == 0, proc.stderr
         return SandboxResult(**json.loads(proc.stdout))
 
@@ -477,9 +517,14 @@ def test_refuses_to_start_without_user_namespaces() -> None:
     assert bwrap, "bubblewrap must be installed for these tests (scripts/setup.sh installs it)"
     check = ("from rollout_workers.environments.sandbox import SandboxUnavailable, check_sandbox\n"
              "try:\n    check_sandbox()\n    print('STARTED')\nexcept SandboxUnavailable as e:\n    print(e)\n")
+    # a fresh /tmp, with the checkout and the interpreter bound back where they are (a clone under /tmp)
+    keep = dict.fromkeys(str(p) for p in (REPO, Path(sys.prefix), Path(sys.base_prefix),
+                                          Path(os.path.realpath(sys.executable)).parent))
+    binds = [arg for path in keep for arg in ("--ro-bind", path, path)]
     proc = subprocess.run(
         [bwrap, "--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns", "--ro-bind", "/", "/",
-         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--chdir", str(REPO), "--", sys.executable, "-c", check],
+         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds, "--chdir", str(REPO), "--", sys.executable,
+         "-c", check],
         capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]},
     )
     assert "STARTED" not in proc.stdout, proc.stdout + proc.stderr
