@@ -101,6 +101,7 @@ class SandboxResult:
     sandboxed: bool  # False only in the operator's unsafe-rlimits-only mode
     duration_s: float
     exceeded: Exceeded | None = None  # the call's limit it went past: killed (or, memory, a process OOM-killed)
+    cpu_s: float | None = None  # CPU time of the whole call (None without a cgroup: per-process limits)
 
     def summary(self, max_chars: int = 2000) -> str:
         """What the model sees."""
@@ -510,7 +511,8 @@ async def _supervise(proc: asyncio.subprocess.Process, limits: SandboxLimits, st
     timed_out = ended == "wall"
     return SandboxResult(stdout=out.text(), stderr=err.text(), exit_code=None if timed_out else code,
                          timed_out=timed_out, output_truncated=out.truncated or err.truncated, sandboxed=True,
-                         duration_s=duration, exceeded=None if ended in (None, "wall") else ended)
+                         duration_s=duration, exceeded=None if ended in (None, "wall") else ended,
+                         cpu_s=None if cgroup is None else cgroup.cpu_seconds())
 
 
 async def _watch(cgroup: CallCgroup, cpu_seconds: float) -> Exceeded:
