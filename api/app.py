@@ -233,7 +233,7 @@ def create_app(
                                     detached_scheduler=settings.embedded_scheduler)
             app.state.service = runtime.service
             registry.register(_JobsByState(runtime.service))
-            registry.register(TrainingMetrics(runtime.service))
+            registry.register(TrainingMetrics(runtime.service, job_labels=settings.metrics_job_labels))
         try:
             yield
         finally:
@@ -249,9 +249,10 @@ def create_app(
     )
     app.state.service = service
     app.state.prometheus = registry
+    app.state.metrics_public = settings.metrics_public
     if service is not None:
         registry.register(_JobsByState(service))
-        registry.register(TrainingMetrics(service))
+        registry.register(TrainingMetrics(service, job_labels=settings.metrics_job_labels))
     upload_bytes = settings.task_files.max_bytes + 1024 * 1024  # the file and its multipart framing
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
                        path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes)})

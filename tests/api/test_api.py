@@ -239,7 +239,8 @@ def test_health_prometheus_and_openapi(api: Api) -> None:
     assert api.client.get("/healthz").json() == {"ok": True, "redis": True}
     submit(api)
     api.client.get("/v1/jobs", headers=api.h())
-    text = api.client.get("/metrics").text
+    admin = {"Authorization": f"Bearer {api.store.create_api_key('ops', admin=True)}"}
+    text = api.client.get("/metrics", headers=admin).text
     assert 'taper_jobs{state="queued"} 1.0' in text
     assert 'taper_http_requests_total{method="GET",route="/v1/jobs",status="200"}' in text
     schema = api.client.get("/openapi.json").json()
