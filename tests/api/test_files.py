@@ -134,3 +134,12 @@ def test_task_files_are_outside_the_data_roots_environments_read(api: Api) -> No
     path = api.service.files.task_files.path("alpha", f["id"])
     policy = TaperSettings(data_dir=api.service.data_dir).environment_policy()
     assert not any(path.is_relative_to(root.resolve()) for root in policy.data_roots)
+
+
+def test_a_deeply_nested_line_is_refused_naming_the_line(api: Api) -> None:
+    """A JSON bomb in a task file is the line's 422, measured before the line is parsed."""
+    bomb = b'{"question": "q", "metadata": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    r = upload(api, b'{"question": "fine"}\n' + bomb + b"\n")
+    assert r.status_code == 422, r.text[:300]
+    assert "line 2" in r.text and "nested deeper than 64 levels" in r.text
+    assert api.client.get("/v1/files", headers=api.h()).json()["data"] == []
