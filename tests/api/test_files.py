@@ -143,3 +143,37 @@ def test_a_deeply_nested_line_is_refused_naming_the_line(api: Api) -> None:
     assert r.status_code == 422, r.text[:300]
     assert "line 2" in r.text and "nested deeper than 64 levels" in r.text
     assert api.client.get("/v1/files", headers=api.h()).json()["data"] == []
+
+
+def test_tenants_see_ids_never_host_paths(api: Api, tmp_path: Path) -> None:
+    """Every object a tenant reads about a job (the job, its events, checkpoints, the OpenAI views, its files)
+    names files and checkpoints by id: the service's data dir, the job's work dir and the installed code's
+    paths never show, even in text the driver wrote (a traceback, a legacy event)."""
+    import sys
+
+    f = upload(api, b'{"question": "q", "answer": 1}\n').json()
+    job = api.client.post("/v1/jobs", json={"tasks": {"train_file": f["id"]}}, headers=api.h()).json()
+    record = api.store.get_job(job["id"])
+    assert record.spec.tasks.train_path  # the runner reads the stored path
+    work = Path(record.work_dir)
+    ckpt = work / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    api.store.transition(job["id"], "starting")
+    api.store.transition(job["id"], "running")
+    api.store.add_checkpoint(job["id"], 1, ckpt.resolve().as_uri())
+    api.store.add_event(job["id"], "resumed", {"step": 1, "checkpoint": str(ckpt)})  # as older drivers wrote it
+    crash = f'Traceback:\n  File "{sys.prefix}/lib/x.py", line 1\n  File "{work}/run.py", line 2\nOSError: {ckpt}'
+    api.store.add_event(job["id"], "training_restarted", {"restart": 1, "cause": crash})
+    api.store.update_job(job["id"], allowed=["running"], fields={"warning": f"cannot read {ckpt}"})
+
+    seen = [api.client.get(path, headers=api.h()) for path in (
+        f"/v1/jobs/{job['id']}", f"/v1/jobs/{job['id']}/events?limit=100", f"/v1/jobs/{job['id']}/checkpoints",
+        "/v1/jobs", "/v1/files", f"/v1/files/{f['id']}", f"/v1/fine_tuning/jobs/{job['id']}",
+        f"/v1/fine_tuning/jobs/{job['id']}/events", f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")]
+    assert all(r.status_code == 200 for r in seen), [(r.url, r.status_code) for r in seen]
+    text = "\n".join(r.text for r in seen)
+    for host_path in (str(tmp_path), str(api.service.data_dir), str(work), sys.prefix, "file://", "_path\": \"", "_path\":\""):
+        assert host_path not in text, host_path
+    assert api.client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=api.h()).json()[0]["checkpoint"] == \
+        f"{job['id']}:1"
+    assert api.client.get(f"/v1/jobs/{job['id']}", headers=api.h()).json()["last_checkpoint"] == f"{job['id']}:1"

@@ -165,8 +165,8 @@ def test_real_job_lifecycle_over_http_and_its_page_updates_takes_a_schedule_patc
         ckpts = api.get(f"/v1/jobs/{job_id}/checkpoints").json()
         keep = TINY_JOB["keep_last_checkpoints"]
         assert [ck["step"] for ck in ckpts] == list(range(total + 1 - keep, total + 1))  # what was kept
-        assert all(ck["uri"].startswith("file://") for ck in ckpts)
-        on_disk = sorted((Path(ckpts[0]["uri"].removeprefix("file://")).parent).glob("step_*"))
+        assert [ck["checkpoint"] for ck in ckpts] == [f"{job_id}:{ck['step']}" for ck in ckpts]  # ids, no paths
+        on_disk = sorted((Path(Store(redis_url).get_job(job_id).work_dir) / "checkpoints").glob("step_*"))
         assert [int(p.name.split("_")[1]) for p in on_disk] == [ck["step"] for ck in ckpts]
         per_step = TINY_JOB["rollout"]["prompts_per_step"] * TINY_JOB["rollout"]["num_generations"]
         assert len(trajs) == total * per_step
