@@ -25,6 +25,7 @@ import errno
 import itertools
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +33,7 @@ CONTROLLERS = ("memory", "pids", "cpu")
 _V1_HIERARCHIES = ("memory", "pids", "cpu", "cpuacct")  # cpuacct: the CPU time used
 DEFAULT_V2_PARENT = "/taper-sandbox"
 CPU_PERIOD_US = 100_000
+_STALE_S = 600.0  # a call's cgroup left this long by a worker that is gone is swept
 _calls = itertools.count()
 
 
@@ -125,14 +127,16 @@ def find_parents(parent: str | None) -> CgroupParents:
 
 
 def _sweep(parents: CgroupParents) -> None:
-    """Remove the empty cgroups of calls whose worker died without removing them (killed mid-call)."""
+    """Remove the empty cgroups of calls whose worker died without removing them (killed mid-call). Only old
+    ones: a worker in another pid namespace may share the parent, and its pids are not ours to look up."""
     for d in dict.fromkeys(parents.dirs.values()):
         with contextlib.suppress(OSError):
             for entry in os.scandir(d):
                 fields = entry.name.split("-")
                 if entry.is_dir() and fields[0] == "call" and len(fields) == 4 and fields[1].isdigit() \
-                        and not os.path.exists(f"/proc/{fields[1]}"):
-                    with contextlib.suppress(OSError):
+                        and not os.path.exists(f"/proc/{fields[1]}") \
+                        and time.time() - entry.stat().st_mtime > _STALE_S:
+                    with contextlib.suppress(OSError):  # a cgroup with a process in it cannot be removed
                         os.rmdir(entry.path)
 
 

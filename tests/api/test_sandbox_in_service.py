@@ -47,6 +47,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
         stop_embedded(data_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_python_graded_python_environment_job_scores_every_trajectory(service: httpx.Client) -> None:
     print("the service runs as", "root" if os.geteuid() == 0 else f"uid {os.geteuid()}")
