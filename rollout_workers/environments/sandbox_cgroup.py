@@ -141,19 +141,23 @@ def _sweep(parents: CgroupParents) -> None:
 
 
 def _prepare_v2(directory: str, mount_point: str) -> None:
-    """Make `directory` a cgroup whose children get the three controllers."""
+    """Make `directory` a cgroup whose children get the three controllers (enabling them in the cgroup above
+    it first, where they are not yet handed down to it)."""
     wanted = " ".join("+" + c for c in CONTROLLERS)
+    where = directory
     try:
         os.makedirs(directory, exist_ok=True)
         if not set(CONTROLLERS) <= set(_read(directory, "cgroup.controllers").split()):
-            above = os.path.dirname(directory)
-            if os.path.commonpath([above, mount_point]) != mount_point:
-                raise OSError(errno.EPERM, "no parent to enable controllers in")
-            _write(above, "cgroup.subtree_control", wanted)
+            where = os.path.dirname(directory)
+            if os.path.commonpath([where, mount_point]) != mount_point:
+                raise OSError(errno.EPERM, "no cgroup above it to enable the controllers in")
+            _write(where, "cgroup.subtree_control", wanted)
+            where = directory
         _write(directory, "cgroup.subtree_control", wanted)
     except OSError as e:
-        reason = ("it holds processes (a cgroup v2 parent that hands controllers to children must hold none: "
-                  "move the worker into a leaf of its own)" if e.errno == errno.EBUSY else e.strerror or str(e))
+        reason = (f"{where} holds processes (a cgroup v2 cgroup that hands controllers to its children must hold "
+                  "none: move the workers into a leaf of their own, or name another parent)"
+                  if e.errno == errno.EBUSY else f"{where}: {e.strerror or e}")
         raise _unavailable(f"cannot prepare the parent cgroup {directory} with the memory, pids and cpu "
                            f"controllers: {reason}") from None
 
