@@ -1,4 +1,5 @@
-"""The FastAPI application factory: routers, auth, errors as JSON naming the field, request size limits,
+"""The FastAPI application factory: routers, auth, errors as JSON naming the field, request size and JSON
+depth limits,
 Prometheus metrics and (in `lifespan`) the store, Ray and the scheduler loop."""
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
 from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field, plain_message
 from rl_service.control.settings import TaperSettings, get_settings
+from rl_service.json_limits import nesting_exceeds
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,52 @@ class BodySizeLimit:
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class JsonDepthLimit:
+    """Refuses JSON bodies that nest deeper than ``max_depth`` with 422, before anything parses them (the parser
+    recurses per level: a deep enough body is a RecursionError). Runs inside BodySizeLimit, so the body it
+    reads is bounded; bodies that are not JSON (file uploads) pass untouched."""
+
+    def __init__(self, app: ASGIApp, max_depth: int) -> None:
+        self.app = app
+        self.max_depth = max_depth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _may_be_json(scope):
+            return await self.app(scope, receive, send)
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if nesting_exceeds(body, self.max_depth):
+            response = error_response(422, "invalid", f"body: JSON nested deeper than {self.max_depth} levels "
+                                                      "(arrays and objects)", "body")
+            return await response(scope, receive, send)
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+def _may_be_json(scope: Scope) -> bool:
+    """A body FastAPI would parse as JSON: a JSON content type, or none at all."""
+    for name, value in scope.get("headers", []):
+        if name == b"content-type":
+            media = value.split(b";")[0].strip().lower()
+            return media == b"application/json" or media.endswith(b"+json")
+    return scope.get("method") not in ("GET", "HEAD", "OPTIONS", "DELETE")
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 class _JobsByState:
@@ -233,7 +281,7 @@ def create_app(
                                     detached_scheduler=settings.embedded_scheduler)
             app.state.service = runtime.service
             registry.register(_JobsByState(runtime.service))
-            registry.register(TrainingMetrics(runtime.service))
+            registry.register(TrainingMetrics(runtime.service, job_labels=settings.metrics_job_labels))
         try:
             yield
         finally:
@@ -249,10 +297,12 @@ def create_app(
     )
     app.state.service = service
     app.state.prometheus = registry
+    app.state.metrics_public = settings.metrics_public
     if service is not None:
         registry.register(_JobsByState(service))
-        registry.register(TrainingMetrics(service))
+        registry.register(TrainingMetrics(service, job_labels=settings.metrics_job_labels))
     upload_bytes = settings.task_files.max_bytes + 1024 * 1024  # the file and its multipart framing
+    app.add_middleware(JsonDepthLimit, max_depth=settings.max_json_depth)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
                        path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes)})
     app.add_middleware(RequestMetrics, registry=registry)

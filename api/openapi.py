@@ -103,7 +103,7 @@ class SchemaCheckedRoute(APIRoute):
             return
         try:
             body = await request.json()
-        except ValueError:  # not JSON (or not UTF-8): the route's own validation answers
+        except (ValueError, RecursionError):  # not JSON (or not UTF-8): the route's own validation answers
             return
         if self._validator is None:  # a route belongs to one app (include_router copies routes)
             self._validator = _body_validator(request.app.openapi(), self.path_format, next(iter(self.methods)))

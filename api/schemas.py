@@ -8,9 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reward_models.schedule import RewardSchedule, ScheduleVersion
 from rl_service.control.quota import TenantQuota
+from rl_service.control.service.host_paths import hide_host_paths
 from rl_service.control.store import JobRecord
 from rl_service.job_states import JobState
-from rl_service.spec import JobSpec
+from rl_service.spec import JobSpec, checkpoint_ref
 
 
 class ErrorDetail(BaseModel):
@@ -78,8 +79,11 @@ class JobOut(BaseModel):
 
     @classmethod
     def of(cls, job: JobRecord) -> JobOut:
-        # host paths stay in the control plane: the tenant sees its checkpoint reference, not where it lies
-        data = job.model_dump(exclude={"tenant": True, "work_dir": True, "spec": {"model": {"checkpoint_dir"}}})
+        # host paths stay in the control plane: the tenant sees its checkpoint and file ids, not where they lie
+        data = job.model_dump(exclude={"tenant": True, "work_dir": True, "spec": {
+            "model": {"checkpoint_dir"}, "tasks": {"train_path", "eval_path"}}})
+        for name in ("error", "warning", "last_checkpoint"):
+            data[name] = hide_host_paths(data[name], [job.work_dir])
         return cls(**data, progress=min(job.step / max(job.total_steps, 1), 1.0))
 
 
@@ -116,8 +120,15 @@ class MetricsPage(BaseModel):
 
 class CheckpointOut(BaseModel):
     step: int
-    uri: str
+    checkpoint: str = Field(description="The checkpoint as `model.checkpoint` takes it: JOB_ID:STEP.")
+    download_url: str = Field(description="Its model folder as a tar (GET, with your key).")
     ts: float
+
+    @classmethod
+    def of(cls, job_id: str, stored: dict[str, Any]) -> CheckpointOut:
+        step = stored["step"]
+        return cls(step=step, checkpoint=checkpoint_ref(job_id, step),
+                   download_url=f"/v1/jobs/{job_id}/checkpoints/{step}/download", ts=stored["ts"])
 
 
 class TrajectoryPage(BaseModel):

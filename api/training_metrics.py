@@ -30,11 +30,16 @@ FROM_LAST_STEP = [
 ]
 
 
-class TrainingMetrics:
-    """A Prometheus collector over the service's jobs (every tenant's)."""
+_STEP, _RESTARTS = "~step", "~restarts"  # keys of the two gauges read from the job record, not its metrics
 
-    def __init__(self, service: TaperService) -> None:
+
+class TrainingMetrics:
+    """A Prometheus collector over the service's jobs (every tenant's). Without `job_labels` the series name
+    no tenant and no job: each is the mean over an environment's running jobs, and the queue depth a total."""
+
+    def __init__(self, service: TaperService, job_labels: bool = True) -> None:
         self.service = service
+        self.job_labels = job_labels
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -43,21 +48,28 @@ class TrainingMetrics:
         except Exception:  # a scrape must not fail because Redis blinked
             log.debug("training metrics skipped: the store is unreachable", exc_info=True)
             return
-        families = {key: GaugeMetricFamily(name, text, labels=LABELS) for name, text, key in FROM_LAST_STEP}
-        step = GaugeMetricFamily("taper_job_step", "Training steps done", labels=LABELS)
-        restarts = GaugeMetricFamily("taper_job_driver_restarts", "Driver starts after the first (resumes, "
-                                     "restarts after a lost driver)", labels=LABELS)
+        names = LABELS if self.job_labels else ["environment"]
+        families = {key: GaugeMetricFamily(name, text, labels=names) for name, text, key in FROM_LAST_STEP}
+        families[_STEP] = GaugeMetricFamily("taper_job_step", "Training steps done", labels=names)
+        families[_RESTARTS] = GaugeMetricFamily(
+            "taper_job_driver_restarts", "Driver starts after the first (resumes, restarts after a lost driver)",
+            labels=names)
+        # labels -> key -> the values of the jobs behind those labels (one job each, with job labels)
+        rows: dict[tuple[str, ...], dict[str, list[float]]] = {}
         for job in running:
-            labels = [job.tenant, job.spec.environment.name, job.id]
-            step.add_metric(labels, job.step)
-            restarts.add_metric(labels, max(job.attempts - 1, 0))
-            for key, family in families.items():
-                value = (job.last_metrics or {}).get(key)
-                if isinstance(value, int | float):
-                    family.add_metric(labels, float(value))
+            labels = (job.tenant, job.spec.environment.name, job.id) if self.job_labels else (job.spec.environment.name,)
+            row = rows.setdefault(labels, {})
+            numbers = {_STEP: job.step, _RESTARTS: max(job.attempts - 1, 0), **(job.last_metrics or {})}
+            for key in families:
+                if isinstance(numbers.get(key), int | float):
+                    row.setdefault(key, []).append(float(numbers[key]))
+        for labels, row in rows.items():
+            for key, vs in row.items():  # without job labels: the mean over the environment's running jobs
+                families[key].add_metric(list(labels), sum(vs) / len(vs))
         yield from families.values()
-        yield step
-        yield restarts
+        if not self.job_labels:
+            yield GaugeMetricFamily("taper_queue_depth", "Jobs waiting to be placed", value=len(queued))
+            return
         depth = GaugeMetricFamily("taper_queue_depth", "Jobs waiting to be placed", labels=["tenant"])
         for tenant, n in sorted(Counter(job.tenant for job in queued).items()):
             depth.add_metric([tenant], n)

@@ -25,6 +25,11 @@ BASE_MODEL_NAME = r"[A-Za-z0-9_.-]{1,64}"
 CHECKPOINT_REF = rf"^(job-[0-9a-f]{{16}}(:[0-9]{{1,9}})?|base:{BASE_MODEL_NAME})$"
 
 
+def checkpoint_ref(job_id: str, step: int) -> str:
+    """How a tenant names a job's checkpoint (`model.checkpoint`, events, the job object): `JOB_ID:STEP`."""
+    return f"{job_id}:{step}"
+
+
 # At most 16 string pairs, keys up to 64 characters, values up to 512 (OpenAI's `metadata` limits).
 Metadata = Annotated[
     dict[Annotated[str, StringConstraints(min_length=1, max_length=64)], Annotated[str, StringConstraints(max_length=512)]],

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rl_service.json_limits import DEFAULT_MAX_DEPTH, nesting_exceeds
+
 FILE_ID_PATTERN = r"^file-[0-9a-f]{24}$"
 
 
@@ -25,6 +27,8 @@ class TaskFileLimits(BaseModel):
     max_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest task file.")
     max_lines: int = Field(100_000, ge=1, description="Most tasks in one file.")
     max_line_bytes: int = Field(1024 * 1024, ge=256, description="Longest line (one task).")
+    max_json_depth: int = Field(DEFAULT_MAX_DEPTH, ge=8, le=1000,
+                                description="Deepest nesting of arrays and objects in a line.")
     max_files: int = Field(100, ge=1, description="Most files a tenant keeps.")
 
 
@@ -68,9 +72,11 @@ class TaskFileError(ValueError):
 def check_line(raw: bytes, number: int, limits: TaskFileLimits) -> dict[str, Any]:
     if len(raw) > limits.max_line_bytes:
         raise TaskFileError(f"line {number}: longer than {limits.max_line_bytes} bytes")
+    if nesting_exceeds(raw, limits.max_json_depth):
+        raise TaskFileError(f"line {number}: JSON nested deeper than {limits.max_json_depth} levels")
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise TaskFileError(f"line {number}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise TaskFileError(f"line {number}: must be a JSON object, got {type(data).__name__}")

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from rollout_workers.chat import ChatFormat
 from rollout_workers.engine import Engine, TurnOutput, TurnRequest, request_seed
 from rollout_workers.environments.base import Environment, ToolError
+from rollout_workers.environments.sandbox import replace_surrogates
 from rollout_workers.parsing import has_tool_call_markup, parse_tool_calls
 from rollout_workers.sampling import SamplingConfig
 from rollout_workers.stats import RolloutStats
@@ -274,15 +275,15 @@ class AgentLoop:
             call.error, call.error_kind = f"tool {name} timed out: {e}", "timeout"
             outcome = (TrajectoryStatus.TOOL_TIMEOUT, call.error)
             call.latency_s = time.monotonic() - t0
-        except ToolError as e:
-            call.error, call.error_kind = str(e) or type(e).__name__, "tool_error"
+        except ToolError as e:  # its message may quote the arguments: text the tokenizer must encode
+            call.error, call.error_kind = replace_surrogates(str(e)) or type(e).__name__, "tool_error"
             call.latency_s = time.monotonic() - t0
         except Exception as e:
-            call.error, call.error_kind = f"environment crashed in {name}: {e!r}", "tool_error"
+            call.error, call.error_kind = replace_surrogates(f"environment crashed in {name}: {e!r}"), "tool_error"
             outcome = (TrajectoryStatus.ENV_ERROR, call.error)
             call.latency_s = time.monotonic() - t0
         else:
-            text = result if isinstance(result, str) else str(result)
+            text = replace_surrogates(result if isinstance(result, str) else str(result))
             if len(text) > MAX_TOOL_RESULT_CHARS:
                 text = text[:MAX_TOOL_RESULT_CHARS] + " [truncated]"
             call.result = text

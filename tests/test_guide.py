@@ -6,8 +6,10 @@ files' 12 RL steps, to keep the suite short; NOTES has the full runs); each ends
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,7 +86,7 @@ def test_env_check_passes_on_the_installed_example(installed_example: None) -> N
 @pytest.mark.timeout(1200)  # a warm start and six RL steps on a 2-core machine
 @pytest.mark.parametrize("example", ["unit_convert", "unit_convert_http"])
 def test_the_guide_trains_an_example_to_a_checkpoint_that_calls_its_tool(
-        example: str, service: httpx.Client, tool_server: str) -> None:
+        example: str, service: httpx.Client, tool_server: str, tmp_path: Path) -> None:
     registration = yaml.safe_load((EXAMPLES / example / "register.yaml").read_text())
     if registration["kind"] == "http":  # the guide's server runs on the port the test chose
         registration["base_url"] = tool_server
@@ -118,7 +120,11 @@ def test_the_guide_trains_an_example_to_a_checkpoint_that_calls_its_tool(
                    for t in trajs for s in t["steps"]), trajs[0]["steps"]
 
     checkpoint = service.get(f"/v1/jobs/{job_id}/checkpoints").json()[-1]
-    assert_greedy_rollout_calls_convert(Path(checkpoint["uri"].removeprefix("file://")))
+    r = service.get(checkpoint["download_url"])  # the model folder, as a user downloads it
+    assert r.status_code == 200, r.text
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    assert_greedy_rollout_calls_convert(tmp_path / f"{job_id}-step-{checkpoint['step']}")
 
 
 def assert_greedy_rollout_calls_convert(path: Path) -> None:

@@ -181,7 +181,7 @@ def job_trajectories(
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut], responses=error_responses(404, 422))
 def job_checkpoints(job_id: JobId, svc: Svc, who: Who) -> list[CheckpointOut]:
-    return [CheckpointOut(**c) for c in svc.jobs.checkpoints(who, job_id)]
+    return [CheckpointOut.of(job_id, c) for c in svc.jobs.checkpoints(who, job_id)]
 
 
 def _schedule_out(history) -> ScheduleOut:

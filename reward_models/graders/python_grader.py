@@ -1,6 +1,6 @@
 """`python` (as OpenAI's): the tenant's `grade(sample, item) -> float` run in the OS sandbox that runs
-model-written code (rollout_workers.environments.sandbox: no network, no host files, rlimits, wall-clock
-kill), never in the scorer's process. The limits asked for are capped by the operator's maxima."""
+model-written code (rollout_workers.environments.sandbox: no network, no host files, memory and CPU limits
+per call, wall-clock kill), never in the scorer's process. The limits asked for are capped by the operator's maxima."""
 
 from __future__ import annotations
 
@@ -63,6 +63,8 @@ def _run(code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
 
 
 def parse_score(result: SandboxResult, name: str) -> float:
+    if result.exceeded is not None:
+        raise GraderError(f"python grader {name!r}: killed at the call's {result.exceeded} limit")
     if result.timed_out:
         raise GraderError(f"python grader {name!r}: killed at the wall-clock limit")
     lines = [line for line in result.stdout.splitlines() if line.startswith(SCORE_MARKER)]

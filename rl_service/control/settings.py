@@ -39,6 +39,17 @@ class TaperSettings(EnvironmentSettings):
                           "API runs; `taper down` stops it.")
     api_key: str | None = Field(None, description="Bearer key the CLI sends.")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body.")
+    max_json_depth: int = Field(
+        64, ge=8, le=1000, description="Deepest nesting of arrays and objects in a JSON body or task-file line; "
+                                       "deeper is refused (422) before it is parsed.")
+    metrics_public: bool = Field(
+        False, description="Serve /metrics without a key. Off: a scrape needs an admin key (Authorization: Bearer), "
+                           "since the series name tenants and jobs. Turn it on only where the API's port is not "
+                           "reachable by tenants (a separate, operator-only network path to the scraper).")
+    metrics_job_labels: bool = Field(
+        True, description="Label the job series of /metrics with tenant and job. Off: each series is the mean over "
+                          "an environment's running jobs (labelled by environment only), and the queue depth one "
+                          "total.")
     submit_rate_per_minute: int = Field(60, ge=1, description="Job submissions per tenant per minute.")
     local_cpus: int | None = Field(None, ge=1, description="CPUs a locally started Ray may use (default: all).")
     redis_server_bin: str = Field("redis-server", description="The binary the private Redis is started from.")

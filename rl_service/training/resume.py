@@ -39,7 +39,7 @@ def resume_from(ckpt: Checkpoint | None, spec: JobSpec, model: Any, learner: Lea
     if rng is not None:
         restore_rng_state(rng)
     drop_trajectories_after(trajectory_dir, start, spec.total_steps)
-    hooks.emit_event("resumed", {"step": start, "checkpoint": str(ckpt.path)})
+    hooks.emit_event("resumed", {"step": start, "checkpoint_step": ckpt.step})
     return start, run_state
 
 

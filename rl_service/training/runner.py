@@ -43,7 +43,7 @@ from reward_models.credit import CreditConfig
 from rl_service.environment_settings import operator_environment_policy
 from rl_service.hooks import JobHooks
 from rl_service.placement import learner_bundle_indices, rollout_bundle_indices
-from rl_service.spec import JobSpec
+from rl_service.spec import JobSpec, checkpoint_ref
 from rl_service.task_files import load_tasks
 from rl_service.training import step as pipeline
 from rl_service.training.checkpoint import (
@@ -354,7 +354,7 @@ class JobRunner:
         ck = save_checkpoint(self.checkpoint_dir, step, self.model, state, learner_state=learner_state,
                              tokenizer=self.tokenizer, keep_last=self.spec.keep_last_checkpoints)
         self.hooks.add_checkpoint(step, ck.path.resolve().as_uri())
-        self.hooks.emit_event("checkpoint", {"step": step, "path": str(ck.path)})
+        self.hooks.emit_event("checkpoint", {"step": step, "checkpoint": checkpoint_ref(self.job_id, step)})
 
     def _evaluate(self, at_step: int) -> None:
         """Greedy rollouts on the held-out tasks; outcome success rate."""

@@ -26,8 +26,8 @@ ENTRY_POINT_GROUP = "taper.environments"
 class PythonSandboxMaxima(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    memory_mb: int = Field(1024, ge=16, description="Largest address space a python tool call may ask for.")
-    cpu_seconds: int = Field(30, ge=1, description="Largest CPU time per call.")
+    memory_mb: int = Field(1024, ge=16, description="Largest memory a python tool call may ask for (the whole call).")
+    cpu_seconds: int = Field(30, ge=1, description="Largest CPU time per call (the whole call).")
     wall_seconds: float = Field(60.0, gt=0.0, description="Largest wall-clock time per call.")
     output_bytes: int = Field(1024 * 1024, ge=1024, description="Largest captured output per call.")
 

@@ -70,8 +70,8 @@ _CAPPED = ("cpu_seconds", "memory_mb", "output_bytes", "wall_seconds")
 class PythonOptions(EnvironmentOptions):
     """Per-call sandbox limits a job may choose, within the operator's maxima (EnvironmentPolicy.python_max)."""
 
-    cpu_seconds: int = Field(5, ge=1, le=3600, description="CPU time per call.")
-    memory_mb: int = Field(256, ge=16, le=65536, description="Address space per call.")
+    cpu_seconds: int = Field(5, ge=1, le=3600, description="CPU time per call, all its processes together.")
+    memory_mb: int = Field(256, ge=16, le=65536, description="Memory per call, all its processes together.")
     output_bytes: int = Field(16 * 1024, ge=1024, le=16 * 1024 * 1024, description="Captured output per call.")
     wall_seconds: float = Field(10.0, gt=0.0, le=3600.0, description="Wall-clock time per call.")
 

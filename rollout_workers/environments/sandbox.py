@@ -1,17 +1,21 @@
 """Run untrusted Python under bubblewrap: an OS-level sandbox with CPU, memory, process, file and
-wall-clock limits and no network.
+wall-clock limits per call and no network.
 
 Each call starts `bwrap` with new user, pid, net, ipc, uts and cgroup namespaces (no nested user
 namespaces), no capabilities, a seccomp filter (`seccomp.py`), an empty environment and a new session.
 The filesystem holds only the interpreter, its standard library (its site-packages hidden) and the
 shared libraries it loads, all read-only; a fresh /proc, a minimal /dev, and a private size-capped
 tmpfs as /tmp, the working directory. A trusted
-bootstrap sets the rlimits inside the namespaces, then runs the program. The wall-clock kill ends pid 1
-of the sandbox's pid namespace, which ends every process in it (setsid and double forks included).
+bootstrap sets the rlimits inside the namespaces, then runs the program. A kill (wall clock, the call's CPU
+time, its memory) ends pid 1 of the sandbox's pid namespace, which ends every process in it (setsid and
+double forks included).
 
-RLIMIT_NPROC is counted per user namespace and real uid, so set inside the sandbox it bounds the
-sandbox's own tasks. The kernel never applies it to processes of real root, so a worker running as root
-starts bwrap as uid 65534: the interpreter must then be readable by that uid (`TAPER_SANDBOX_PYTHON`).
+The limits hold for the call as a whole: each call gets its own cgroup (`sandbox_cgroup.py`: memory.max,
+pids.max, cpu.max, and a kill once its CPU time passes `cpu_seconds`); the rlimits stay as a second line
+per process. A trusted launcher (a first stage run by the worker's interpreter, no preexec hook, so it works
+on every event loop) moves itself into the call's cgroup and, when the worker is root, drops to uid 65534
+before it execs bwrap: the kernel never applies RLIMIT_NPROC to real root, and sandboxed code should not
+run as it. The interpreter must then be readable by that uid (`TAPER_SANDBOX_PYTHON`).
 
 Operator settings (read here only: Ray workers run this and must not import the service's settings):
 - `TAPER_SANDBOX_MODE`: `bwrap` (default) or `unsafe-rlimits-only` (rlimits, no isolation: for machines
@@ -19,14 +23,19 @@ Operator settings (read here only: Ray workers run this and must not import the 
 - `TAPER_SANDBOX_BWRAP`: the bwrap binary (default: `bwrap` on PATH).
 - `TAPER_SANDBOX_PYTHON`: the interpreter sandboxed code runs on (default: the worker's own; for a root
   worker whose interpreter uid 65534 cannot read, the system python3).
+- `TAPER_SANDBOX_LIMITS`: `cgroup` (default: per-call cgroups; the sandbox refuses to start without them)
+  or `per-process` (rlimits alone, which bound each process, not the call: a call that forks gets more).
+- `TAPER_SANDBOX_CGROUP`: the parent cgroup of the calls' cgroups (see `sandbox_cgroup.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,28 +50,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rollout_workers.environments.sandbox_cgroup import (
+    REQUIREMENT,
+    CallCgroup,
+    CgroupParents,
+    CgroupUnavailable,
+    find_parents,
+)
 from rollout_workers.environments.seccomp import seccomp_filter
 
 SandboxMode = Literal["bwrap", "unsafe-rlimits-only"]
 MODES: tuple[SandboxMode, ...] = ("bwrap", "unsafe-rlimits-only")
+LimitsMode = Literal["cgroup", "per-process"]
+LIMITS_MODES: tuple[LimitsMode, ...] = ("cgroup", "per-process")
+Exceeded = Literal["memory", "cpu"]
 SANDBOX_UID = 65534  # who sandboxed code runs as when the worker is root ("nobody" on Debian)
+log = logging.getLogger(__name__)
 _WORKDIR = "/tmp"
 _SHM_BYTES = 1024 * 1024  # /dev/shm: room for multiprocessing's semaphores, not a second scratch disk
+_POLL_S = 0.05  # how often a call's cgroup is read (CPU time, OOM kills) while it runs
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    cpu_seconds: int = 5
-    memory_bytes: int = 256 * 1024 * 1024  # address space of each process
+    cpu_seconds: int = 5  # CPU time of the whole call (its cgroup); also each process's RLIMIT_CPU
+    memory_bytes: int = 256 * 1024 * 1024  # memory of the whole call (its cgroup); also each process's RLIMIT_AS
     output_bytes: int = 16 * 1024
     wall_seconds: float = 10.0
     max_processes: int = 16  # tasks (processes and threads) in the sandbox, its pid 1 included
     max_open_files: int = 64
     tmpfs_bytes: int = 16 * 1024 * 1024  # the working directory; also the largest file it may write
+    cpus: float = 1.0  # CPU bandwidth of the call, in cores (cpu.max)
 
     def __post_init__(self) -> None:
         for name in ("cpu_seconds", "memory_bytes", "output_bytes", "wall_seconds", "max_open_files",
-                     "tmpfs_bytes"):
+                     "tmpfs_bytes", "cpus"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         if self.max_processes < 3:  # bwrap's pid 1 and the interpreter, plus one
@@ -78,6 +100,8 @@ class SandboxResult:
     output_truncated: bool
     sandboxed: bool  # False only in the operator's unsafe-rlimits-only mode
     duration_s: float
+    exceeded: Exceeded | None = None  # the call's limit it went past: killed (or, memory, a process OOM-killed)
+    cpu_s: float | None = None  # CPU time of the whole call (None without a cgroup: per-process limits)
 
     def summary(self, max_chars: int = 2000) -> str:
         """What the model sees."""
@@ -86,8 +110,14 @@ class SandboxResult:
             parts.append(self.stdout)
         if self.stderr:
             parts.append("[stderr]\n" + self.stderr)
-        if self.timed_out:
+        if self.exceeded == "memory":
+            parts.append("[killed: the call's memory limit was exceeded]")
+        elif self.exceeded == "cpu":
+            parts.append("[killed: the call's CPU-time limit was exceeded]")
+        elif self.timed_out:
             parts.append("[killed: wall-clock limit exceeded]")
+        elif self.exit_code == -signal.SIGXCPU:
+            parts.append("[killed: a process's CPU-time limit was exceeded]")
         elif self.exit_code not in (0, None):
             parts.append(f"[exit code {self.exit_code}]")
         if self.output_truncated:
@@ -109,14 +139,21 @@ class SandboxConfig:
     mode: SandboxMode = "bwrap"
     bwrap: str = "bwrap"
     python: str | None = None  # None: see _sandbox_python
+    limits: LimitsMode = "cgroup"
+    cgroup: str | None = None  # the calls' parent cgroup; None: sandbox_cgroup's default
 
     @classmethod
     def from_environment(cls) -> SandboxConfig:
         mode = os.environ.get("TAPER_SANDBOX_MODE", "bwrap")
         if mode not in MODES:
             raise SandboxUnavailable(f"TAPER_SANDBOX_MODE: must be one of {', '.join(MODES)}, got {mode!r}")
+        limits = os.environ.get("TAPER_SANDBOX_LIMITS", "cgroup")
+        if limits not in LIMITS_MODES:
+            raise SandboxUnavailable(
+                f"TAPER_SANDBOX_LIMITS: must be one of {', '.join(LIMITS_MODES)}, got {limits!r}")
         return cls(mode=mode, bwrap=os.environ.get("TAPER_SANDBOX_BWRAP") or "bwrap",
-                   python=os.environ.get("TAPER_SANDBOX_PYTHON") or None)
+                   python=os.environ.get("TAPER_SANDBOX_PYTHON") or None, limits=limits,  # type: ignore[arg-type]
+                   cgroup=os.environ.get("TAPER_SANDBOX_CGROUP") or None)
 
 
 # ------------------------------------------------------------------------------------------ the layout
@@ -129,6 +166,7 @@ class _Layout:
     python: str
     mount_args: tuple[str, ...]
     as_uid: int | None  # drop to this uid before starting bwrap (the worker is root)
+    cgroups: CgroupParents | None  # where the calls' cgroups go; None: per-process limits only
 
 
 def _world_readable(path: str) -> bool:
@@ -232,7 +270,8 @@ def _layout(config: SandboxConfig, as_root: bool) -> _Layout:
             args += ["--size", "4096", "--tmpfs", site, "--remount-ro", site]
     args += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(_SHM_BYTES), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-    return _Layout(bwrap=bwrap, python=python, mount_args=tuple(args), as_uid=SANDBOX_UID if as_root else None)
+    return _Layout(bwrap=bwrap, python=python, mount_args=tuple(args), as_uid=SANDBOX_UID if as_root else None,
+                   cgroups=None)
 
 
 _MIN_BWRAP = (0, 8, 0)  # --disable-userns and --size
@@ -268,9 +307,11 @@ exec(compile(open("main.py").read(), "main.py", "exec"))  # in __main__ itself: 
 """
 
 
-def _bootstrap(limits: SandboxLimits) -> str:
+def _bootstrap(limits: SandboxLimits, per_call_cpu: bool) -> str:
+    # SIGXCPU at the soft limit, SIGKILL after; a second behind the call's own CPU kill when there is one
+    cpu = limits.cpu_seconds + 1 if per_call_cpu else limits.cpu_seconds
     rlimits = [
-        ("RLIMIT_CPU", limits.cpu_seconds, limits.cpu_seconds + 1),  # SIGXCPU at the soft limit, SIGKILL after
+        ("RLIMIT_CPU", cpu, cpu + 1),
         ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
         ("RLIMIT_NPROC", limits.max_processes, limits.max_processes),
         ("RLIMIT_NOFILE", limits.max_open_files, limits.max_open_files),
@@ -282,9 +323,45 @@ def _bootstrap(limits: SandboxLimits) -> str:
 
 _SECCOMP_FILTER = seccomp_filter()
 
+# Trusted first stage, run by the worker's interpreter: moves itself into the call's cgroup (so bwrap and
+# everything it starts are counted from the first instruction), drops to the sandbox uid when the worker is
+# root, then becomes bwrap. argv: uid (-1: keep), the number of cgroup.procs files, those files, bwrap's argv.
+_LAUNCHER = r"""
+import os, sys
+uid, n = int(sys.argv[1]), int(sys.argv[2])
+for path in sys.argv[3:3 + n]:
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+if uid >= 0:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+argv = sys.argv[3 + n:]
+os.execv(argv[0], argv)
+"""
+
+
+def _launcher(layout: _Layout, cgroup: CallCgroup | None) -> list[str]:
+    """The argv prefix that starts bwrap in the call's cgroup as the sandbox uid ([] when neither applies)."""
+    files = cgroup.procs_files if cgroup else []
+    if layout.as_uid is None and not files:
+        return []
+    uid = -1 if layout.as_uid is None else layout.as_uid
+    return [os.path.realpath(sys.executable), "-I", "-S", "-c", _LAUNCHER, str(uid), str(len(files)), *files]
+
+
+def _call_cgroup(layout: _Layout, limits: SandboxLimits) -> CallCgroup | None:
+    if layout.cgroups is None:
+        return None
+    try:
+        return CallCgroup(layout.cgroups, limits.memory_bytes, limits.max_processes, limits.cpus)
+    except CgroupUnavailable as e:
+        raise SandboxUnavailable(str(e)) from None
+
 
 @contextlib.contextmanager
-def _bwrap_call(layout: _Layout, limits: SandboxLimits, code: bytes) -> Iterator[tuple[list[str], tuple[int, ...], int]]:
+def _bwrap_call(layout: _Layout, limits: SandboxLimits, code: bytes,
+                cgroup: CallCgroup | None) -> Iterator[tuple[list[str], tuple[int, ...], int]]:
     """The argv of one call, the fds bwrap reads (pass them to it) and the read end of its info pipe,
     which tells the sandbox's pid 1; the fds are closed on exit."""
     code_fd = _memfd(code)
@@ -296,25 +373,19 @@ def _bwrap_call(layout: _Layout, limits: SandboxLimits, code: bytes) -> Iterator
         passed.append(_memfd(_SECCOMP_FILTER))
         seccomp = ["--seccomp", str(passed[-1])]
     argv = [
-        layout.bwrap, *_NAMESPACES, "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        *_launcher(layout, cgroup), layout.bwrap, *_NAMESPACES, "--die-with-parent", "--new-session", "--cap-drop", "ALL",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
         "--setenv", "LANG", "C.UTF-8", "--hostname", "sandbox",
         *layout.mount_args,
         "--size", str(limits.tmpfs_bytes), "--tmpfs", _WORKDIR, "--file", str(code_fd), f"{_WORKDIR}/main.py",
         "--chdir", _WORKDIR, "--remount-ro", "/", "--info-fd", str(info_w), *seccomp,
-        "--", layout.python, "-I", "-B", "-c", _bootstrap(limits),
+        "--", layout.python, "-I", "-B", "-c", _bootstrap(limits, per_call_cpu=cgroup is not None),
     ]
     try:
         yield argv, tuple(passed), info_r
     finally:
         for fd in (*passed, info_r):
             os.close(fd)
-
-
-def _spawn_kwargs(layout: _Layout) -> dict[str, object]:
-    if layout.as_uid is None:
-        return {}
-    return {"user": layout.as_uid, "group": layout.as_uid, "extra_groups": []}
 
 
 def _unavailable_message(stderr: str) -> str:
@@ -328,15 +399,35 @@ def _unavailable_message(stderr: str) -> str:
 @functools.lru_cache(maxsize=8)
 def _checked(config: SandboxConfig, as_root: bool) -> _Layout:
     layout = _layout(config, as_root)
+    _probe(layout)  # bwrap itself first: where both are missing, its message is the likelier fix
+    if config.limits == "per-process":
+        return layout
     try:
-        with _bwrap_call(layout, SandboxLimits(), b"print('ok')") as (argv, passed, _):
+        layout = dataclasses.replace(layout, cgroups=find_parents(config.cgroup))
+    except CgroupUnavailable as e:
+        raise SandboxUnavailable(str(e)) from None
+    _probe(layout)
+    return layout
+
+
+def _probe(layout: _Layout) -> None:
+    """Run a program the way every call does; raises SandboxUnavailable with the cause when it fails."""
+    cgroup = _call_cgroup(layout, SandboxLimits())
+    try:
+        with _bwrap_call(layout, SandboxLimits(), b"print('ok')", cgroup) as (argv, passed, _):
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={}, pass_fds=passed,
-                                  stdin=subprocess.DEVNULL, **_spawn_kwargs(layout))  # type: ignore[call-overload]
+                                  stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError) as e:
         raise SandboxUnavailable(f"cannot start bubblewrap ({layout.bwrap}): {e}. " + _UNSAFE_HINT) from None
-    if proc.returncode != 0 or proc.stdout != "ok\n":
-        raise SandboxUnavailable(_unavailable_message(proc.stderr))
-    return layout
+    finally:
+        if cgroup is not None:
+            _remove_sync(cgroup)
+    if proc.returncode == 0 and proc.stdout == "ok\n":
+        return
+    if cgroup is not None:
+        raise SandboxUnavailable(f"the sandbox cannot start in its cgroup ({proc.stderr.strip()[-500:]}). "
+                                 + REQUIREMENT)
+    raise SandboxUnavailable(_unavailable_message(proc.stderr))
 
 
 def check_sandbox(config: SandboxConfig | None = None) -> SandboxConfig:
@@ -365,54 +456,113 @@ async def run_python_async(code: str, limits: SandboxLimits = SandboxLimits(), s
     if config.mode == "unsafe-rlimits-only":
         return await _run_unsafe(code, limits, stdin)
     layout = _checked(config, os.geteuid() == 0)
-    with _bwrap_call(layout, limits, code.encode("utf-8", errors="surrogateescape")) as (argv, passed, info_r):
-        start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, pass_fds=passed,
-            start_new_session=True, **_spawn_kwargs(layout),  # type: ignore[arg-type]
-        )
-        init = _SandboxInit(proc, info_r)
-        try:
-            return await _supervise(proc, limits, stdin, start, init.kill)
-        finally:
-            await init.end()
+    cgroup = _call_cgroup(layout, limits)
+    try:
+        with _bwrap_call(layout, limits, _encode(code), cgroup) as (argv, passed, info_r):
+            start = time.monotonic()
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
+                pass_fds=passed, start_new_session=True,
+            )
+            init = _SandboxInit(proc, info_r)
+            try:
+                return await _supervise(proc, limits, stdin, start, init.kill, cgroup)
+            finally:
+                await init.end()
+    finally:
+        if cgroup is not None:
+            await _remove(cgroup)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def replace_surrogates(text: str) -> str:
+    """`text` with what has no UTF-8 encoding (a lone surrogate, which JSON tool-call arguments may carry)
+    as U+FFFD: a program, a tokenizer or a log sees a replacement character, never an encoding error."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _encode(text: str) -> bytes:
+    return replace_surrogates(text).encode("utf-8")
 
 
 async def _supervise(proc: asyncio.subprocess.Process, limits: SandboxLimits, stdin: str, start: float,
-                     kill: Callable[[], Awaitable[None]]) -> SandboxResult:
+                     kill: Callable[[], Awaitable[None]], cgroup: CallCgroup | None) -> SandboxResult:
     """Feed stdin and collect capped output through pipes while the sandbox runs. Its pipes close as soon as
     its last process is gone, which the pid namespace guarantees when the call ends."""
     assert proc.stdin and proc.stdout and proc.stderr
     out, err = _CappedOutput(limits.output_bytes), _CappedOutput(limits.output_bytes)
-    tasks = [asyncio.ensure_future(_feed(proc.stdin, stdin.encode("utf-8", errors="surrogateescape"))),
+    tasks = [asyncio.ensure_future(_feed(proc.stdin, _encode(stdin))),
              asyncio.ensure_future(out.drain(proc.stdout)), asyncio.ensure_future(err.drain(proc.stderr))]
+    watch = None if cgroup is None else functools.partial(_watch, cgroup, limits.cpu_seconds)
     try:
-        timed_out = await _wait_or_kill(proc, limits.wall_seconds, kill)
+        ended = await _wait_or_kill(proc, limits.wall_seconds, kill, watch)
         duration = time.monotonic() - start
         await asyncio.gather(*tasks[1:])
     finally:
         for task in tasks:
             task.cancel()
+    if ended is None and cgroup is not None and cgroup.oom_killed():
+        ended = "memory"  # a process of the call was OOM-killed, and the call ended before the watch saw it
     code = proc.returncode
     if code is not None and code > 128:  # bwrap reports death by signal N as 128 + N
         code = 128 - code
+    timed_out = ended == "wall"
     return SandboxResult(stdout=out.text(), stderr=err.text(), exit_code=None if timed_out else code,
                          timed_out=timed_out, output_truncated=out.truncated or err.truncated, sandboxed=True,
-                         duration_s=duration)
+                         duration_s=duration, exceeded=None if ended in (None, "wall") else ended,
+                         cpu_s=None if cgroup is None else cgroup.cpu_seconds())
 
 
-async def _wait_or_kill(proc: asyncio.subprocess.Process, wall_seconds: float,
-                        kill: Callable[[], Awaitable[None]]) -> bool:
-    """Wait for the program; kill it at the wall-clock limit (True) or when the call is cancelled."""
+async def _watch(cgroup: CallCgroup, cpu_seconds: float) -> Exceeded:
+    """Return once the call goes past a limit its cgroup measures: memory (an OOM kill) or CPU time."""
+    while True:
+        await asyncio.sleep(_POLL_S)
+        if cgroup.oom_killed():
+            return "memory"
+        if cgroup.cpu_seconds() > cpu_seconds:
+            return "cpu"
+
+
+async def _wait_or_kill(proc: asyncio.subprocess.Process, wall_seconds: float, kill: Callable[[], Awaitable[None]],
+                        watch: Callable[[], Awaitable[Exceeded]] | None = None) -> Exceeded | Literal["wall"] | None:
+    """Wait for the program; kill it at the wall-clock limit ("wall"), when `watch` returns (its answer), or
+    when the call is cancelled. None: it ended by itself."""
+    waiter = asyncio.ensure_future(proc.wait())
+    watcher = asyncio.ensure_future(watch()) if watch else None
     try:
-        await asyncio.wait_for(proc.wait(), timeout=wall_seconds)
-        return False
-    except TimeoutError:
-        await kill()
-        return True
+        done, _ = await asyncio.wait([t for t in (waiter, watcher) if t is not None], timeout=wall_seconds,
+                                     return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         await kill()
         raise
+    finally:
+        for task in (waiter, watcher):
+            if task is not None and not task.done():
+                task.cancel()
+    if waiter in done:
+        return None
+    await kill()
+    return watcher.result() if watcher is not None and watcher in done else "wall"
+
+
+async def _remove(cgroup: CallCgroup) -> None:
+    """Remove a call's cgroup once its processes are gone (the kernel reaps them just after pid 1)."""
+    for _ in range(100):
+        if cgroup.remove():
+            return
+        cgroup.kill()
+        await asyncio.sleep(0.02)
+    log.warning("sandbox: the cgroup of a call could not be removed: %s", ", ".join(cgroup.procs_files))
+
+
+def _remove_sync(cgroup: CallCgroup) -> None:
+    for _ in range(100):
+        if cgroup.remove():
+            return
+        cgroup.kill()
+        time.sleep(0.02)
 
 
 async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -536,10 +686,10 @@ os.execv(sys.executable, [sys.executable, "-I", "main.py"])
 
 async def _run_unsafe(code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
     # Output goes to memory files, not pipes: a process that left the group could hold a pipe open.
-    fds = [_memfd(stdin.encode("utf-8", errors="surrogateescape")), _memfd(b""), _memfd(b"")]
+    fds = [_memfd(_encode(stdin)), _memfd(b""), _memfd(b"")]
     try:
         with tempfile.TemporaryDirectory(prefix="taper-unsafe-") as work:
-            Path(work, "main.py").write_text(code, errors="surrogateescape")
+            Path(work, "main.py").write_bytes(_encode(code))
             start = time.monotonic()
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-I", "-S", "-c", _UNSAFE_LAUNCHER, str(limits.cpu_seconds),

@@ -98,6 +98,30 @@ def test_malformed_json_huge_payload_and_wrong_content(api: Api) -> None:
         assert redis_dump(api.store.url) == before
 
 
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/jobs"), ("PATCH", "/v1/jobs/job-0/reward-schedule"), ("POST", "/v1/environments"),
+    ("POST", "/v1/fine_tuning/jobs"), ("POST", "/v1/keys"), ("PUT", "/v1/tenants/alpha/quota"),
+])
+def test_deep_json_is_refused_before_any_parse(api: Api, method: str, path: str) -> None:
+    """A JSON bomb (20k levels, under the body size limit: a RecursionError in Python's parser) is a 422 naming the problem on
+    every route, with or without a content type, and nothing is written; deep but allowed bodies reach the
+    route's own validation."""
+    before = redis_dump(api.store.url)
+    for bomb in (b"[" * 20_000 + b"]" * 20_000, b'{"a":' * 10_000 + b"1" + b"}" * 10_000):
+        for content_type in ({"Content-Type": "application/json"}, {}):
+            r = api.client.request(method, path, content=bomb, headers={**api.h(), **content_type})
+            assert r.status_code == 422, (r.status_code, r.text[:300])
+            assert r.json()["error"]["field"] == "body" and "nested deeper than 64" in r.json()["error"]["message"]
+    r = api.client.request(method, path, content=b"[" * 64 + b"]" * 64, headers={**api.h(), "Content-Type": "application/json"})
+    assert 400 <= r.status_code < 500 and "nested deeper" not in r.text
+    # brackets inside strings nest nothing; a huge integer is a client error too
+    r = api.client.request(method, path, content=json.dumps({"name": "[" * 5000}).encode(), headers=api.h())
+    assert r.status_code < 500 and "nested deeper" not in r.text
+    r = api.client.request(method, path, content=b'{"seed": ' + b"9" * 50_000 + b"}", headers=api.h())
+    assert 400 <= r.status_code < 500, r.text[:300]
+    assert redis_dump(api.store.url) == before
+
+
 def test_tenant_isolation(api: Api) -> None:
     job = submit(api).json()
     other = api.h(api.key_b)
@@ -239,7 +263,8 @@ def test_health_prometheus_and_openapi(api: Api) -> None:
     assert api.client.get("/healthz").json() == {"ok": True, "redis": True}
     submit(api)
     api.client.get("/v1/jobs", headers=api.h())
-    text = api.client.get("/metrics").text
+    admin = {"Authorization": f"Bearer {api.store.create_api_key('ops', admin=True)}"}
+    text = api.client.get("/metrics", headers=admin).text
     assert 'taper_jobs{state="queued"} 1.0' in text
     assert 'taper_http_requests_total{method="GET",route="/v1/jobs",status="200"}' in text
     schema = api.client.get("/openapi.json").json()

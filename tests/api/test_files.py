@@ -102,9 +102,11 @@ def test_jobs_name_files_by_id(api: Api) -> None:
     spec = {"environment": {"name": "calculator"}, "tasks": {"train_file": f["id"], "eval_file": f["id"]}}
     r = api.client.post("/v1/jobs", json=spec, headers=api.h())
     assert r.status_code == 201, r.text
-    tasks = r.json()["spec"]["tasks"]
-    assert Path(tasks["train_path"]) == api.service.files.task_files.path("alpha", f["id"])
-    assert tasks["eval_path"] == tasks["train_path"]
+    tasks = r.json()["spec"]["tasks"]  # the tenant sees the ids; the runner reads the stored paths
+    assert (tasks["train_file"], tasks["eval_file"], tasks["train_path"], tasks["eval_path"]) == (f["id"], f["id"], None, None)
+    stored = api.store.get_job(r.json()["id"]).spec.tasks
+    assert Path(stored.train_path) == api.service.files.task_files.path("alpha", f["id"])
+    assert stored.eval_path == stored.train_path
     # another tenant's file, an unknown one, a path set by hand: 422 naming the field
     for body, field in [
         ({"tasks": {"train_file": f["id"]}}, "tasks.train_file"),
@@ -134,3 +136,46 @@ def test_task_files_are_outside_the_data_roots_environments_read(api: Api) -> No
     path = api.service.files.task_files.path("alpha", f["id"])
     policy = TaperSettings(data_dir=api.service.data_dir).environment_policy()
     assert not any(path.is_relative_to(root.resolve()) for root in policy.data_roots)
+
+
+def test_a_deeply_nested_line_is_refused_naming_the_line(api: Api) -> None:
+    """A JSON bomb in a task file is the line's 422, measured before the line is parsed."""
+    bomb = b'{"question": "q", "metadata": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    r = upload(api, b'{"question": "fine"}\n' + bomb + b"\n")
+    assert r.status_code == 422, r.text[:300]
+    assert "line 2" in r.text and "nested deeper than 64 levels" in r.text
+    assert api.client.get("/v1/files", headers=api.h()).json()["data"] == []
+
+
+def test_tenants_see_ids_never_host_paths(api: Api, tmp_path: Path) -> None:
+    """Every object a tenant reads about a job (the job, its events, checkpoints, the OpenAI views, its files)
+    names files and checkpoints by id: the service's data dir, the job's work dir and the installed code's
+    paths never show, even in text the driver wrote (a traceback, a legacy event)."""
+    import sys
+
+    f = upload(api, b'{"question": "q", "answer": 1}\n').json()
+    job = api.client.post("/v1/jobs", json={"tasks": {"train_file": f["id"]}}, headers=api.h()).json()
+    record = api.store.get_job(job["id"])
+    assert record.spec.tasks.train_path  # the runner reads the stored path
+    work = Path(record.work_dir)
+    ckpt = work / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    api.store.transition(job["id"], "starting")
+    api.store.transition(job["id"], "running")
+    api.store.add_checkpoint(job["id"], 1, ckpt.resolve().as_uri())
+    api.store.add_event(job["id"], "resumed", {"step": 1, "checkpoint": str(ckpt)})  # as older drivers wrote it
+    crash = f'Traceback:\n  File "{sys.prefix}/lib/x.py", line 1\n  File "{work}/run.py", line 2\nOSError: {ckpt}'
+    api.store.add_event(job["id"], "training_restarted", {"restart": 1, "cause": crash})
+    api.store.update_job(job["id"], allowed=["running"], fields={"warning": f"cannot read {ckpt}"})
+
+    seen = [api.client.get(path, headers=api.h()) for path in (
+        f"/v1/jobs/{job['id']}", f"/v1/jobs/{job['id']}/events?limit=100", f"/v1/jobs/{job['id']}/checkpoints",
+        "/v1/jobs", "/v1/files", f"/v1/files/{f['id']}", f"/v1/fine_tuning/jobs/{job['id']}",
+        f"/v1/fine_tuning/jobs/{job['id']}/events", f"/v1/fine_tuning/jobs/{job['id']}/checkpoints")]
+    assert all(r.status_code == 200 for r in seen), [(r.url, r.status_code) for r in seen]
+    text = "\n".join(r.text for r in seen)
+    for host_path in (str(tmp_path), str(api.service.data_dir), str(work), sys.prefix, "file://", "_path\": \"", "_path\":\""):
+        assert host_path not in text, host_path
+    assert api.client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=api.h()).json()[0]["checkpoint"] == \
+        f"{job['id']}:1"
+    assert api.client.get(f"/v1/jobs/{job['id']}", headers=api.h()).json()["last_checkpoint"] == f"{job['id']}:1"

@@ -26,6 +26,7 @@ def test_setup_installs_bubblewrap() -> None:
 def test_deploy_readme_says_what_a_pod_needs() -> None:
     text = (ROOT / "deploy" / "README.md").read_text()
     for needle in ("TAPER_SANDBOX_MODE", "unsafe-rlimits-only", "TAPER_SANDBOX_BWRAP", "TAPER_SANDBOX_PYTHON",
+                   "TAPER_SANDBOX_LIMITS", "per-process", "TAPER_SANDBOX_CGROUP", "Delegate=yes",
                    "user.max_user_namespaces", "procMount: Unmasked", "hostUsers: false", "seccompProfile",
                    "appArmorProfile"):
         assert needle in text, needle

@@ -129,7 +129,7 @@ def test_checkpoints_replace_same_step(store: Store) -> None:
     store.add_checkpoint(job.id, 2, "file:///b")
     store.add_checkpoint(job.id, 2, "file:///c")
     assert [(c["step"], c["uri"]) for c in store.checkpoints(job.id)] == [(1, "file:///a"), (2, "file:///c")]
-    assert store.get_job(job.id).last_checkpoint == "file:///c"
+    assert store.get_job(job.id).last_checkpoint == f"{job.id}:2"  # the reference tenants read, not the path
 
 
 def test_api_keys_are_hashed_at_rest(store: Store, redis_url: str) -> None:

@@ -105,6 +105,18 @@ def test_errors_are_steps_the_model_sees(tokenizer: Any) -> None:
     assert stats["tool_calls_run"] == 2
 
 
+def test_a_lone_surrogate_in_model_written_code_is_a_tool_result(tokenizer: Any) -> None:
+    """JSON tool-call arguments may carry a lone surrogate (`"\\ud800"`), which no UTF-8 holds: the python
+    environment's sandbox runs the code with U+FFFD in its place and the episode goes on, never env_error."""
+    plans = [[call("run_python", code='print("x\ud800y")'), "The answer is 7."]]
+    assert "\\ud800" in plans[0][0]  # the model's text is ASCII; the parsed argument holds the surrogate
+    trajs, _, _ = run_plans(plans, tokenizer=tokenizer, env_factory=make_env_factory("python"))
+    first = trajs[0].steps[0]
+    assert trajs[0].status == TrajectoryStatus.OK, trajs[0].error
+    assert first.tool_calls[0].error is None and first.tool_calls[0].result == "x\ufffdy\n"
+    assert "x\ufffdy" in first.observation_text
+
+
 def test_tool_latency_percentiles_come_from_the_calls_that_ran(tokenizer: Any) -> None:
     waits_ms = [20 * (i + 1) for i in range(10)]  # 20 .. 200 ms
     plans = [[call("wait", ms=ms)] for ms in waits_ms] + [['<tool_call>{"name": }</tool_call>']]

@@ -7,6 +7,7 @@ run, the python environment refuses to start, unless the operator chose the unsa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import json
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import rollout_workers.environments.sandbox as sandbox_module
+import rollout_workers.environments.sandbox_cgroup as sandbox_cgroup
 from rollout_workers.environments.python_env import PythonEnv
 from rollout_workers.environments.sandbox import (
     SANDBOX_UID,
@@ -54,6 +56,41 @@ def secret() -> Iterator[str]:
     del os.environ[SECRET_VAR]
 
 
+@pytest.fixture(scope="module")
+def delegated_cgroup() -> Iterator[tuple[str, list[str]]]:
+    """A parent cgroup delegated to SANDBOX_UID, as an operator sets one up for an unprivileged worker:
+    (TAPER_SANDBOX_CGROUP, the cgroup.procs files the worker must start in). v1: a child of this process's
+    cgroup in each hierarchy, owned by the uid. v2: a parent whose children get the controllers, owned by
+    the uid, with the worker in a leaf of its own (a cgroup v2 parent with controllers holds no process)."""
+    name = "taper-test-" + secrets.token_hex(4)
+    try:
+        parents = sandbox_cgroup.find_parents("/" + name)
+    except sandbox_cgroup.CgroupUnavailable:
+        parents = sandbox_cgroup.find_parents(None)  # v1: the parent must exist; make it under our own
+    made: list[str] = []
+    if parents.version == 2:
+        parent = parents.dirs["unified"]
+        worker = os.path.join(parent, "worker")
+        os.mkdir(worker)
+        made += [worker, parent]
+        owned = [parent, os.path.join(parent, "cgroup.procs"), worker, os.path.join(worker, "cgroup.procs")]
+        setting, start_in = "/" + name, [os.path.join(worker, "cgroup.procs")]
+    else:
+        owned = []
+        for d in dict.fromkeys(parents.dirs.values()):
+            child = os.path.join(d, name)
+            os.mkdir(child)
+            made.append(child)
+            owned += [child, os.path.join(child, "cgroup.procs"), os.path.join(child, "tasks")]
+        setting, start_in = name, []
+    for path in owned:
+        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    yield setting, start_in
+    for d in made:
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+
+
 @pytest.fixture(params=["root", "unprivileged"])
 def run(request: pytest.FixtureRequest, secret: str) -> Run:
     """Make a sandbox call as the given worker user: `run(code, limits=LIMITS, stdin="")`."""
@@ -63,18 +100,26 @@ def run(request: pytest.FixtureRequest, secret: str) -> Run:
         return lambda code, limits=LIMITS, stdin="": run_python(code, limits, stdin)
     if os.geteuid() != 0:
         return lambda code, limits=LIMITS, stdin="": run_python(code, limits, stdin)
-    python = sandbox_module._sandbox_python(SandboxConfig(), as_root=True)  # one uid 65534 can run
+    cgroup, start_in = request.getfixturevalue("delegated_cgroup")
 
     def run_unprivileged(code: str, limits: SandboxLimits = LIMITS, stdin: str = "") -> SandboxResult:
-        request = json.dumps({"code": code, "limits": dataclasses.asdict(limits), "stdin": stdin})
-        env = {"PATH": "/usr/bin:/bin", SECRET_VAR: secret}
-        proc = subprocess.run([python, str(RUNNER), sandbox_module.__file__], input=request, capture_output=True,
-                              text=True, timeout=120, env=env, cwd="/", user=SANDBOX_UID, group=SANDBOX_UID,
-                              extra_groups=[])
-        assert proc.returncode == 0, proc.stderr
-        return SandboxResult(**json.loads(proc.stdout))
+        request = {"code": code, "limits": dataclasses.asdict(limits), "stdin": stdin}
+        env = {SECRET_VAR: secret, "TAPER_SANDBOX_CGROUP": cgroup}
+        return SandboxResult(**unprivileged_worker(request, env, start_in))
 
     return run_unprivileged
+
+
+def unprivileged_worker(request: dict[str, object], env: dict[str, str], start_in: list[str]) -> dict[str, object]:
+    """Run sandbox_runner.py as uid 65534 (started in the cgroups `start_in`) and return what it prints."""
+    python = sandbox_module._sandbox_python(SandboxConfig(), as_root=True)  # one uid 65534 can run
+    # the sandbox's own launcher: into the worker's cgroup, then down to the uid, then the worker
+    launch = [sys.executable, "-I", "-S", "-c", sandbox_module._LAUNCHER, str(SANDBOX_UID), str(len(start_in)),
+              *start_in]
+    proc = subprocess.run([*launch, python, str(RUNNER), sandbox_module.__file__], input=json.dumps(request),
+                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", **env}, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 @pytest.fixture
@@ -391,6 +436,133 @@ for name, nr in SYSCALLS:  # kernel interfaces the seccomp filter takes away
     assert max(json.loads(lines["pids"])) < 20  # it sees only its own processes, not the host's
 
 
+def test_a_call_that_forks_past_its_memory_is_killed_as_a_whole(run: Run) -> None:
+    """Memory is the call's, not each process's: eight children of 40 MB each (every one far below its
+    address-space rlimit) exceed a 128 MB call, which is killed, and the result says why."""
+    limits = dataclasses.replace(LIMITS, memory_bytes=128 * 1024 * 1024, wall_seconds=20.0)
+    code = """
+import os, time
+for _ in range(8):
+    if os.fork() == 0:
+        block = bytearray(40 * 1024 * 1024)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(15)
+        os._exit(0)
+time.sleep(15)
+print("ALL HELD")
+"""
+    r = run(code, limits)
+    assert r.exceeded == "memory" and "ALL HELD" not in r.stdout, r
+    assert not r.timed_out and r.duration_s < 15
+    assert "memory limit" in r.summary()
+
+
+def test_memfd_pages_count_against_the_call(run: Run) -> None:
+    """shmem (memfds, the tmpfs) is not address space: only the call's cgroup sees it."""
+    limits = dataclasses.replace(LIMITS, memory_bytes=96 * 1024 * 1024, wall_seconds=20.0)
+    code = """
+import os
+held = []
+for _ in range(40):  # 320 MB in memory files, never mapped
+    fd = os.memfd_create("hold")
+    os.write(fd, b"x" * (8 * 1024 * 1024))
+    held.append(fd)
+print("HELD", len(held))
+"""
+    r = run(code, limits)
+    assert r.exceeded == "memory" and "HELD" not in r.stdout, r
+
+
+def test_a_call_that_forks_past_its_cpu_time_is_killed_as_a_whole(run: Run) -> None:
+    """CPU time is the call's: four busy children and their parent share one second, measured by the
+    call's cgroup, not a second each (RLIMIT_CPU restarts with every fork)."""
+    limits = dataclasses.replace(LIMITS, cpu_seconds=1, wall_seconds=20.0)
+    code = """
+import os
+for _ in range(4):
+    if os.fork() == 0:
+        while True:
+            pass
+while True:
+    pass
+"""
+    r = run(code, limits)
+    assert r.exceeded == "cpu" and not r.timed_out, r
+    assert r.cpu_s is not None and 1.0 < r.cpu_s < 1.6, r.cpu_s
+    assert "CPU-time limit" in r.summary()
+    r = run("print(sum(range(10**6)))", limits)  # below the budget: untouched, and measured
+    assert r.exceeded is None and r.exit_code == 0 and r.cpu_s is not None and 0 < r.cpu_s < 1.0
+
+
+def test_socket_families_outside_the_network_namespace_are_refused(run: Run) -> None:
+    """vsock reaches the hypervisor, not the network namespace: it (and every family but the four the
+    sandbox needs) fails as unsupported, through socket(), socketpair() and a raw syscall whose family
+    carries high bits the kernel drops."""
+    code = """
+import ctypes, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(name, fn):
+    try:
+        fn().close()
+        print(name, "OPEN")
+    except OSError as e:
+        print(name, e.errno)
+attempt("vsock", lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM))
+attempt("packet", lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW))
+attempt("unix", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+attempt("inet", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+attempt("inet6", lambda: socket.socket(socket.AF_INET6, socket.SOCK_STREAM))
+pair = (ctypes.c_int * 2)()
+print("vsock-pair", libc.socketpair(socket.AF_VSOCK, socket.SOCK_STREAM, 0, pair), ctypes.get_errno())
+print("vsock-high-bits", libc.syscall(41, ctypes.c_long(socket.AF_VSOCK | 1 << 32), socket.SOCK_STREAM, 0),
+      ctypes.get_errno())
+"""
+    r = run(code)
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    unsupported = str(errno.EAFNOSUPPORT)
+    if platform.machine() == "x86_64":
+        assert (lines["vsock"], lines["packet"]) == (unsupported, unsupported), r.stdout + r.stderr
+        assert lines["vsock-pair"] == lines["vsock-high-bits"] == f"-1 {unsupported}"
+    assert lines["unix"] == lines["inet"] == lines["inet6"] == "OPEN"
+
+
+def test_text_without_an_encoding_becomes_replacement_characters() -> None:
+    """A lone surrogate is valid in JSON tool-call arguments and has no UTF-8: the tool result shows U+FFFD."""
+    env = PythonEnv()
+    out = asyncio.run(env.call("run_python", {"code": 'print("a\ud800b", len("\udfff"))\n# \ud83d'}))
+    assert out == "a\ufffdb 1\n"
+    r = run_python("import sys\nprint(repr(sys.stdin.read()))", LIMITS, stdin="x\udc80y")
+    assert r.stdout == "'x\ufffdy'\n"
+
+
+def test_runs_under_uvloop_as_the_worker_user() -> None:
+    """Ray workers run uvloop, which takes no user/group arguments for a subprocess: a call and a python
+    grader work on it as they do on plain asyncio (as root here when the suite runs as root)."""
+    import uvloop
+
+    from reward_models.graders.base import GradeContext
+    from reward_models.graders.python_grader import PythonGrader
+
+    loop = uvloop.new_event_loop()
+    try:
+        r = loop.run_until_complete(sandbox_module.run_python_async("import os\nprint(os.getuid())", LIMITS))
+    finally:
+        loop.close()
+    assert (r.exit_code, r.stdout) == (0, f"{SANDBOX_UID if os.geteuid() == 0 else os.getuid()}\n"), r
+    grader = PythonGrader(name="g", source="def grade(sample, item):\n    return 0.75")
+
+    async def grade_on_the_loop() -> float:  # as the scorer does: from inside the worker's running loop
+        return grader.grade({}, {"output_text": "x"}, GradeContext())
+
+    policy = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # asyncio.run in the grader's thread: uvloop too
+    try:
+        assert asyncio.run(grade_on_the_loop()) == 0.75
+    finally:
+        asyncio.set_event_loop_policy(policy)
+
+
 # ---------------------------------------------------------------------------------------------- ordinary code
 
 def test_ordinary_programs_run(run: Run) -> None:
@@ -477,14 +649,33 @@ def test_refuses_to_start_without_user_namespaces() -> None:
     assert bwrap, "bubblewrap must be installed for these tests (scripts/setup.sh installs it)"
     check = ("from rollout_workers.environments.sandbox import SandboxUnavailable, check_sandbox\n"
              "try:\n    check_sandbox()\n    print('STARTED')\nexcept SandboxUnavailable as e:\n    print(e)\n")
+    # a fresh /tmp, with the checkout and the interpreter bound back where they are (a clone under /tmp)
+    keep = dict.fromkeys(str(p) for p in (REPO, Path(sys.prefix), Path(sys.base_prefix),
+                                          Path(os.path.realpath(sys.executable)).parent))
+    binds = [arg for path in keep for arg in ("--ro-bind", path, path)]
     proc = subprocess.run(
         [bwrap, "--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns", "--ro-bind", "/", "/",
-         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--chdir", str(REPO), "--", sys.executable, "-c", check],
+         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds, "--chdir", str(REPO), "--", sys.executable,
+         "-c", check],
         capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]},
     )
     assert "STARTED" not in proc.stdout, proc.stdout + proc.stderr
     assert "bubblewrap cannot create the sandbox here" in proc.stdout, proc.stdout + proc.stderr
     assert "user namespaces" in proc.stdout and "TAPER_SANDBOX_MODE=unsafe-rlimits-only" in proc.stdout
+
+
+def test_refuses_to_start_without_a_cgroup_it_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unprivileged worker with no cgroup delegated to it: the sandbox refuses, naming the requirement,
+    unless the operator asks for per-process limits by name."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start a worker as another uid")
+    refused = unprivileged_worker({"check": True}, {}, [])
+    assert "cgroup" in refused["error"] and "TAPER_SANDBOX_CGROUP" in refused["error"], refused
+    assert "TAPER_SANDBOX_LIMITS=per-process" in refused["error"]
+    assert unprivileged_worker({"check": True}, {"TAPER_SANDBOX_LIMITS": "per-process"}, []) == {}
+    monkeypatch.setenv("TAPER_SANDBOX_LIMITS", "rlimits")
+    with pytest.raises(SandboxUnavailable, match="TAPER_SANDBOX_LIMITS: must be one of cgroup, per-process"):
+        PythonEnv()
 
 
 def test_unsafe_mode_runs_only_when_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -106,7 +106,7 @@
     try {
       const cps = await api(`${base}/checkpoints`);
       document.querySelector("#checkpoints tbody").replaceChildren(...cps.slice().reverse().map((c) =>
-        el("tr", {}, el("td", {}, c.step), el("td", { class: "mono small" }, c.uri), el("td", { class: "small" }, Taper.fmtTime(c.ts)))));
+        el("tr", {}, el("td", {}, c.step), el("td", { class: "mono small" }, c.checkpoint), el("td", { class: "small" }, Taper.fmtTime(c.ts)))));
     } catch (e) { /* the page's other parts report errors */ }
   }
 

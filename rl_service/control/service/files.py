@@ -31,7 +31,8 @@ class JobFiles:
                  base_models: dict[str, Path] | None = None) -> None:
         """``base_models``: name -> model directory tenants may start from (the operator's)."""
         self.store = store
-        self.jobs_dir = (Path(data_dir) / "jobs").resolve()
+        self.data_dir = Path(data_dir).resolve()
+        self.jobs_dir = self.data_dir / "jobs"
         # not under data_dir/files: that is the default data root environments' file options may read
         self.task_files = TaskFileStore(Path(data_dir) / "task_files", task_file_limits)
         self.base_models = {name: Path(path) for name, path in (base_models or {}).items()}

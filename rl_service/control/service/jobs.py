@@ -22,6 +22,7 @@ from rl_service.control.service.errors import (
     job_not_found,
 )
 from rl_service.control.service.files import JobFiles
+from rl_service.control.service.host_paths import hide_host_paths
 from rl_service.control.service.tenants import Principal, Tenants
 from rl_service.control.store import (
     IdempotencyConflict,
@@ -153,17 +154,18 @@ class Jobs:
         self._status_cache.pop(job_id, None)
 
     def events(self, p: Principal, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
-        self._job(p, job_id)
-        return self.store.events(job_id, after=after, limit=limit)
+        job = self._job(p, job_id)
+        return hide_host_paths(self.store.events(job_id, after=after, limit=limit), [job.work_dir, self.files.data_dir])
 
     def events_newest_first(self, p: Principal, job_id: str, before: str | None, limit: int) -> list[dict[str, Any]]:
-        self._job(p, job_id)
-        return self.store.events_newest_first(job_id, before=before, limit=limit)
+        job = self._job(p, job_id)
+        return hide_host_paths(self.store.events_newest_first(job_id, before=before, limit=limit),
+                               [job.work_dir, self.files.data_dir])
 
     def followed_events(self, job_id: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         """The next events of a job whose stream the caller was already allowed to follow (see `events`); an empty
         list once the job is gone."""
-        return self.store.events(job_id, after=after, limit=limit)
+        return hide_host_paths(self.store.events(job_id, after=after, limit=limit), [self.files.data_dir])
 
     def finished(self, job_id: str) -> bool:
         """The job has reached a final state, or no longer exists."""

@@ -12,6 +12,7 @@ from redis.client import Pipeline
 
 from rl_service.control.store.base import StoreBase, dumps
 from rl_service.control.store.jobs import JobNotFound
+from rl_service.spec import checkpoint_ref
 
 
 class StreamsPart(StoreBase):
@@ -81,8 +82,10 @@ class StreamsPart(StoreBase):
         def write(pipe: Pipeline) -> None:
             pipe.zremrangebyscore(self.k_checkpoints(job_id), step, step)
             pipe.zadd(self.k_checkpoints(job_id), {member: step})
-            pipe.hset(self.k_job(job_id), mapping={"last_checkpoint": uri, "updated_at": repr(now)})
-            pipe.xadd(self.k_events(job_id), {"kind": "checkpoint", "data": dumps({"step": step, "uri": uri}),
+            # what tenants read names the checkpoint as model.checkpoint takes it, never where it lies
+            ref = checkpoint_ref(job_id, step)
+            pipe.hset(self.k_job(job_id), mapping={"last_checkpoint": ref, "updated_at": repr(now)})
+            pipe.xadd(self.k_events(job_id), {"kind": "checkpoint", "data": dumps({"step": step, "checkpoint": ref}),
                                               "ts": repr(now)}, maxlen=self.events_maxlen, approximate=True)
 
         self._write_for_job(job_id, write)
