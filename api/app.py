@@ -21,16 +21,20 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.openapi import install_openapi
+from api.request_id import RequestId
 from api.routers import admin, checkpoints, environments, files, fine_tuning, jobs, system
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
+from rl_service.control.openai_compat import openai_error
 from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field, plain_message
 from rl_service.control.settings import TaperSettings, get_settings
 
 log = logging.getLogger(__name__)
 
-STORE_RETRY_AFTER_S = 5  # Retry-After of a 503 while Redis is unreachable
+STORE_RETRY_AFTER_S = 5
+# Paths of OpenAI's API: their errors come in OpenAI's shape (`param`, `type`)
+OPENAI_PATHS = ("/v1/files", "/v1/uploads", "/v1/fine_tuning", "/v1/models")  # Retry-After of a 503 while Redis is unreachable
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None,
@@ -54,7 +58,11 @@ class BodySizeLimit:
         max_bytes = self.path_limits.get(scope.get("path", ""), self.default_max_bytes)
 
         def too_big() -> JSONResponse:
-            return error_response(413, "too_large", f"request body over {max_bytes} bytes", "body")
+            message = f"request body over {max_bytes} bytes"
+            if scope.get("path", "").startswith(OPENAI_PATHS):
+                status, body = openai_error(413, message, "too_large", "body")
+                return JSONResponse(body, status_code=status)
+            return error_response(413, "too_large", message, "body")
 
         for name, value in scope.get("headers", []):
             if name == b"content-length":
@@ -256,10 +264,12 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
                        path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes)})
     app.add_middleware(RequestMetrics, registry=registry)
+    app.add_middleware(RequestId)  # outermost: every answer carries x-request-id
     _install_errors(app)
-    for r in (jobs.router, checkpoints.router, environments.router, files.router, admin.router, system.router):
+    for r in (jobs.router, checkpoints.router, environments.router, admin.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
-    app.include_router(fine_tuning.router)  # documents its own (OpenAI-shaped) errors
+    for r in (fine_tuning.router, files.router):
+        app.include_router(r)  # OpenAI's routes document their own (OpenAI-shaped) errors
     app.include_router(ui_router)
     install_openapi(app)
     return app

@@ -89,6 +89,8 @@ class TasksSpec(_Strict):
     # Set by the control plane, never by a submission: where the named files are stored.
     train_path: Annotated[str | None, _SET_BY_SERVICE] = Field(None, description="Set by the service from train_file.")
     eval_path: Annotated[str | None, _SET_BY_SERVICE] = Field(None, description="Set by the service from eval_file.")
+    train_tasks: Annotated[int | None, _SET_BY_SERVICE] = Field(None, description="Set by the service: train_file's tasks.")
+    eval_tasks: Annotated[int | None, _SET_BY_SERVICE] = Field(None, description="Set by the service: eval_file's tasks.")
 
 
 class RolloutSpec(_Strict):

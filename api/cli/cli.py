@@ -104,7 +104,8 @@ def _check(r: httpx.Response) -> Any:
     if r.status_code >= 400:
         try:
             err = r.json()["error"]
-            where = f" [{err['field']}]" if err.get("field") else ""
+            field = err.get("field") or err.get("param")  # OpenAI's routes name it `param`
+            where = f" [{field}]" if field else ""
             msg = f"{r.status_code} {err['code']}{where}: {err['message']}"
         except Exception:
             msg = f"{r.status_code}: {r.text[:500]}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -62,15 +63,20 @@ class _Strict(BaseModel):
 Auto = Literal["auto"]
 
 
-class ReinforcementHyperparameters(_Strict):
-    """OpenAI's reinforcement hyperparameters, each mapped onto a job spec field ("auto": the spec's default)."""
+class Hyperparameters(_Strict):
+    """OpenAI's hyperparameters common to every method (also the deprecated top-level `hyperparameters`)."""
 
     batch_size: Auto | Annotated[int, Field(ge=1, le=4096)] | None = Field(
         None, description="rollout.prompts_per_step")
     learning_rate_multiplier: Auto | Annotated[float, Field(gt=0.0, le=1e6)] | None = Field(
         None, description="algorithm.learning_rate = multiplier x the default learning rate (TRL's 1e-6)")
     n_epochs: Auto | Annotated[int, Field(ge=1, le=1000)] | None = Field(
-        None, description="total_steps = ceil(n_epochs x tasks.num_train / batch_size)")
+        None, description="total_steps = ceil(n_epochs x tasks / batch_size), the tasks of training_file (else "
+        "tasks.num_train)")
+
+
+class ReinforcementHyperparameters(Hyperparameters):
+    """OpenAI's reinforcement hyperparameters, each mapped onto a job spec field ("auto": the spec's default)."""
     eval_interval: Auto | Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
         None, description="eval_every")
     eval_samples: Auto | Annotated[int, Field(ge=1, le=100_000)] | None = Field(
@@ -117,6 +123,9 @@ class FineTuningJobCreate(_Strict):
     metadata: Metadata | None = None
     method: FineTuningMethod | None = None
     integrations: list[Integration] | None = Field(None, max_length=1)
+    hyperparameters: Hyperparameters | None = Field(
+        None, description="Deprecated by OpenAI in favour of method's hyperparameters, still accepted: merged "
+        "into them (a field given in both places is refused).")
     # Taper's own blocks (extra_body)
     environment: EnvironmentSpec | None = None
     tasks: TasksSpec | None = None
@@ -155,7 +164,20 @@ def _model_spec(model: str) -> dict[str, Any]:
     return {"preset": model} if model in PRESETS else {"checkpoint": model}
 
 
-def _apply_hyperparameters(blocks: dict[str, Any], hp: ReinforcementHyperparameters) -> None:
+def _merged_hyperparameters(request: FineTuningJobCreate) -> ReinforcementHyperparameters:
+    """The method's hyperparameters with the deprecated top-level ones merged in."""
+    method = request.method.reinforcement.hyperparameters if request.method else ReinforcementHyperparameters()
+    top = request.hyperparameters
+    if top is None:
+        return method
+    given = top.model_dump(exclude_none=True)
+    for name in given:
+        if getattr(method, name) is not None:
+            raise _bad(f"hyperparameters.{name}", "also given in method's hyperparameters; give it in one place")
+    return method.model_copy(update=given)
+
+
+def _apply_hyperparameters(blocks: dict[str, Any], hp: ReinforcementHyperparameters, train_tasks: int | None) -> None:
     param = "method.reinforcement.hyperparameters"
     if isinstance(hp.batch_size, int):
         _set(blocks, "rollout.prompts_per_step", hp.batch_size, f"{param}.batch_size")
@@ -174,13 +196,16 @@ def _apply_hyperparameters(blocks: dict[str, Any], hp: ReinforcementHyperparamet
     if isinstance(hp.n_epochs, int):
         tasks = TasksSpec.model_validate(blocks.get("tasks", {}))
         batch = RolloutSpec.model_validate(blocks.get("rollout", {})).prompts_per_step
-        _set(blocks, "total_steps", math.ceil(hp.n_epochs * tasks.num_train / batch), f"{param}.n_epochs")
+        count = train_tasks if tasks.train_file is not None and train_tasks is not None else tasks.num_train
+        _set(blocks, "total_steps", math.ceil(hp.n_epochs * count / batch), f"{param}.n_epochs")
 
 
-def job_spec_of(request: FineTuningJobCreate) -> JobSpec:
-    """The job spec of a create request (a 422 naming the OpenAI field that cannot be honoured)."""
+def job_spec_of(request: FineTuningJobCreate, file_tasks: Callable[[str], int | None] = lambda _: None) -> JobSpec:
+    """The job spec of a create request (a 422 naming the OpenAI field that cannot be honoured).
+    ``file_tasks`` answers how many tasks an uploaded file holds (None: unknown), for `n_epochs`."""
     blocks = request.model_dump(exclude_unset=True, exclude_none=True, exclude={
-        "model", "training_file", "validation_file", "seed", "suffix", "metadata", "method", "integrations"})
+        "model", "training_file", "validation_file", "seed", "suffix", "metadata", "method", "integrations",
+        "hyperparameters"})
     blocks["model"] = _model_spec(request.model)
     for name, field in FILE_FIELDS.items():
         file_id = getattr(request, name)
@@ -198,11 +223,12 @@ def job_spec_of(request: FineTuningJobCreate) -> JobSpec:
     if request.method is not None and request.method.reinforcement.grader is not None:
         _set(blocks, "environment.grader", request.method.reinforcement.grader.model_dump(mode="json"),
              "method.reinforcement.grader")
-    if request.method is not None:
-        try:  # n_epochs reads the tasks block, which may be invalid itself
-            _apply_hyperparameters(blocks, request.method.reinforcement.hyperparameters)
-        except ValidationError as exc:
-            raise invalid_from(exc, "tasks") from None
+    train_file = blocks.get("tasks", {}).get("train_file")
+    try:  # n_epochs reads the tasks block, which may be invalid itself
+        _apply_hyperparameters(blocks, _merged_hyperparameters(request),
+                               file_tasks(train_file) if isinstance(train_file, str) else None)
+    except ValidationError as exc:
+        raise invalid_from(exc, "tasks") from None
     for integration in request.integrations or []:
         _set(blocks, "tracking.wandb", integration.wandb.model_dump(), "integrations")
     try:
@@ -224,23 +250,85 @@ def _int_time(ts: float | None) -> int | None:
     return None if ts is None else int(ts)
 
 
+def held_out_tasks(tasks: TasksSpec) -> int | None:
+    """How many held-out tasks the job evaluates on (None: it has none)."""
+    if tasks.eval_file is not None:
+        return tasks.eval_tasks
+    if tasks.train_file is not None:
+        return None  # an uploaded training file alone: no generated held-out set (runner.job_tasks)
+    return tasks.num_eval or None
+
+
 def _hyperparameters(spec: JobSpec) -> dict[str, Any]:
     base = AlgorithmSpec.model_fields["learning_rate"].default
-    epochs = spec.total_steps * spec.rollout.prompts_per_step / spec.tasks.num_train
+    train_tasks = spec.tasks.train_tasks if spec.tasks.train_file is not None else spec.tasks.num_train
+    epochs = spec.total_steps * spec.rollout.prompts_per_step / train_tasks if train_tasks else 0.0
     return {
         "batch_size": spec.rollout.prompts_per_step,
         "learning_rate_multiplier": spec.algorithm.learning_rate / base,
-        "n_epochs": int(epochs) if epochs == int(epochs) else None,
+        "n_epochs": int(epochs) if epochs and epochs == int(epochs) else None,
         "eval_interval": spec.eval_every or "auto",
-        "eval_samples": spec.tasks.num_eval,
+        "eval_samples": held_out_tasks(spec.tasks),
         "compute_multiplier": spec.rollout.num_generations / RolloutSpec.model_fields["num_generations"].default,
         "reasoning_effort": "default",
     }
 
 
-def job_object(job: JobRecord) -> dict[str, Any]:
+RESULT_FILE_SUFFIX = "00000000"  # a job's result file: `file-` + the job's 16 hex digits + this
+
+
+def result_file_id(job_id: str) -> str:
+    return "file-" + job_id.removeprefix("job-") + RESULT_FILE_SUFFIX
+
+
+def job_of_result_file(file_id: str) -> str | None:
+    if not (file_id.startswith("file-") and file_id.endswith(RESULT_FILE_SUFFIX) and len(file_id) == 29):
+        return None
+    return "job-" + file_id[5:21]
+
+
+def _training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if not all(k.startswith("eval/") for k in r["metrics"])]
+
+
+RESULT_COLUMNS = ("step", "train_loss", "train_mean_reward", "train_success_rate", "valid_success_rate",
+                  "trained_tokens")
+
+
+def results_csv(rows: list[dict[str, Any]]) -> bytes:
+    """A job's result file (OpenAI's: one CSV row per training step): the loss, the mean outcome reward and the
+    success rate of the step's rollouts, the held-out success rate where it was evaluated, tokens trained."""
+    import csv
+    import io
+
+    evals = {r["step"]: r["metrics"]["eval/success_rate"] for r in rows if "eval/success_rate" in r["metrics"]}
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(RESULT_COLUMNS)
+    for r in _training_rows(rows):
+        m, done = r["metrics"], r["step"] + 1
+        writer.writerow([done, m.get("loss", ""), m.get("reward/outcome_mean", ""), m.get("success_rate", ""),
+                         evals.get(done, ""), int(m.get("action_tokens", 0))])
+    return out.getvalue().encode()
+
+
+def trained_tokens(rows: list[dict[str, Any]]) -> int:
+    """Tokens the loss trained on, over the job's steps."""
+    return int(sum(r["metrics"].get("action_tokens", 0.0) for r in _training_rows(rows)))
+
+
+def estimated_finish(job: JobRecord) -> int | None:
+    """When a running job will be done at its latest step's pace (None: not running, or no step yet)."""
+    pace = (job.last_metrics or {}).get("time/step")
+    if job.state != JobState.RUNNING or not job.step or not isinstance(pace, int | float):
+        return None
+    return int(job.updated_at + max(0, job.total_steps - job.step) * float(pace))
+
+
+def job_object(job: JobRecord, tokens: int | None = None) -> dict[str, Any]:
     """A `fine_tuning.job` object. `fine_tuned_model` is the succeeded job's id: as a `model` it names the job's
-    newest checkpoint, so it starts the next job from there."""
+    newest checkpoint, so it starts the next job from there. ``tokens``: the finished job's trained tokens
+    (its result file is listed then)."""
     spec = job.spec
     hyperparameters = _hyperparameters(spec)
     status = openai_status(job)
@@ -252,16 +340,16 @@ def job_object(job: JobRecord) -> dict[str, Any]:
         "finished_at": _int_time(job.finished_at),
         "fine_tuned_model": job.id if job.state == JobState.SUCCEEDED else None,
         "organization_id": job.tenant,
-        "result_files": [],
+        "result_files": [result_file_id(job.id)] if job.state.is_terminal and tokens is not None else [],
         "status": status,
-        "trained_tokens": None,
+        "trained_tokens": tokens if job.state.is_terminal else None,
         "training_file": getattr(spec.tasks, FILE_FIELDS["training_file"], None),
         "validation_file": getattr(spec.tasks, FILE_FIELDS["validation_file"], None),
         "seed": spec.seed,
         "hyperparameters": {k: hyperparameters[k] for k in ("batch_size", "learning_rate_multiplier", "n_epochs")},
         "error": ({"code": "job_failed", "message": job.error or "the job failed", "param": None}
                   if job.state == JobState.FAILED else None),
-        "estimated_finish": None,
+        "estimated_finish": estimated_finish(job),
         "integrations": ([{"type": "wandb", "wandb": spec.tracking.wandb.model_dump()}]
                          if spec.tracking.wandb is not None else []),
         "metadata": spec.metadata or None,
@@ -289,16 +377,33 @@ def event_object(event: dict[str, Any]) -> dict[str, Any]:
             "message": message, "data": {"kind": kind, **data}, "type": "metrics" if kind == "eval" else "message"}
 
 
-def checkpoint_object(job_id: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_metrics(step: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's checkpoint metrics from the job's rows: the loss of the step that ended at the checkpoint, and
+    (Taper's) its rollouts' mean reward and success rate, the held-out success rate when evaluated there."""
+    out: dict[str, Any] = {"step": step}
+    for r in rows:
+        m = r["metrics"]
+        if r["step"] == step - 1 and "loss" in m:
+            out.update(train_loss=m["loss"], train_mean_reward=m.get("reward/outcome_mean"),
+                       train_success_rate=m.get("success_rate"))
+        if r["step"] == step and "eval/success_rate" in m:
+            out["valid_success_rate"] = m["eval/success_rate"]
+    return out
+
+
+def checkpoint_object(job_id: str, checkpoint: dict[str, Any], rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     ref = f"{job_id}:{checkpoint['step']}"
     return {"object": "fine_tuning.job.checkpoint", "id": ref, "created_at": int(checkpoint["ts"]),
             "fine_tuned_model_checkpoint": ref, "fine_tuning_job_id": job_id, "step_number": checkpoint["step"],
-            "metrics": {"step": checkpoint["step"]}}
+            "metrics": checkpoint_metrics(checkpoint["step"], rows or [])}
 
 
 def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data, "has_more": has_more,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+_TOKENS: dict[tuple[str, float | None], int] = {}  # (job, finished_at) -> trained tokens of a finished job
 
 
 class FineTuningJobs:
@@ -307,8 +412,45 @@ class FineTuningJobs:
     def __init__(self, service: TaperService) -> None:
         self.service = service
 
+    def _rows(self, p: Principal, job_id: str) -> list[dict[str, Any]]:
+        """Every metrics row the store keeps of the job."""
+        rows: list[dict[str, Any]] = []
+        while True:
+            page = self.service.jobs.metrics(p, job_id, rows[-1]["id"] if rows else None, 5000)
+            rows += page
+            if len(page) < 5000:
+                return rows
+
+    def _object(self, p: Principal, job: JobRecord) -> dict[str, Any]:
+        if not job.state.is_terminal:
+            return job_object(job)
+        key = (job.id, job.finished_at)
+        if key not in _TOKENS:  # a finished job's rows no longer change
+            if len(_TOKENS) > 10_000:
+                _TOKENS.clear()
+            _TOKENS[key] = trained_tokens(self._rows(p, job.id))
+        return job_object(job, _TOKENS[key])
+
+    def result_file(self, p: Principal, file_id: str) -> tuple[dict[str, Any], bytes] | None:
+        """The file object and CSV of a finished job's result file (None: not one of the tenant's)."""
+        job_id = job_of_result_file(file_id)
+        if job_id is None:
+            return None
+        try:
+            job = self.service.jobs.get(p, job_id)
+        except NotFound:
+            return None
+        if not job.state.is_terminal:
+            return None
+        content = results_csv(self._rows(p, job_id))
+        meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(job.finished_at or 0),
+                "filename": f"{job_id}-results.csv", "purpose": "fine-tune-results", "status": "processed",
+                "tasks": 0}
+        return meta, content
+
     def create(self, p: Principal, request: FineTuningJobCreate) -> dict[str, Any]:
-        job, _ = self.service.jobs.submit(p, job_spec_of(request))
+        spec = job_spec_of(request, lambda file_id: self.service.files.task_count(p, file_id))
+        job, _ = self.service.jobs.submit(p, spec)
         return job_object(job)
 
     def list(self, p: Principal, after: str | None, limit: int) -> dict[str, Any]:
@@ -316,13 +458,13 @@ class FineTuningJobs:
         if found is None:
             raise NotFound(f"after: no job {after!r} to list after", field="after")
         jobs, has_more = found
-        return page([job_object(j) for j in jobs], has_more)
+        return page([self._object(p, j) for j in jobs], has_more)
 
     def retrieve(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.jobs.get(p, job_id))
+        return self._object(p, self.service.jobs.get(p, job_id))
 
     def cancel(self, p: Principal, job_id: str) -> dict[str, Any]:
-        return job_object(self.service.jobs.cancel(p, job_id))
+        return self._object(p, self.service.jobs.cancel(p, job_id))
 
     def pause(self, p: Principal, job_id: str) -> dict[str, Any]:
         return job_object(self.service.jobs.pause(p, job_id))
@@ -343,7 +485,8 @@ class FineTuningJobs:
             if job != job_id:
                 raise NotFound(f"after: {after!r} is not a checkpoint of job {job_id!r}", field="after")
             found = [c for c in found if c["step"] < int(step)]
-        return page([checkpoint_object(job_id, c) for c in found[:limit]], len(found) > limit)
+        rows = self._rows(p, job_id) if found else []
+        return page([checkpoint_object(job_id, c, rows) for c in found[:limit]], len(found) > limit)
 
 
 # OpenAI's error `type` by HTTP status

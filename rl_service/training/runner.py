@@ -97,6 +97,10 @@ class RolloutPoolLike(Protocol):
 PoolFactory = Callable[[JobSpec, Path], RolloutPoolLike]  # (spec, weights dir) -> pool
 
 
+class NothingTrained(RuntimeError):
+    """The job ran every step and none trained (every rollout failed): it fails instead of succeeding."""
+
+
 class _Stop(Exception):
     def __init__(self, result: str) -> None:
         self.result = result
@@ -119,6 +123,7 @@ class JobRunner:
         self.warm_start_metrics: dict[str, float] = {}
         self.pool: RolloutPoolLike | None = None
         self.pause_cause: str | None = None  # why the job paused itself, when it did
+        self._infra_example: str | None = None  # an infrastructure failure's error, for the job's own error
         self._progress = Progress(hooks, lambda: self.pool.progress_count if self.pool is not None else 0)
         self._await = self._progress.wait
         self._phase = self._progress.phase
@@ -275,6 +280,8 @@ class JobRunner:
 
             metrics = self._train_step(t, trajs, times)
             health = self.run_state.infra_guard.observe(t, groups, trained="learner_skipped" not in metrics)
+            self._infra_example = next((tj.error for tj in trajs if tj.status.is_infra_failure and tj.error),
+                                       self._infra_example)
             metrics.update(health.metrics())
             metrics["steps/untrained"] = float(self.run_state.infra_guard.untrained_steps)
             if health.warning:
@@ -303,8 +310,12 @@ class JobRunner:
             self._progress()
             if health.pause_cause:
                 self._pause_itself(done, health.pause_cause)
-        self.hooks.emit_event("completed", {"step": spec.total_steps,
-                                            "untrained_steps": self.run_state.infra_guard.untrained_steps})
+        untrained = self.run_state.infra_guard.untrained_steps
+        if untrained >= spec.total_steps:  # it ran every step and learned nothing: not a success
+            raise NothingTrained(f"no step of the job trained: the rollouts of all {spec.total_steps} steps failed "
+                                 f"for infrastructure reasons (e.g. {self._infra_example or 'unknown'}); "
+                                 "check the environment and the task file")
+        self.hooks.emit_event("completed", {"step": spec.total_steps, "untrained_steps": untrained})
         return "succeeded"
 
     # ------------------------------------------------------------------ pieces

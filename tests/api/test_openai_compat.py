@@ -239,3 +239,84 @@ def test_openai_graders_become_the_jobs_outcome_grader(live) -> None:
                                                method=_reinforcement({**GRADER, "operation": operation}))
         stored = parse_grader(store.get_job(check.id).spec.environment.grader)
         assert stored.grade({}, {"output_text": output}, GradeContext()) == want, operation
+
+
+def _upload(client: openai.OpenAI, lines: list[dict], name: str = "train.jsonl"):
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    return client.files.create(file=(name, content), purpose="fine-tune")
+
+
+def test_n_epochs_counts_the_uploaded_files_tasks_and_eval_samples_the_held_out_set(live) -> None:
+    client, _, store = live
+    train = _upload(client, [{"question": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(8)])
+    valid = _upload(client, [{"question": "What is 2 + 2?", "answer": "4"}] * 1 + [{"question": "1+1?", "answer": "2"}])
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, method=RL)
+    spec = store.get_job(job.id).spec
+    assert spec.total_steps == 4  # 1 epoch of the file's 8 tasks at 2 per step, not of tasks.num_train
+    assert (spec.tasks.train_tasks, job.hyperparameters.n_epochs) == (8, 1)
+    assert job.method.reinforcement.hyperparameters.eval_samples is None  # no held-out set: none claimed
+    with_valid = client.fine_tuning.jobs.create(model="tiny", training_file=train.id, validation_file=valid.id,
+                                                method=_reinforcement(batch_size=4, n_epochs=3))
+    assert store.get_job(with_valid.id).spec.total_steps == 6
+    assert with_valid.method.reinforcement.hyperparameters.eval_samples == 2
+    generated = client.fine_tuning.jobs.create(model="tiny", training_file=None)
+    assert generated.method.reinforcement.hyperparameters.eval_samples == 100  # the generated held-out tasks
+
+
+def test_the_deprecated_top_level_hyperparameters_are_accepted(live) -> None:
+    client, _, store = live
+    train = _upload(client, [{"question": f"q{i}?", "answer": "1"} for i in range(6)])
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=train.id,
+                                         hyperparameters={"batch_size": 3, "n_epochs": 2, "learning_rate_multiplier": 2})
+    spec = store.get_job(job.id).spec
+    assert (spec.rollout.prompts_per_step, spec.total_steps, spec.algorithm.learning_rate) == (3, 4, 2e-6)
+    assert job.hyperparameters.batch_size == 3
+    with pytest.raises(openai.UnprocessableEntityError) as exc:  # given twice: which one is meant?
+        client.fine_tuning.jobs.create(model="tiny", training_file=train.id, hyperparameters={"batch_size": 3},
+                                       method=_reinforcement(batch_size=2))
+    assert exc.value.body["param"] == "hyperparameters.batch_size"
+
+
+def test_request_ids_reach_the_client(live) -> None:
+    client, _, _ = live
+    page = client.fine_tuning.jobs.with_raw_response.list()
+    assert page.request_id and page.request_id.startswith("req_")
+    echoed = client.fine_tuning.jobs.with_raw_response.list(extra_headers={"X-Request-Id": "my-trace-1"})
+    assert echoed.request_id == "my-trace-1"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.fine_tuning.jobs.retrieve("job-0123456789abcdef")
+    assert exc.value.request_id.startswith("req_")
+
+
+def test_a_finished_job_reports_tokens_result_file_and_checkpoint_metrics(live) -> None:
+    client, _, store = live
+    job = create(client)
+    store.transition(job.id, "starting")
+    store.transition(job.id, "running")
+    assert client.fine_tuning.jobs.retrieve(job.id).estimated_finish is None  # no step yet
+    for t in range(4):
+        store.add_metrics(job.id, t, {"loss": 0.5 - 0.1 * t, "reward/outcome_mean": 0.25 * t, "success_rate": 0.25 * t,
+                                      "action_tokens": 100.0 + t, "time/step": 10.0}, steps_done=t + 1)
+        if t == 1:
+            running = client.fine_tuning.jobs.retrieve(job.id)
+            assert running.trained_tokens is None and running.result_files == []
+            assert running.estimated_finish == pytest.approx(store.get_job(job.id).updated_at + 2 * 10.0, abs=1)
+    store.add_metrics(job.id, 4, {"eval/success_rate": 0.75, "eval/num": 2.0})
+    step_dir = Path(store.get_job(job.id).work_dir) / "checkpoints" / "step_00000004"
+    step_dir.mkdir(parents=True)
+    store.add_checkpoint(job.id, 4, step_dir.resolve().as_uri())
+    store.transition(job.id, "succeeded")
+
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert done.trained_tokens == 100 + 101 + 102 + 103 and done.estimated_finish is None
+    assert len(done.result_files) == 1
+    result = client.files.retrieve(done.result_files[0])
+    assert (result.purpose, result.filename) == ("fine-tune-results", f"{job.id}-results.csv")
+    csv_text = client.files.content(done.result_files[0]).text
+    lines = csv_text.splitlines()
+    assert lines[0] == "step,train_loss,train_mean_reward,train_success_rate,valid_success_rate,trained_tokens"
+    assert len(lines) == 5 and lines[4].split(",")[0] == "4" and lines[4].split(",")[4] == "0.75"
+    [checkpoint] = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    metrics = checkpoint.metrics.to_dict()
+    assert metrics["step"] == 4 and metrics["train_loss"] == pytest.approx(0.2)
+    assert (metrics["train_success_rate"], metrics["valid_success_rate"]) == (0.75, 0.75)

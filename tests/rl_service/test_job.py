@@ -397,3 +397,36 @@ def test_waiting_on_rollouts_is_progress_only_when_the_pool_finishes_chunks(tmp_
     threading.Thread(target=one_chunk_then_done).start()
     assert runner._await(moving, every_s=0.05) == "done"
     assert hooks.heartbeats == 2 and hooks.deadlines == {120.0}
+
+
+def test_a_job_on_which_no_step_trains_fails_naming_the_cause(shared_pool, tiny_llama_dir, tmp_path) -> None:
+    """Every rollout failed (e.g. every reset): the job must not end `succeeded` (it raises, the driver fails it)."""
+    from rl_service.training.runner import NothingTrained
+
+    spec = make_spec(tiny_llama_dir, total_steps=2, checkpoint_every=2)
+    hooks = InMemoryHooks()
+    down = EnvironmentDownPool(shared_pool, down_steps={0, 1})
+    with pytest.raises(NothingTrained, match="all 2 steps failed.*the tool server is gone"):
+        JobRunner("n", spec, hooks, tmp_path, pool_factory=down.factory).run()
+    assert not hooks.events_of("completed")
+
+
+def test_a_task_file_in_messages_form_trains_on_the_builtin(shared_pool, tiny_llama_dir, tmp_path) -> None:
+    """Tasks uploaded in chat form (`messages`, no `question`) open the episode with their messages."""
+    import json
+
+    from rl_service.task_files import TaskFileLimits, read_tasks
+    from rollout_workers.environments.calculator import CalculatorEnv
+
+    lines = [{"messages": [{"role": "developer", "content": "Use the calculator."},
+                           {"role": "user", "content": t["question"]}],
+              "answer": t["answer"], "expression": t["expression"]} for t in CalculatorEnv.generate_tasks(4, 0)]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    read_tasks(path, TaskFileLimits())  # the upload's check
+    spec = make_spec(tiny_llama_dir, total_steps=1, tasks={"train_path": str(path), "num_eval": 0})
+    hooks = InMemoryHooks()
+    assert JobRunner("m", spec, hooks, tmp_path / "m", pool_factory=shared_pool.factory).run() == "succeeded"
+    trajs = list(iter_trajectories(step_file(tmp_path / "m" / "trajectories", 0)))
+    assert trajs and not any(t.status.is_infra_failure for t in trajs), [t.error for t in trajs]
+    assert all("Use the calculator." in t.prompt_text for t in trajs)

@@ -50,6 +50,32 @@ class JobFiles:
     def list_all(self, p: Principal) -> list[dict[str, Any]]:
         return self.task_files.list(p.tenant)
 
+    def list_page(self, p: Principal, *, purpose: str | None = None, order: str = "desc", after: str | None = None,
+                  limit: int = 10_000) -> tuple[list[dict[str, Any]], bool]:
+        """OpenAI's files list: of one purpose, newest (desc) or oldest (asc) first, after the file ``after``;
+        and whether more follow. 404 naming `after` when it is not one of the tenant's files of that list."""
+        files = [m for m in self.task_files.list(p.tenant) if purpose is None or m["purpose"] == purpose]
+        if order == "asc":
+            files.reverse()
+        if after is not None:
+            ids = [m["id"] for m in files]
+            if after not in ids:
+                raise NotFound(f"after: no file {after!r} in this list", field="after")
+            files = files[ids.index(after) + 1:]
+        return files[:limit], len(files) > limit
+
+    def content(self, p: Principal, file_id: str) -> Path:
+        """The stored bytes of one of the tenant's files."""
+        path = self.task_files.path(p.tenant, file_id)
+        if path is None:
+            raise NotFound(f"file {file_id!r} not found", field="file_id")
+        return path
+
+    def task_count(self, p: Principal, file_id: str) -> int | None:
+        """How many tasks one of the tenant's files holds (None: no such file)."""
+        meta = self.task_files.get(p.tenant, file_id)
+        return None if meta is None else int(meta["tasks"])
+
     def get(self, p: Principal, file_id: str) -> dict[str, Any]:
         meta = self.task_files.get(p.tenant, file_id)
         if meta is None:
@@ -78,18 +104,20 @@ class JobFiles:
         """The stored paths of the job's task files (422 naming the field for a file the tenant does not have);
         an environment without a task generator needs a train_file."""
         tasks = spec.tasks
-        for name in ("train_path", "eval_path"):
+        for name in ("train_path", "eval_path", "train_tasks", "eval_tasks"):
             if getattr(tasks, name) is not None:
                 raise InvalidInput("set by the service from the file id; name the file instead", field=f"tasks.{name}")
-        update: dict[str, str] = {}
+        update: dict[str, Any] = {}
         for name in ("train_file", "eval_file"):
             file_id = getattr(tasks, name)
             if file_id is None:
                 continue
             path = self.task_files.path(p.tenant, file_id)
-            if path is None:
+            meta = self.task_files.get(p.tenant, file_id)
+            if path is None or meta is None:
                 raise InvalidInput(f"no task file {file_id!r} (upload one with POST /v1/files)", field=f"tasks.{name}")
             update[name.replace("_file", "_path")] = str(path)
+            update[name.replace("_file", "_tasks")] = int(meta["tasks"])
         if tasks.train_file is None and registration is not None and registration.get("kind") == "mcp":
             raise InvalidInput("an mcp environment has no task generator: upload a task file and name it here",
                                field="tasks.train_file")
