@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query, Request
 
 from api.openai_schemas import (
     FineTuningJob,
@@ -22,6 +22,7 @@ from rl_service.control.openai_compat import (
     EVENT_ID,
     FineTuningJobCreate,
     FineTuningJobs,
+    metadata_filter,
 )
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning (OpenAI-compatible)"], route_class=OpenAIRoute)
@@ -39,16 +40,25 @@ def _jobs(svc: Svc) -> FineTuningJobs:
 
 @router.post("", response_model=FineTuningJob, summary="Create a fine-tuning job (reinforcement)",
              responses=openai_error_responses(400, 401, 413, 422, 429))
-def create_job(request: FineTuningJobCreate, svc: Svc, who: Who) -> dict[str, Any]:
+def create_job(
+    request: FineTuningJobCreate,
+    svc: Svc,
+    who: Who,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255, pattern=r"^[!-~]([ -~]*[!-~])?$",
+                                                  description="A repeat of the same request answers the first job; "
+                                                              "the same key with another request is a 409")] = None,
+) -> dict[str, Any]:
     """OpenAI's fields; Taper's job blocks (environment, tasks, rollout, algorithm, reward_schedule, resources,
     total_steps, ...) as extra top-level fields (the client's `extra_body`)."""
-    return _jobs(svc).create(who, request)
+    return _jobs(svc).create(who, request, idempotency_key)
 
 
 @router.get("", response_model=FineTuningJobPage, summary="List fine-tuning jobs, newest first",
             responses=openai_error_responses(400, 401, 404, 422))
-def list_jobs(svc: Svc, who: Who, after: JobAfter = None, limit: Limit = 20) -> dict[str, Any]:
-    return _jobs(svc).list(who, after, limit)
+def list_jobs(request: Request, svc: Svc, who: Who, after: JobAfter = None, limit: Limit = 20) -> dict[str, Any]:
+    """`metadata[KEY]=VALUE` (any number, as OpenAI's client sends `metadata={...}`) lists only the jobs whose
+    metadata holds every such pair."""
+    return _jobs(svc).list(who, after, limit, metadata_filter(request.query_params.multi_items()))
 
 
 @router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, summary="Retrieve a fine-tuning job",

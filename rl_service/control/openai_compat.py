@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -237,6 +238,26 @@ def job_spec_of(request: FineTuningJobCreate, file_tasks: Callable[[str], int | 
         raise invalid_from(exc) from None
 
 
+_METADATA_PARAM = re.compile(r"^metadata\[(.{1,64})\]$")
+
+
+def metadata_filter(query: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """`metadata[KEY]=VALUE` query parameters as a dict (bounded as `metadata` itself: 16 pairs, 64/512 chars)."""
+    pairs: dict[str, str] = {}
+    for name, value in query:
+        m = _METADATA_PARAM.match(name)
+        if name.startswith("metadata") and m is None:
+            raise _bad(name[:80], "a metadata filter is metadata[KEY]=VALUE, KEY of 1 to 64 characters")
+        if m is None:
+            continue
+        if len(value) > 512:
+            raise _bad(name, "a metadata value has at most 512 characters")
+        pairs[m.group(1)] = value
+    if len(pairs) > 16:
+        raise _bad("metadata", "at most 16 metadata filters (metadata holds at most 16 pairs)")
+    return pairs
+
+
 def openai_status(job: JobRecord) -> str:
     """OpenAI's status of a job: `pausing` while a pause is pending; `starting` counts as running."""
     if job.state.has_driver and job.control == CONTROL_PAUSE:
@@ -448,17 +469,30 @@ class FineTuningJobs:
                 "tasks": 0}
         return meta, content
 
-    def create(self, p: Principal, request: FineTuningJobCreate) -> dict[str, Any]:
+    def create(self, p: Principal, request: FineTuningJobCreate, idempotency_key: str | None = None) -> dict[str, Any]:
         spec = job_spec_of(request, lambda file_id: self.service.files.task_count(p, file_id))
-        job, _ = self.service.jobs.submit(p, spec)
+        job, _ = self.service.jobs.submit(p, spec, idempotency_key)
         return job_object(job)
 
-    def list(self, p: Principal, after: str | None, limit: int) -> dict[str, Any]:
-        found = self.service.jobs.list_after(p, after, limit)
-        if found is None:
-            raise NotFound(f"after: no job {after!r} to list after", field="after")
-        jobs, has_more = found
-        return page([self._object(p, j) for j in jobs], has_more)
+    def list(self, p: Principal, after: str | None, limit: int,
+             metadata: dict[str, str] | None = None) -> dict[str, Any]:
+        """Newest first after the job ``after``; with ``metadata``, only the jobs whose metadata holds it."""
+        if not metadata:
+            found = self.service.jobs.list_after(p, after, limit)
+            if found is None:
+                raise NotFound(f"after: no job {after!r} to list after", field="after")
+            jobs, has_more = found
+            return page([self._object(p, j) for j in jobs], has_more)
+        matched: list[JobRecord] = []
+        cursor, more = after, True
+        while more and len(matched) <= limit:
+            found = self.service.jobs.list_after(p, cursor, 200)
+            if found is None:
+                raise NotFound(f"after: no job {after!r} to list after", field="after")
+            batch, more = found
+            matched += [j for j in batch if metadata.items() <= (j.spec.metadata or {}).items()]
+            cursor = batch[-1].id if batch else cursor
+        return page([self._object(p, j) for j in matched[:limit]], len(matched) > limit)
 
     def retrieve(self, p: Principal, job_id: str) -> dict[str, Any]:
         return self._object(p, self.service.jobs.get(p, job_id))

@@ -320,3 +320,28 @@ def test_a_finished_job_reports_tokens_result_file_and_checkpoint_metrics(live) 
     metrics = checkpoint.metrics.to_dict()
     assert metrics["step"] == 4 and metrics["train_loss"] == pytest.approx(0.2)
     assert (metrics["train_success_rate"], metrics["valid_success_rate"]) == (0.75, 0.75)
+
+
+def test_jobs_list_filters_by_metadata_and_pages_the_matches(live) -> None:
+    client, other, _ = live
+    rl = [create(client).id for _ in range(3)]  # metadata {"team": "rl"}
+    sft = [client.fine_tuning.jobs.create(model="tiny", training_file=None, metadata={"team": "sft", "run": str(i)}).id
+           for i in range(2)]
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "rl"})] == rl[::-1]
+    first = client.fine_tuning.jobs.list(metadata={"team": "rl"}, limit=2)
+    assert [j.id for j in first.data] == rl[::-1][:2] and first.has_more
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "sft", "run": "1"})] == [sft[1]]
+    assert list(client.fine_tuning.jobs.list(metadata={"team": "nobody"})) == []
+    assert list(other.fine_tuning.jobs.list(metadata={"team": "rl"})) == []
+    assert len(list(client.fine_tuning.jobs.list())) == 5  # no filter: every job
+
+
+def test_an_idempotency_key_makes_a_retried_create_answer_the_first_job(live) -> None:
+    client, _, store = live
+    key = {"Idempotency-Key": "retry-7f3a"}
+    first = client.fine_tuning.jobs.create(model="tiny", training_file=None, suffix="once", extra_headers=key)
+    again = client.fine_tuning.jobs.create(model="tiny", training_file=None, suffix="once", extra_headers=key)
+    assert again.id == first.id and store.list_jobs(None)[1] == 1
+    with pytest.raises(openai.ConflictError) as exc:  # the same key on another request
+        client.fine_tuning.jobs.create(model="tiny", training_file=None, suffix="twice", extra_headers=key)
+    assert exc.value.body["param"] == "Idempotency-Key"
