@@ -345,3 +345,64 @@ def test_an_idempotency_key_makes_a_retried_create_answer_the_first_job(live) ->
     with pytest.raises(openai.ConflictError) as exc:  # the same key on another request
         client.fine_tuning.jobs.create(model="tiny", training_file=None, suffix="twice", extra_headers=key)
     assert exc.value.body["param"] == "Idempotency-Key"
+
+
+def _succeed_with_checkpoint(store: Store, job_id: str, step: int = 4) -> Path:
+    for state in ("starting", "running", "succeeded"):
+        store.transition(job_id, state)
+    step_dir = Path(store.get_job(job_id).work_dir) / "checkpoints" / f"step_{step:08d}"
+    step_dir.mkdir(parents=True)
+    store.add_checkpoint(job_id, step, step_dir.resolve().as_uri())
+    return step_dir
+
+
+def test_models_list_presets_and_the_tenants_fine_tuned_models(live) -> None:
+    client, other, store = live
+    job = create(client)
+    assert [m.id for m in client.models.list()] == ["tiny", "small", "large"]  # not succeeded yet
+    _succeed_with_checkpoint(store, job.id)
+    models = {m.id: m for m in client.models.list()}
+    assert set(models) == {"tiny", "small", "large", job.id}
+    assert (models[job.id].object, models[job.id].owned_by) == ("model", "alpha")
+    assert client.models.retrieve(job.id).id == job.id
+    assert client.models.retrieve(f"{job.id}:4").id == f"{job.id}:4"
+    assert client.models.retrieve("small").owned_by == "taper"
+    for missing in (f"{job.id}:5", "gpt-4o"):
+        with pytest.raises(openai.NotFoundError) as exc:
+            client.models.retrieve(missing)
+        assert exc.value.body["param"] == "model"
+    assert [m.id for m in other.models.list()] == ["tiny", "small", "large"]
+    with pytest.raises(openai.NotFoundError):
+        other.models.retrieve(job.id)
+
+
+def test_checkpoint_permissions_let_another_tenant_start_from_it(live) -> None:
+    client, other, store = live
+    job = create(client)
+    step_dir = _succeed_with_checkpoint(store, job.id)
+    ref = f"{job.id}:4"
+    with pytest.raises(openai.UnprocessableEntityError):  # not theirs, not shared: as if it did not exist
+        other.fine_tuning.jobs.create(model=ref, training_file=None)
+    perms = client.fine_tuning.checkpoints.permissions
+    granted = perms.create(ref, project_ids=["beta"])
+    [perm] = granted.data
+    assert (perm.object, perm.project_id) == ("checkpoint.permission", "beta")
+    assert perms.create(ref, project_ids=["beta"]).data[0].id == perm.id  # granting again changes nothing
+    assert [p.id for p in perms.list(ref)] == [perm.id]
+    assert list(perms.list(ref, project_id="gamma")) == []
+    started = other.fine_tuning.jobs.create(model=ref, training_file=None)
+    assert store.get_job(started.id).spec.model.checkpoint_dir == str(step_dir.resolve())
+    with pytest.raises(openai.UnprocessableEntityError):  # the permission is for that checkpoint only
+        other.fine_tuning.jobs.create(model=job.id, training_file=None)
+    with pytest.raises(openai.NotFoundError):  # only the owner manages them
+        other.fine_tuning.checkpoints.permissions.create(ref, project_ids=["gamma"])
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        perms.create(ref, project_ids=["gamma", "Not A Tenant"])
+    assert exc.value.body["param"] == "project_ids[1]"
+    deleted = perms.delete(perm.id, fine_tuned_model_checkpoint=ref)
+    assert (deleted.id, deleted.deleted) == (perm.id, True)
+    with pytest.raises(openai.UnprocessableEntityError):
+        other.fine_tuning.jobs.create(model=ref, training_file=None)
+    with pytest.raises(openai.NotFoundError) as exc:
+        perms.delete(perm.id, fine_tuned_model_checkpoint=ref)
+    assert exc.value.body["param"] == "permission_id"

@@ -126,8 +126,8 @@ class JobFiles:
     # ---- checkpoints ----
     def resolve_checkpoint(self, p: Principal, ref: str) -> str:
         """The directory of a checkpoint reference (rl_service.spec.CHECKPOINT_REF): a base model the operator
-        registered, or a checkpoint the store lists for one of the tenant's own jobs that lies in that job's
-        work dir. Never a path the tenant wrote."""
+        registered, or a checkpoint the store lists for one of the tenant's own jobs (or one another tenant gave
+        it permission to) that lies in that job's work dir. Never a path the tenant wrote."""
         field = "model.checkpoint"
         if ref.startswith("base:"):
             name = ref.removeprefix("base:")
@@ -142,7 +142,10 @@ class JobFiles:
         try:
             source = self.store.get_job(job_id, tenant=p.tenant)
         except JobNotFound:
-            raise InvalidInput(f"{field}: job {job_id!r} not found", field=field) from None
+            # another tenant's checkpoint that its owner shared with this one (checkpoint permissions)
+            if not self.store.permitted(job_id, ref, p.tenant):
+                raise InvalidInput(f"{field}: job {job_id!r} not found", field=field) from None
+            source = self.store.get_job(job_id)
         work_dir = Path(source.work_dir).resolve()
         found = [c for c in self.store.checkpoints(job_id) if not step or c["step"] == int(step)]
         for c in sorted(found, key=lambda c: c["step"], reverse=True):
