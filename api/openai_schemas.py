@@ -58,9 +58,14 @@ class Reinforcement(BaseModel):
     hyperparameters: ReinforcementHyperparameters
 
 
+class Supervised(BaseModel):
+    hyperparameters: Hyperparameters
+
+
 class Method(BaseModel):
-    type: Literal["reinforcement"]
-    reinforcement: Reinforcement
+    type: Literal["reinforcement", "supervised"]
+    reinforcement: Reinforcement | None = None
+    supervised: Supervised | None = None
 
 
 class FineTuningJob(BaseModel):

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from reward_models.graders import Grader
 from reward_models.monitor import HackingMonitorConfig
@@ -98,9 +98,30 @@ class Reinforcement(_Strict):
     hyperparameters: ReinforcementHyperparameters = Field(default_factory=ReinforcementHyperparameters)
 
 
+class Supervised(_Strict):
+    hyperparameters: Hyperparameters = Field(
+        default_factory=Hyperparameters, description="batch_size: warm_start.batch_size; learning_rate_multiplier: "
+        "x the warm start's default rate; n_epochs (default 3): SFT steps = ceil(n_epochs x demonstrations / batch).")
+
+
 class FineTuningMethod(_Strict):
-    type: Literal["reinforcement"] = Field(description="Taper trains with reinforcement only.")
-    reinforcement: Reinforcement = Field(default_factory=Reinforcement)
+    type: Literal["reinforcement", "supervised", "dpo"] = Field(
+        description="reinforcement (Taper's RL), or supervised (SFT with TRL's SFTTrainer on the training file's "
+        "demonstrations, OpenAI's chat format); dpo is not offered (a 422).")
+    reinforcement: Reinforcement | None = None
+    supervised: Supervised | None = None
+    dpo: dict[str, Any] | None = Field(None, description="Not offered.")
+
+    @model_validator(mode="after")
+    def _one_block(self) -> FineTuningMethod:
+        for name in ("reinforcement", "supervised", "dpo"):
+            if name != self.type and getattr(self, name) is not None:
+                raise ValueError(f"{name}: given with type {self.type!r}; give the block of the method's type")
+        return self
+
+    @property
+    def rl(self) -> Reinforcement:
+        return self.reinforcement or Reinforcement()
 
 
 class Integration(_Strict):
@@ -165,16 +186,15 @@ def _model_spec(model: str) -> dict[str, Any]:
     return {"preset": model} if model in PRESETS else {"checkpoint": model}
 
 
-def _merged_hyperparameters(request: FineTuningJobCreate) -> ReinforcementHyperparameters:
+def _merged_hyperparameters(request: FineTuningJobCreate, method: Hyperparameters, param: str) -> Any:
     """The method's hyperparameters with the deprecated top-level ones merged in."""
-    method = request.method.reinforcement.hyperparameters if request.method else ReinforcementHyperparameters()
     top = request.hyperparameters
     if top is None:
         return method
     given = top.model_dump(exclude_none=True)
     for name in given:
         if getattr(method, name) is not None:
-            raise _bad(f"hyperparameters.{name}", "also given in method's hyperparameters; give it in one place")
+            raise _bad(f"hyperparameters.{name}", f"also given in {param}; give it in one place")
     return method.model_copy(update=given)
 
 
@@ -201,37 +221,93 @@ def _apply_hyperparameters(blocks: dict[str, Any], hp: ReinforcementHyperparamet
         _set(blocks, "total_steps", math.ceil(hp.n_epochs * count / batch), f"{param}.n_epochs")
 
 
-def job_spec_of(request: FineTuningJobCreate, file_tasks: Callable[[str], int | None] = lambda _: None) -> JobSpec:
-    """The job spec of a create request (a 422 naming the OpenAI field that cannot be honoured).
-    ``file_tasks`` answers how many tasks an uploaded file holds (None: unknown), for `n_epochs`."""
+SUPERVISED_EPOCHS = 3  # n_epochs "auto" of a supervised job
+FileMeta = Callable[[str], dict[str, Any] | None]
+
+
+def method_of(request: FineTuningJobCreate, file_meta: FileMeta) -> str:
+    """The request's method; without one, as OpenAI: supervised when the training file holds only
+    demonstrations (conversations ending with the assistant's turn), else Taper's reinforcement."""
+    if request.method is not None:
+        return request.method.type
+    meta = file_meta(request.training_file) if request.training_file else None
+    whole = meta is not None and 0 < meta.get("demonstrations", 0) == meta.get("tasks")
+    return "supervised" if whole else "reinforcement"
+
+
+def _common_blocks(request: FineTuningJobCreate) -> dict[str, Any]:
     blocks = request.model_dump(exclude_unset=True, exclude_none=True, exclude={
         "model", "training_file", "validation_file", "seed", "suffix", "metadata", "method", "integrations",
         "hyperparameters"})
     blocks["model"] = _model_spec(request.model)
-    for name, field in FILE_FIELDS.items():
-        file_id = getattr(request, name)
-        if file_id is None:
-            continue
-        if field not in TasksSpec.model_fields:
-            raise _bad(name, "this server takes no uploaded task files; omit it to use the environment's tasks")
-        _set(blocks, f"tasks.{field}", file_id, name)
     if request.seed is not None:
         blocks["seed"] = request.seed
     if request.suffix is not None:
         blocks["name"] = request.suffix
     if request.metadata is not None:
         blocks["metadata"] = request.metadata
-    if request.method is not None and request.method.reinforcement.grader is not None:
-        _set(blocks, "environment.grader", request.method.reinforcement.grader.model_dump(mode="json"),
-             "method.reinforcement.grader")
-    train_file = blocks.get("tasks", {}).get("train_file")
-    try:  # n_epochs reads the tasks block, which may be invalid itself
-        _apply_hyperparameters(blocks, _merged_hyperparameters(request),
-                               file_tasks(train_file) if isinstance(train_file, str) else None)
-    except ValidationError as exc:
-        raise invalid_from(exc, "tasks") from None
     for integration in request.integrations or []:
         _set(blocks, "tracking.wandb", integration.wandb.model_dump(), "integrations")
+    return blocks
+
+
+def _reinforcement_blocks(request: FineTuningJobCreate, blocks: dict[str, Any], file_meta: FileMeta) -> None:
+    for name, field in FILE_FIELDS.items():
+        file_id = getattr(request, name)
+        if file_id is not None:
+            _set(blocks, f"tasks.{field}", file_id, name)
+    rl = request.method.rl if request.method is not None else Reinforcement()
+    if rl.grader is not None:
+        _set(blocks, "environment.grader", rl.grader.model_dump(mode="json"), "method.reinforcement.grader")
+    train_file = blocks.get("tasks", {}).get("train_file")
+    meta = file_meta(train_file) if isinstance(train_file, str) else None
+    hp = _merged_hyperparameters(request, rl.hyperparameters, "method.reinforcement.hyperparameters")
+    try:  # n_epochs reads the tasks block, which may be invalid itself
+        _apply_hyperparameters(blocks, hp, int(meta["tasks"]) if meta else None)
+    except ValidationError as exc:
+        raise invalid_from(exc, "tasks") from None
+
+
+def _supervised_blocks(request: FineTuningJobCreate, blocks: dict[str, Any], file_meta: FileMeta) -> None:
+    """SFT on the training file's demonstrations: the job's warm start is all it runs."""
+    if request.training_file is None:
+        raise _bad("training_file", "a supervised job learns from a file of demonstrations (chat lines ending with "
+                                    "the assistant's turn); upload one and name it")
+    if request.validation_file is not None:
+        raise _bad("validation_file", "a supervised job here is not evaluated on a validation file; omit it")
+    param = "method.supervised.hyperparameters"
+    method = request.method.supervised if request.method is not None and request.method.supervised else Supervised()
+    hp = _merged_hyperparameters(request, method.hyperparameters, param)
+    blocks["method"] = "supervised"
+    _set(blocks, "warm_start.demonstrations", request.training_file, "training_file")
+    ws = blocks["warm_start"]
+    ws.setdefault("until_loss", None)  # the epochs asked for, not an early stop
+    if isinstance(hp.batch_size, int):
+        _set(blocks, "warm_start.batch_size", hp.batch_size, f"{param}.batch_size")
+    if isinstance(hp.learning_rate_multiplier, float | int):
+        base = WarmStartSpec.model_fields["learning_rate"].default
+        _set(blocks, "warm_start.learning_rate", base * hp.learning_rate_multiplier,
+             f"{param}.learning_rate_multiplier")
+    meta = file_meta(request.training_file)
+    if meta is not None and "max_steps" not in ws:
+        epochs = hp.n_epochs if isinstance(hp.n_epochs, int) else SUPERVISED_EPOCHS
+        batch = ws.get("batch_size", WarmStartSpec.model_fields["batch_size"].default)
+        ws["max_steps"] = max(1, math.ceil(epochs * int(meta.get("demonstrations", 0)) / batch))
+    elif isinstance(hp.n_epochs, int):
+        raise _bad(f"{param}.n_epochs", "sets warm_start.max_steps, which the request also sets; give one of them")
+
+
+def job_spec_of(request: FineTuningJobCreate, file_meta: FileMeta = lambda _: None) -> JobSpec:
+    """The job spec of a create request (a 422 naming the OpenAI field that cannot be honoured).
+    ``file_meta`` answers an uploaded file's object (None: unknown), for `n_epochs` and the default method."""
+    method = method_of(request, file_meta)
+    if method == "dpo":
+        raise _bad("method.type", "dpo is not offered: Taper trains with reinforcement or supervised")
+    blocks = _common_blocks(request)
+    if method == "supervised":
+        _supervised_blocks(request, blocks, file_meta)
+    else:
+        _reinforcement_blocks(request, blocks, file_meta)
     try:
         return JobSpec.model_validate(blocks)
     except ValidationError as exc:
@@ -353,7 +429,7 @@ def job_object(job: JobRecord, tokens: int | None = None) -> dict[str, Any]:
     spec = job.spec
     hyperparameters = _hyperparameters(spec)
     status = openai_status(job)
-    return {
+    out = {
         "object": "fine_tuning.job",
         "id": job.id,
         "model": spec.model.checkpoint or spec.model.preset,
@@ -378,6 +454,21 @@ def job_object(job: JobRecord, tokens: int | None = None) -> dict[str, Any]:
                    "reinforcement": {"grader": spec.environment.grader, "hyperparameters": hyperparameters}},
         "user_provided_suffix": spec.name,
     }
+    if spec.method == "supervised":
+        _as_supervised(out, spec)
+    return out
+
+
+def _as_supervised(out: dict[str, Any], spec: JobSpec) -> None:
+    """A supervised job's training file and hyperparameters (its warm start's)."""
+    ws = spec.warm_start
+    assert ws is not None
+    base = WarmStartSpec.model_fields["learning_rate"].default
+    epochs = ws.max_steps * ws.batch_size / ws.demonstrations_count if ws.demonstrations_count else 0.0
+    hyperparameters = {"batch_size": ws.batch_size, "learning_rate_multiplier": ws.learning_rate / base,
+                       "n_epochs": round(epochs) if epochs else None}
+    out.update(training_file=ws.demonstrations, validation_file=None, hyperparameters=hyperparameters,
+               method={"type": "supervised", "supervised": {"hyperparameters": hyperparameters}})
 
 
 _WARNING_KINDS = frozenset({"warning", "driver_lost", "driver_hung", "unschedulable", "quota_wait"})
@@ -470,7 +561,7 @@ class FineTuningJobs:
         return meta, content
 
     def create(self, p: Principal, request: FineTuningJobCreate, idempotency_key: str | None = None) -> dict[str, Any]:
-        spec = job_spec_of(request, lambda file_id: self.service.files.task_count(p, file_id))
+        spec = job_spec_of(request, lambda file_id: self.service.files.describe(p, file_id))
         job, _ = self.service.jobs.submit(p, spec, idempotency_key)
         return job_object(job)
 

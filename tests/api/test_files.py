@@ -61,8 +61,15 @@ def test_bad_lines_are_422_naming_the_line_and_nothing_is_stored(api: Api) -> No
         (good + b"[1, 2]\n", "line 3: must be a JSON object"),
         (good + b'{"answer": "x"}\n', "line 3: needs a 'question' or 'messages'"),
         (good + b'{"question": ""}\n', "line 3: question"),
-        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
-         "line 3: messages: the last message must be the user's"),
+        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}\n',
+         "line 3: messages: the last message must be the user's (a task) or the assistant's (a demonstration)"),
+        (good + b'{"messages": [{"role": "system", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
+         "line 3: messages: a user message must come before the assistant's first turn"),
+        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "4"}, '
+                b'{"role": "assistant", "content": "b"}]}\n', "line 3: messages.1: a tool message answers"),
+        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"type": '
+                b'"function", "function": {"name": "f", "arguments": "{oops"}}]}, {"role": "assistant", '
+                b'"content": "b"}]}\n', "line 3: messages.1.tool_calls.0.function.arguments: not a JSON object"),
         (good + b'{"messages": [{"role": "robot", "content": "a"}]}\n', "line 3: messages.0.role"),
         (good + b'{"id": "p", "question": "again"}\n', "line 3: id 'p' repeats line 2"),
         (b"\n\n", "no tasks"),

@@ -112,7 +112,9 @@ def _reinforcement(grader: dict | None = None, **hyperparameters) -> dict:
 # Requests off the schema are OpenAI's 400; schema-valid ones the service refuses keep its 422. Both name the field.
 @pytest.mark.parametrize(("change", "param", "error"), [
     ({"model": "gpt-4o-mini"}, "model", openai.BadRequestError),
-    ({"method": {"type": "supervised"}}, "method.type", openai.BadRequestError),
+    ({"method": {"type": "dpo"}}, "method.type", openai.UnprocessableEntityError),
+    ({"method": {"type": "supervised"}}, "training_file", openai.UnprocessableEntityError),
+    ({"method": {"type": "supervised", "reinforcement": {}}}, "method", openai.UnprocessableEntityError),
     ({"method": _reinforcement(SCORE_MODEL)}, "method.reinforcement.grader", openai.BadRequestError),
     ({"method": _reinforcement({**GRADER, "type": "text_similarity", "evaluation_metric": "bleu"})},
      "method.reinforcement.grader.text_similarity.evaluation_metric", openai.BadRequestError),
@@ -406,3 +408,54 @@ def test_checkpoint_permissions_let_another_tenant_start_from_it(live) -> None:
     with pytest.raises(openai.NotFoundError) as exc:
         perms.delete(perm.id, fine_tuned_model_checkpoint=ref)
     assert exc.value.body["param"] == "permission_id"
+
+
+def _chat_line(a: int) -> dict:
+    """A demonstration in OpenAI's supervised chat format, with a tool call."""
+    return {"messages": [
+        {"role": "system", "content": "Use the calculator."}, {"role": "user", "content": f"What is {a} + 1?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "calculator", "arguments": json.dumps({"expression": f"{a} + 1"})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": str(a + 1)},
+        {"role": "assistant", "content": f"The answer is {a + 1}."}]}
+
+
+def test_supervised_jobs_train_on_the_files_demonstrations(live) -> None:
+    client, _, store = live
+    demos = _upload(client, [_chat_line(a) for a in range(10)])
+    assert demos.to_dict()["demonstrations"] == 10
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=demos.id, method={
+        "type": "supervised", "supervised": {"hyperparameters": {"batch_size": 4, "n_epochs": 2}}})
+    spec = store.get_job(job.id).spec
+    assert spec.method == "supervised" and spec.warm_start.demonstrations == demos.id
+    assert (spec.warm_start.max_steps, spec.total_steps, spec.warm_start.batch_size) == (5, 5, 4)  # ceil(2 x 10 / 4)
+    assert spec.warm_start.until_loss is None and spec.warm_start.demonstrations_count == 10
+    assert (job.method.type, job.training_file) == ("supervised", demos.id)
+    assert job.method.supervised.hyperparameters.n_epochs == 2 and job.hyperparameters.batch_size == 4
+
+    legacy = client.fine_tuning.jobs.create(model="tiny", training_file=demos.id, hyperparameters={"n_epochs": 1})
+    assert legacy.method.type == "supervised"  # no method and a file of conversations: OpenAI's default
+    assert store.get_job(legacy.id).spec.total_steps == 1  # ceil(10 / 16)
+    tasks = _upload(client, [{"question": "What is 1 + 1?", "answer": "2"}])
+    assert client.fine_tuning.jobs.create(model="tiny", training_file=tasks.id).method.type == "reinforcement"
+    with pytest.raises(openai.UnprocessableEntityError) as exc:  # nothing to learn from
+        client.fine_tuning.jobs.create(model="tiny", training_file=tasks.id, method={"type": "supervised"})
+    assert exc.value.body["param"] == "warm_start.demonstrations"
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.fine_tuning.jobs.create(model="tiny", training_file=demos.id, validation_file=demos.id,
+                                       method={"type": "supervised"})
+    assert exc.value.body["param"] == "validation_file"
+
+
+def test_rl_jobs_warm_start_from_an_uploaded_file_of_demonstrations(live) -> None:
+    """One file serves both: its conversations warm-start the model, their opening turns are the RL tasks."""
+    client, _, store = live
+    lines = [{**_chat_line(a), "answer": str(a + 1)} for a in range(4)]
+    f = _upload(client, lines)
+    job = client.fine_tuning.jobs.create(model="tiny", training_file=f.id, method=RL,
+                                         extra_body={"warm_start": {"demonstrations": f.id, "max_steps": 20}})
+    spec = store.get_job(job.id).spec
+    assert (spec.method, spec.warm_start.demonstrations_count, spec.tasks.train_tasks) == ("reinforcement", 4, 4)
+    assert spec.warm_start.demonstrations_path == spec.tasks.train_path
+    with pytest.raises(openai.ConflictError):  # a job waiting on it keeps the file
+        client.files.delete(f.id)

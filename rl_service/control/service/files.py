@@ -71,10 +71,9 @@ class JobFiles:
             raise NotFound(f"file {file_id!r} not found", field="file_id")
         return path
 
-    def task_count(self, p: Principal, file_id: str) -> int | None:
-        """How many tasks one of the tenant's files holds (None: no such file)."""
-        meta = self.task_files.get(p.tenant, file_id)
-        return None if meta is None else int(meta["tasks"])
+    def describe(self, p: Principal, file_id: str) -> dict[str, Any] | None:
+        """One of the tenant's file objects (None: no such file)."""
+        return self.task_files.get(p.tenant, file_id)
 
     def get(self, p: Principal, file_id: str) -> dict[str, Any]:
         meta = self.task_files.get(p.tenant, file_id)
@@ -91,7 +90,8 @@ class JobFiles:
             while True:
                 jobs, total = self.store.list_jobs(p.tenant, state, offset, 200)
                 for job in jobs:
-                    if file_id in (job.spec.tasks.train_file, job.spec.tasks.eval_file):
+                    demonstrations = job.spec.warm_start.demonstrations if job.spec.warm_start else None
+                    if file_id in (job.spec.tasks.train_file, job.spec.tasks.eval_file, demonstrations):
                         raise Conflict(f"file {file_id!r} is used by job {job.id} ({state.value}); delete it once the "
                                        "job has finished", field="file_id")
                 offset += len(jobs)
@@ -118,10 +118,34 @@ class JobFiles:
                 raise InvalidInput(f"no task file {file_id!r} (upload one with POST /v1/files)", field=f"tasks.{name}")
             update[name.replace("_file", "_path")] = str(path)
             update[name.replace("_file", "_tasks")] = int(meta["tasks"])
-        if tasks.train_file is None and registration is not None and registration.get("kind") == "mcp":
+        supervised = spec.method == "supervised"
+        if tasks.train_file is None and not supervised and registration is not None and registration.get("kind") == "mcp":
             raise InvalidInput("an mcp environment has no task generator: upload a task file and name it here",
                                field="tasks.train_file")
-        return spec.model_copy(update={"tasks": tasks.model_copy(update=update)}) if update else spec
+        if update:
+            spec = spec.model_copy(update={"tasks": tasks.model_copy(update=update)})
+        return self._resolve_demonstrations(p, spec)
+
+    def _resolve_demonstrations(self, p: Principal, spec: JobSpec) -> JobSpec:
+        """The stored path of the warm start's demonstrations file, which must hold demonstrations."""
+        ws, field = spec.warm_start, "warm_start.demonstrations"
+        if ws is None:
+            return spec
+        for name in ("demonstrations_path", "demonstrations_count"):
+            if getattr(ws, name) is not None:
+                raise InvalidInput("set by the service from the file id; name the file instead",
+                                   field=f"warm_start.{name}")
+        if ws.demonstrations == "environment":
+            return spec
+        meta = self.task_files.get(p.tenant, ws.demonstrations)
+        path = self.task_files.path(p.tenant, ws.demonstrations)
+        if meta is None or path is None:
+            raise InvalidInput(f"no file {ws.demonstrations!r} (upload one with POST /v1/files)", field=field)
+        if not meta.get("demonstrations"):
+            raise InvalidInput(f"file {ws.demonstrations!r} holds no demonstrations: each line's messages must end "
+                               "with the assistant's turn (OpenAI's supervised chat format)", field=field)
+        resolved = {"demonstrations_path": str(path), "demonstrations_count": int(meta["demonstrations"])}
+        return spec.model_copy(update={"warm_start": ws.model_copy(update=resolved)})
 
     # ---- checkpoints ----
     def resolve_checkpoint(self, p: Principal, ref: str) -> str:
