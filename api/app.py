@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.openapi import install_openapi
 from api.request_id import RequestId
-from api.routers import admin, checkpoints, environments, files, fine_tuning, jobs, models, system
+from api.routers import admin, checkpoints, environments, files, fine_tuning, jobs, models, system, uploads
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
@@ -45,7 +45,7 @@ def error_response(status: int, code: str, message: str, field: str | None = Non
 
 class BodySizeLimit:
     """Rejects request bodies over ``max_bytes`` (or the larger limit of a path in ``path_limits``, e.g. file
-    uploads) with 413, by Content-Length or while streaming."""
+    uploads; a key ending in `/` covers the paths under it) with 413, by Content-Length or while streaming."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
@@ -55,7 +55,10 @@ class BodySizeLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        max_bytes = self.path_limits.get(scope.get("path", ""), self.default_max_bytes)
+        path = scope.get("path", "")
+        max_bytes = self.path_limits.get(path) or next(
+            (limit for prefix, limit in self.path_limits.items() if prefix.endswith("/") and path.startswith(prefix)),
+            self.default_max_bytes)
 
         def too_big() -> JSONResponse:
             message = f"request body over {max_bytes} bytes"
@@ -262,13 +265,14 @@ def create_app(
         registry.register(TrainingMetrics(service))
     upload_bytes = settings.task_files.max_bytes + 1024 * 1024  # the file and its multipart framing
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
-                       path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes)})
+                       path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes),
+                                    "/v1/uploads/": max(upload_bytes, settings.max_request_bytes)})
     app.add_middleware(RequestMetrics, registry=registry)
     app.add_middleware(RequestId)  # outermost: every answer carries x-request-id
     _install_errors(app)
     for r in (jobs.router, checkpoints.router, environments.router, admin.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
-    for r in (fine_tuning.router, files.router, models.router):
+    for r in (fine_tuning.router, files.router, uploads.router, models.router):
         app.include_router(r)  # OpenAI's routes document their own (OpenAI-shaped) errors
     app.include_router(ui_router)
     install_openapi(app)

@@ -459,3 +459,59 @@ def test_rl_jobs_warm_start_from_an_uploaded_file_of_demonstrations(live) -> Non
     assert spec.warm_start.demonstrations_path == spec.tasks.train_path
     with pytest.raises(openai.ConflictError):  # a job waiting on it keeps the file
         client.files.delete(f.id)
+
+
+def test_uploads_in_parts_join_in_the_order_part_ids_give(live, tmp_path: Path) -> None:
+    client, other, store = live
+    content = "".join(json.dumps({"question": f"What is {a} + {a}?", "answer": str(2 * a)}) + "\n"
+                      for a in range(40)).encode()
+    cut = [0, 333, 1000, len(content)]  # cuts inside lines: parts are bytes, not lines
+    chunks = [content[a:b] for a, b in zip(cut, cut[1:], strict=False)]
+    upload = client.uploads.create(bytes=len(content), filename="big.jsonl", mime_type="application/jsonl",
+                                   purpose="fine-tune")
+    assert (upload.object, upload.status, upload.bytes) == ("upload", "pending", len(content))
+    ids = {i: client.uploads.parts.create(upload.id, data=chunks[i]).id for i in (2, 0, 1)}  # arrive out of order
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.uploads.complete(upload.id, part_ids=[ids[0], ids[1], ids[0]])
+    assert exc.value.body["param"] == "part_ids[2]" and "repeats part_ids[0]" in exc.value.body["message"]
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.uploads.complete(upload.id, part_ids=[ids[0], ids[1]])
+    assert exc.value.body["param"] == "part_ids"
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.uploads.complete(upload.id, part_ids=[ids[0], "part_" + "0" * 24, ids[2]])
+    assert exc.value.body["param"] == "part_ids[1]"
+    with pytest.raises(openai.UnprocessableEntityError) as exc:  # joined in the wrong order: line 1 is cut
+        client.uploads.complete(upload.id, part_ids=[ids[1], ids[0], ids[2]])
+    assert exc.value.body["param"] == "part_ids" and "line 1" in exc.value.body["message"]
+    with pytest.raises(openai.NotFoundError):  # another tenant's upload
+        other.uploads.parts.create(upload.id, data=b"x")
+    import hashlib
+
+    done = client.uploads.complete(upload.id, part_ids=[ids[0], ids[1], ids[2]],
+                                   md5=hashlib.md5(content, usedforsecurity=False).hexdigest())
+    assert done.status == "completed" and done.file.bytes == len(content)
+    assert client.files.content(done.file.id).content == content
+    assert done.file.to_dict()["tasks"] == 40
+    with pytest.raises(openai.ConflictError) as exc:  # a completed upload takes no more parts
+        client.uploads.parts.create(upload.id, data=b"x")
+    assert exc.value.body["param"] == "upload_id"
+
+    short = client.uploads.create(bytes=len(content), filename="b.jsonl", mime_type="application/jsonl",
+                                  purpose="fine-tune")
+    part = client.uploads.parts.create(short.id, data=chunks[0])
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        client.uploads.complete(short.id, part_ids=[part.id])
+    assert exc.value.body["param"] == "bytes"
+    with pytest.raises(openai.APIStatusError) as exc:  # more than declared
+        client.uploads.parts.create(short.id, data=content)
+    assert exc.value.status_code == 413 and exc.value.body["param"] == "data"
+    assert client.uploads.cancel(short.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.uploads.create(bytes=10, filename="b.jsonl", mime_type="application/jsonl", purpose="batch")
+    assert exc.value.body["param"] == "purpose"
+
+    path = tmp_path / "chunked.jsonl"  # the client's own helper: parts of part_size, completed in order
+    path.write_bytes(content)
+    chunked = client.uploads.upload_file_chunked(file=path, mime_type="application/jsonl", purpose="fine-tune",
+                                                 part_size=500)
+    assert chunked.status == "completed" and client.files.content(chunked.file.id).content == content

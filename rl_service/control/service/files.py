@@ -147,6 +147,18 @@ class JobFiles:
         resolved = {"demonstrations_path": str(path), "demonstrations_count": int(meta["demonstrations"])}
         return spec.model_copy(update={"warm_start": ws.model_copy(update=resolved)})
 
+    # ---- uploads in parts ----
+    def upload(self, p: Principal, action: str, *args: Any) -> dict[str, Any]:
+        """One UploadStore operation (create, get, add_part, complete, cancel) for the tenant, its refusals as
+        the service's errors naming the field."""
+        from rl_service.control.upload_store import UploadError, UploadStore
+
+        try:
+            return getattr(UploadStore(self.task_files), action)(p.tenant, *args)
+        except UploadError as exc:
+            error = {404: NotFound, 409: Conflict, 413: TooLarge}.get(exc.status, InvalidInput)
+            raise error(str(exc), field=exc.field) from None
+
     # ---- checkpoints ----
     def resolve_checkpoint(self, p: Principal, ref: str) -> str:
         """The directory of a checkpoint reference (rl_service.spec.CHECKPOINT_REF): a base model the operator
