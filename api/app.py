@@ -22,7 +22,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.openapi import install_openapi
 from api.request_id import RequestId
-from api.routers import admin, checkpoints, environments, files, fine_tuning, jobs, models, system, uploads
+from api.routers import (
+    admin,
+    checkpoints,
+    environments,
+    files,
+    fine_tuning,
+    graders,
+    jobs,
+    models,
+    system,
+    uploads,
+)
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
@@ -272,7 +283,7 @@ def create_app(
     _install_errors(app)
     for r in (jobs.router, checkpoints.router, environments.router, admin.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
-    for r in (fine_tuning.router, files.router, uploads.router, models.router):
+    for r in (fine_tuning.router, graders.router, files.router, uploads.router, models.router):
         app.include_router(r)  # OpenAI's routes document their own (OpenAI-shaped) errors
     app.include_router(ui_router)
     install_openapi(app)

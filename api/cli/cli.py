@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from api.cli import checkpoints, demo, keys
+from api.cli import checkpoints, demo, graders, keys
 from rl_service.control.settings import TaperSettings, get_settings
 from rl_service.spec import read_spec_file
 
@@ -507,6 +507,7 @@ def quota_reset(tenant: str) -> None:
 demo.register(app)
 keys.register(app, console)
 checkpoints.register(app, _api, _check, console)
+graders.register(app, _api, _check, console)
 
 
 if __name__ == "__main__":

@@ -515,3 +515,48 @@ def test_uploads_in_parts_join_in_the_order_part_ids_give(live, tmp_path: Path) 
     chunked = client.uploads.upload_file_chunked(file=path, mime_type="application/jsonl", purpose="fine-tune",
                                                  part_size=500)
     assert chunked.status == "completed" and client.files.content(chunked.file.id).content == content
+
+
+def test_graders_run_and_validate_before_any_job(live) -> None:
+    """OpenAI's alpha graders routes: a grader scores one sample in seconds, with the reward a job would train
+    on, each sub-grader's score and OpenAI's error flags; a grader that cannot run is refused naming the field."""
+    client, _, store = live
+    graders = client.fine_tuning.alpha.graders
+    item = {"question": "What is 2 + 2?", "answer": "4"}
+    exact = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+             "reference": "The answer is {{item.answer}}.", "operation": "eq"}
+    result = graders.run(grader=exact, model_sample="The answer is 4.", item=item)
+    assert result.reward == 1.0 and result.metadata.name == "exact" and result.metadata.type == "string_check"
+    assert not any(v for k, v in result.metadata.errors.to_dict().items() if not k.endswith("details") and v)
+    assert graders.run(grader=exact, model_sample="The answer is 5.", item=item).reward == 0.0
+
+    multi = {"type": "multi", "name": "both", "calculate_output": "0.5 * exact + 0.5 * close",
+             "graders": {"exact": exact, "close": {"type": "text_similarity", "name": "close",
+                                                   "input": "{{sample.answer}}", "reference": "{{item.answer}}",
+                                                   "evaluation_metric": "fuzzy_match"}}}
+    both = graders.run(grader=multi, model_sample="The answer is 4.", item=item)
+    assert both.sub_rewards == {"exact": 1.0, "close": 1.0} and both.reward == 1.0
+
+    python = {"type": "python", "name": "py", "source": "def grade(sample, item):\n"
+              "    return float(sample['output_text'].endswith(item['answer'] + '.'))\n"}
+    assert graders.run(grader=python, model_sample="The answer is 4.", item=item).reward == 1.0
+    crash = {**python, "source": "def grade(sample, item):\n    return 1 / 0\n"}
+    failed = graders.run(grader=crash, model_sample="x", item=item)
+    errors = failed.metadata.errors
+    assert failed.reward == 0.0 and errors.python_grader_runtime_error and "ZeroDivisionError" in (
+        errors.python_grader_runtime_error_details or "")
+
+    # off the schema: OpenAI's 400; a grader that matches it but cannot run (does not compile): the 422
+    for bad, param, status in [
+            ({**python, "source": "def grade(sample, item)\n    return 1\n"}, "grader.python.source", 422),
+            ({**python, "source": "x = 1\n"}, "grader.python.source", 422),
+            ({**exact, "operation": "regex"}, "grader.string_check.operation", 400),
+            ({"type": "score_model", "name": "judge", "model": "gpt-4o", "input": []}, "grader", 400)]:
+        with pytest.raises(openai.APIStatusError) as exc:
+            graders.validate(grader=bad)
+        assert (exc.value.status_code, exc.value.body["param"]) == (status, param), exc.value.body
+    with pytest.raises(openai.UnprocessableEntityError) as exc:
+        graders.run(grader={**python, "source": "def grade(sample, item)\n"}, model_sample="x")
+    assert "line 1" in exc.value.body["message"]
+    assert graders.validate(grader=exact).grader.to_dict()["reference"] == exact["reference"]
+    assert store.list_jobs(None)[1] == 0  # trying graders starts nothing
