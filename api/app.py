@@ -22,17 +22,32 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.openapi import install_openapi
-from api.routers import admin, checkpoints, environments, files, fine_tuning, jobs, system
+from api.request_id import RequestId
+from api.routers import (
+    admin,
+    checkpoints,
+    environments,
+    files,
+    fine_tuning,
+    graders,
+    jobs,
+    models,
+    system,
+    uploads,
+)
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
+from rl_service.control.openai_compat import openai_error
 from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field, plain_message
 from rl_service.control.settings import TaperSettings, get_settings
 from rl_service.json_limits import nesting_exceeds
 
 log = logging.getLogger(__name__)
 
-STORE_RETRY_AFTER_S = 5  # Retry-After of a 503 while Redis is unreachable
+STORE_RETRY_AFTER_S = 5
+# Paths of OpenAI's API: their errors come in OpenAI's shape (`param`, `type`)
+OPENAI_PATHS = ("/v1/files", "/v1/uploads", "/v1/fine_tuning", "/v1/models")  # Retry-After of a 503 while Redis is unreachable
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None,
@@ -43,7 +58,7 @@ def error_response(status: int, code: str, message: str, field: str | None = Non
 
 class BodySizeLimit:
     """Rejects request bodies over ``max_bytes`` (or the larger limit of a path in ``path_limits``, e.g. file
-    uploads) with 413, by Content-Length or while streaming."""
+    uploads; a key ending in `/` covers the paths under it) with 413, by Content-Length or while streaming."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
@@ -53,10 +68,17 @@ class BodySizeLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        max_bytes = self.path_limits.get(scope.get("path", ""), self.default_max_bytes)
+        path = scope.get("path", "")
+        max_bytes = self.path_limits.get(path) or next(
+            (limit for prefix, limit in self.path_limits.items() if prefix.endswith("/") and path.startswith(prefix)),
+            self.default_max_bytes)
 
         def too_big() -> JSONResponse:
-            return error_response(413, "too_large", f"request body over {max_bytes} bytes", "body")
+            message = f"request body over {max_bytes} bytes"
+            if scope.get("path", "").startswith(OPENAI_PATHS):
+                status, body = openai_error(413, message, "too_large", "body")
+                return JSONResponse(body, status_code=status)
+            return error_response(413, "too_large", message, "body")
 
         for name, value in scope.get("headers", []):
             if name == b"content-length":
@@ -304,12 +326,15 @@ def create_app(
     upload_bytes = settings.task_files.max_bytes + 1024 * 1024  # the file and its multipart framing
     app.add_middleware(JsonDepthLimit, max_depth=settings.max_json_depth)  # inside the size limit
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes,
-                       path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes)})
+                       path_limits={"/v1/files": max(upload_bytes, settings.max_request_bytes),
+                                    "/v1/uploads/": max(upload_bytes, settings.max_request_bytes)})
     app.add_middleware(RequestMetrics, registry=registry)
+    app.add_middleware(RequestId)  # outermost: every answer carries x-request-id
     _install_errors(app)
-    for r in (jobs.router, checkpoints.router, environments.router, files.router, admin.router, system.router):
+    for r in (jobs.router, checkpoints.router, environments.router, admin.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
-    app.include_router(fine_tuning.router)  # documents its own (OpenAI-shaped) errors
+    for r in (fine_tuning.router, graders.router, files.router, uploads.router, models.router):
+        app.include_router(r)  # OpenAI's routes document their own (OpenAI-shaped) errors
     app.include_router(ui_router)
     install_openapi(app)
     return app

@@ -26,6 +26,7 @@ _ERRORS = {400: "The request does not match the schema; `error.param` names the 
            401: "Missing or invalid API key", 404: "The job (or the `after` cursor) does not exist for this tenant",
            422: "A valid request the service cannot honour; `error.param` names the field",
            409: "The request conflicts with the job's current state",
+           413: "The request body (or the file) is over the size limit",
            429: "Rate limited or over the tenant's quota"}
 
 
@@ -57,9 +58,14 @@ class Reinforcement(BaseModel):
     hyperparameters: ReinforcementHyperparameters
 
 
+class Supervised(BaseModel):
+    hyperparameters: Hyperparameters
+
+
 class Method(BaseModel):
-    type: Literal["reinforcement"]
-    reinforcement: Reinforcement
+    type: Literal["reinforcement", "supervised"]
+    reinforcement: Reinforcement | None = None
+    supervised: Supervised | None = None
 
 
 class FineTuningJob(BaseModel):
@@ -97,6 +103,10 @@ class FineTuningJobEvent(BaseModel):
 
 class CheckpointMetrics(BaseModel):
     step: int
+    train_loss: float | None = Field(None, description="The loss of the step that ended at this checkpoint.")
+    train_mean_reward: float | None = Field(None, description="Taper: that step's mean outcome reward.")
+    train_success_rate: float | None = Field(None, description="Taper: that step's rollouts' success rate.")
+    valid_success_rate: float | None = Field(None, description="Taper: held-out success rate, when evaluated here.")
 
 
 class FineTuningJobCheckpoint(BaseModel):

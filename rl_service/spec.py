@@ -94,6 +94,8 @@ class TasksSpec(_Strict):
     # Set by the control plane, never by a submission: where the named files are stored.
     train_path: Annotated[str | None, _SET_BY_SERVICE] = Field(None, description="Set by the service from train_file.")
     eval_path: Annotated[str | None, _SET_BY_SERVICE] = Field(None, description="Set by the service from eval_file.")
+    train_tasks: Annotated[int | None, _SET_BY_SERVICE] = Field(None, description="Set by the service: train_file's tasks.")
+    eval_tasks: Annotated[int | None, _SET_BY_SERVICE] = Field(None, description="Set by the service: eval_file's tasks.")
 
 
 class RolloutSpec(_Strict):
@@ -224,16 +226,23 @@ class WarmStartSpec(_Strict):
     """Supervised fine-tuning on demonstrations before RL: a fresh model never writes a well-formed tool call,
     so RL alone learns nothing from it. Runs once per job, before step 0; a resumed job does not repeat it."""
 
-    demonstrations: Literal["environment"] = Field(
-        "environment", description="The environment's `demonstration(task)` (an HTTP server's /demonstration), "
-                                   "on training tasks drawn with another seed than the job's.")
-    num_examples: int = Field(500, ge=1, le=100_000, description="Tasks turned into demonstrations.")
+    demonstrations: Literal["environment"] | Annotated[str, StringConstraints(pattern=FILE_ID)] = Field(
+        "environment", description="`environment`: the environment's `demonstration(task)` (an HTTP server's "
+        "/demonstration) on training tasks drawn with another seed than the job's. A file id: the uploaded "
+        "file's demonstrations (lines in OpenAI's supervised chat format, ending with the assistant's turn; tool "
+        "calls as `tool_calls`), for any environment kind.")
+    num_examples: int = Field(500, ge=1, le=100_000, description="Tasks turned into demonstrations (environment "
+                                                                  "demonstrations only: a file's are all used).")
     max_steps: int = Field(300, ge=1, le=100_000, description="Most optimizer steps.")
     until_loss: float | None = Field(
         0.05, gt=0.0, description="Stop early once the mean loss of the last 10 steps is under this (null: never).")
     learning_rate: float = Field(3e-3, gt=0.0, le=1.0)
     batch_size: int = Field(16, ge=1, le=1024)
     mixed_phase: MixedPhaseSpec | None = None
+    demonstrations_path: Annotated[str | None, _SET_BY_SERVICE] = Field(
+        None, description="Set by the service from a demonstrations file id.")
+    demonstrations_count: Annotated[int | None, _SET_BY_SERVICE] = Field(
+        None, description="Set by the service: the demonstrations in that file.")
 
 
 class InfraFailureConfig(_Strict):
@@ -347,6 +356,9 @@ class ResourcesSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field("rl-job", min_length=1, max_length=128)
+    method: Literal["reinforcement", "supervised"] = Field(
+        "reinforcement", description="supervised: only the warm start (SFT on `warm_start.demonstrations`, a file "
+        "of demonstrations), checkpointed as the job's result; total_steps is its number of SFT steps.")
     model: ModelSpec = Field(default_factory=ModelSpec)
     environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     tasks: TasksSpec = Field(default_factory=TasksSpec)
@@ -381,6 +393,22 @@ class JobSpec(_Strict):
             setattr(self.rollout, name, value)
             self.rollout.model_fields_set.add(name)
             setattr(self.algorithm, name, None)
+        return self
+
+    @model_validator(mode="after")
+    def _supervised_is_the_warm_start(self) -> JobSpec:
+        if self.method != "supervised":
+            return self
+        ws = self.warm_start
+        if ws is None or ws.demonstrations == "environment" and "demonstrations" not in ws.model_fields_set:
+            raise ValueError("warm_start.demonstrations: a supervised job learns from demonstrations: name a file "
+                             "of them (or 'environment' for the environment's own)")
+        if ws.mixed_phase is not None:
+            raise ValueError("warm_start.mixed_phase: not for a supervised job")
+        if "total_steps" in self.model_fields_set and self.total_steps != ws.max_steps:
+            raise ValueError(f"total_steps: a supervised job runs warm_start.max_steps ({ws.max_steps}) SFT steps; "
+                             "give one of them")
+        self.total_steps = ws.max_steps
         return self
 
     @property

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from api.cli import checkpoints, demo, keys
+from api.cli import checkpoints, demo, graders, keys
 from rl_service.control.settings import TaperSettings, get_settings
 from rl_service.spec import read_spec_file
 
@@ -104,7 +104,8 @@ def _check(r: httpx.Response) -> Any:
     if r.status_code >= 400:
         try:
             err = r.json()["error"]
-            where = f" [{err['field']}]" if err.get("field") else ""
+            field = err.get("field") or err.get("param")  # OpenAI's routes name it `param`
+            where = f" [{field}]" if field else ""
             msg = f"{r.status_code} {err['code']}{where}: {err['message']}"
         except Exception:
             msg = f"{r.status_code}: {r.text[:500]}"
@@ -506,6 +507,7 @@ def quota_reset(tenant: str) -> None:
 demo.register(app)
 keys.register(app, console)
 checkpoints.register(app, _api, _check, console)
+graders.register(app, _api, _check, console)
 
 
 if __name__ == "__main__":

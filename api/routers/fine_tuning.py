@@ -4,14 +4,9 @@ translation lives in rl_service.control.openai_compat, every rule in rl_service.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import APIRouter, Header, Query, Request
 
 from api.openai_schemas import (
     FineTuningJob,
@@ -20,61 +15,15 @@ from api.openai_schemas import (
     FineTuningJobPage,
     openai_error_responses,
 )
-from api.openapi import SchemaCheckedRoute
 from api.routers.dependencies import JobId, Svc, Who
-from api.schemas import error_responses
+from api.routers.openai_route import OpenAIRoute
 from rl_service.control.openai_compat import (
     CHECKPOINT_ID,
     EVENT_ID,
     FineTuningJobCreate,
     FineTuningJobs,
-    openai_error,
-    openai_error_of,
+    metadata_filter,
 )
-from rl_service.control.service import RateLimited, ServiceError, error_field, plain_message
-
-# Parts of a pydantic error location that name a branch of a union, not a field ("literal['auto']", "int")
-_UNION_BRANCH = re.compile(r"^(int|float|str|bool|none|dict\[.*|list\[.*|literal\[.*|constrained-.*|function-.*)$")
-
-
-def _param(loc: tuple[Any, ...], message: str) -> str:
-    parts = [p for p in loc if not (isinstance(p, str) and _UNION_BRANCH.match(p))]
-    if parts and parts[0] in ("body", "query", "path", "header"):
-        parts = parts[1:] or parts
-    return error_field(parts, message) or "body"
-
-
-class OpenAIRoute(SchemaCheckedRoute):
-    """A route whose errors (auth, validation, service rules) answer in OpenAI's error shape."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def openai_errors(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ServiceError as exc:
-                status, body = openai_error_of(exc)
-                headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, RateLimited) else None
-                if exc.status == 401:
-                    headers = {"WWW-Authenticate": "Bearer"}
-                return JSONResponse(body, status_code=status, headers=headers)
-            except RequestValidationError as exc:
-                first = (exc.errors() or [{"loc": ("body",), "msg": "invalid request"}])[0]
-                msg = plain_message(first) or "invalid request"
-                param = "body" if first.get("type") == "json_invalid" else _param(tuple(first.get("loc", ())), msg)
-                # a request that does not match the schema: OpenAI's 400; one that matches it but breaks a rule the
-                # schema cannot state (a validator's ValueError: fields that must agree, a formula that must parse)
-                # gets the 422 the service gives any schema-valid request it refuses
-                rule = first.get("type") in ("value_error", "assertion_error")
-                status, body = openai_error(422 if rule else 400, f"{param}: {msg}", "invalid", param)
-                return JSONResponse(body, status_code=status)
-            except StarletteHTTPException as exc:
-                status, body = openai_error(exc.status_code, str(exc.detail), None, None)
-                return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
-
-        return openai_errors
-
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning (OpenAI-compatible)"], route_class=OpenAIRoute)
 
@@ -90,17 +39,26 @@ def _jobs(svc: Svc) -> FineTuningJobs:
 
 
 @router.post("", response_model=FineTuningJob, summary="Create a fine-tuning job (reinforcement)",
-             responses={**openai_error_responses(400, 401, 422, 429), **error_responses(413)})
-def create_job(request: FineTuningJobCreate, svc: Svc, who: Who) -> dict[str, Any]:
+             responses=openai_error_responses(400, 401, 413, 422, 429))
+def create_job(
+    request: FineTuningJobCreate,
+    svc: Svc,
+    who: Who,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255, pattern=r"^[!-~]([ -~]*[!-~])?$",
+                                                  description="A repeat of the same request answers the first job; "
+                                                              "the same key with another request is a 409")] = None,
+) -> dict[str, Any]:
     """OpenAI's fields; Taper's job blocks (environment, tasks, rollout, algorithm, reward_schedule, resources,
     total_steps, ...) as extra top-level fields (the client's `extra_body`)."""
-    return _jobs(svc).create(who, request)
+    return _jobs(svc).create(who, request, idempotency_key)
 
 
 @router.get("", response_model=FineTuningJobPage, summary="List fine-tuning jobs, newest first",
             responses=openai_error_responses(400, 401, 404, 422))
-def list_jobs(svc: Svc, who: Who, after: JobAfter = None, limit: Limit = 20) -> dict[str, Any]:
-    return _jobs(svc).list(who, after, limit)
+def list_jobs(request: Request, svc: Svc, who: Who, after: JobAfter = None, limit: Limit = 20) -> dict[str, Any]:
+    """`metadata[KEY]=VALUE` (any number, as OpenAI's client sends `metadata={...}`) lists only the jobs whose
+    metadata holds every such pair."""
+    return _jobs(svc).list(who, after, limit, metadata_filter(request.query_params.multi_items()))
 
 
 @router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, summary="Retrieve a fine-tuning job",

@@ -42,7 +42,10 @@ class MultiGrader(GraderSpec):
         return self
 
     def grade(self, item: dict[str, Any], sample: dict[str, Any], ctx: GradeContext) -> float:
-        values = {name: g.grade(item, sample, ctx) for name, g in self.graders.items()}
+        return self.combine({name: g.grade(item, sample, ctx) for name, g in self.graders.items()})
+
+    def combine(self, values: dict[str, float]) -> float:
+        """`calculate_output` over the graders' scores."""
         try:
             return evaluate(parse_formula(self.calculate_output, set(self.graders)), values)
         except FormulaError as e:

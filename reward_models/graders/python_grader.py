@@ -4,13 +4,14 @@ per call, wall-clock kill), never in the scorer's process. The limits asked for 
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import concurrent.futures
 import json
 import math
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from reward_models.graders.base import GradeContext, GraderSpec
 from reward_models.graders.template import GraderError
@@ -36,6 +37,24 @@ class PythonGrader(GraderSpec):
     cpu_seconds: int = Field(5, ge=1, le=3600)
     memory_mb: int = Field(256, ge=16, le=65536)
     wall_seconds: float = Field(10.0, gt=0.0, le=3600.0)
+
+    @field_validator("source")
+    @classmethod
+    def _compiles(cls, source: str) -> str:
+        """Compiled (never run) here, so a grader that cannot run is refused when declared, naming the line."""
+        try:
+            tree = ast.parse(source, "<grader>")
+        except SyntaxError as e:
+            raise ValueError(f"does not compile: line {e.lineno}: {e.msg}") from None
+        except (ValueError, RecursionError, MemoryError) as e:
+            raise ValueError(f"does not compile: {type(e).__name__}") from None
+        grade = [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == "grade"]
+        if not grade or isinstance(grade[-1], ast.AsyncFunctionDef):
+            raise ValueError("must define grade(sample, item) at the top level")
+        args = grade[-1].args
+        if len(args.posonlyargs) + len(args.args) < 2 and args.vararg is None:
+            raise ValueError("grade(sample, item) takes two arguments")
+        return source
 
     def limits(self, ctx: GradeContext) -> SandboxLimits:
         cap = ctx.python_max

@@ -29,20 +29,20 @@ class GraderError(RuntimeError):
 
 def sample_of(trajectory: Trajectory) -> dict[str, Any]:
     """The `sample` namespace of one finished trajectory."""
-    text = (final_answer_text(trajectory) or "").replace("<|im_end|>", "").strip()
+    tools = [{"name": c.name, "arguments": c.arguments, "result": c.result, "error": c.error}
+             for s in trajectory.steps for c in s.tool_calls]
+    return sample_of_text(final_answer_text(trajectory) or "", tools)
+
+
+def sample_of_text(text: str, output_tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The `sample` namespace of a final answer's text (and the episode's tool calls)."""
+    text = text.replace("<|im_end|>", "").strip()
     try:
         output_json = json.loads(text) if text else None
     except ValueError:
         output_json = None
-    return {
-        "output_text": text,
-        "output_json": output_json,
-        "answer": extract_answer(text) or "",
-        "output_tools": [
-            {"name": c.name, "arguments": c.arguments, "result": c.result, "error": c.error}
-            for s in trajectory.steps for c in s.tool_calls
-        ],
-    }
+    return {"output_text": text, "output_json": output_json, "answer": extract_answer(text) or "",
+            "output_tools": list(output_tools or [])}
 
 
 def lookup(namespaces: dict[str, Any], root: str, path: str) -> Any:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from rl_service.task_files import FILE_ID_PATTERN, TaskFileError, TaskFileLimits, read_tasks
+from rl_service.task_files import FILE_ID_PATTERN, TaskFileError, TaskFileLimits, is_demonstration, read_tasks
 
 PURPOSES = ("tasks", "fine-tune")
 _CHUNK = 1024 * 1024
@@ -85,7 +85,7 @@ class TaskFileStore:
             os.replace(tmp, directory / f"{file_id}.jsonl")
             meta = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                     "filename": Path(filename).name[:255], "purpose": purpose, "status": "processed",
-                    "tasks": len(tasks)}
+                    "tasks": len(tasks), "demonstrations": sum(map(is_demonstration, tasks))}
             _write_atomically(directory / f"{file_id}.json", json.dumps(meta).encode())
             _fsync_dir(directory)
             return meta

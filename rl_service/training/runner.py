@@ -58,7 +58,13 @@ from rl_service.training.learner import Learner, LearnerConfig
 from rl_service.training.progress import Progress
 from rl_service.training.resume import resume_from
 from rl_service.training.tracking import TrackedHooks
-from rl_service.training.warm_start import WARM_START_SEED_OFFSET, run_warm_start
+from rl_service.training.warm_start import (
+    WARM_START_SEED_OFFSET,
+    environment_demonstrations,
+    file_demonstrations,
+    mean_assistant_tokens,
+    run_warm_start,
+)
 from rollout_workers.engine import EngineConfig
 from rollout_workers.environments.registry import (
     EnvironmentRegistration,
@@ -97,6 +103,10 @@ class RolloutPoolLike(Protocol):
 PoolFactory = Callable[[JobSpec, Path], RolloutPoolLike]  # (spec, weights dir) -> pool
 
 
+class NothingTrained(RuntimeError):
+    """The job ran every step and none trained (every rollout failed): it fails instead of succeeding."""
+
+
 class _Stop(Exception):
     def __init__(self, result: str) -> None:
         self.result = result
@@ -119,6 +129,7 @@ class JobRunner:
         self.warm_start_metrics: dict[str, float] = {}
         self.pool: RolloutPoolLike | None = None
         self.pause_cause: str | None = None  # why the job paused itself, when it did
+        self._infra_example: str | None = None  # an infrastructure failure's error, for the job's own error
         self._progress = Progress(hooks, lambda: self.pool.progress_count if self.pool is not None else 0)
         self._await = self._progress.wait
         self._phase = self._progress.phase
@@ -177,7 +188,25 @@ class JobRunner:
             self.hooks.emit_event(result, {"step": step})
             raise _Stop(result)
 
+    def _supervised(self) -> str:
+        """A supervised job: the warm start alone, its result the job's one checkpoint (step total_steps)."""
+        spec = self.spec
+        if latest_checkpoint(self.checkpoint_dir) is not None:  # a restarted driver after the job's work was done
+            return "succeeded"
+        self.env = environment_of(spec)
+        self._progress()
+        self.model, self.tokenizer = build_policy(spec)
+        self.model.to(self.device)
+        self._warm_start()  # a pause asked meanwhile is moot: the job is done
+        ck = save_checkpoint(self.checkpoint_dir, spec.total_steps, self.model, {"job_id": self.job_id},
+                             tokenizer=self.tokenizer, keep_last=1)
+        self.hooks.add_checkpoint(spec.total_steps, ck.path.resolve().as_uri())
+        self.hooks.emit_event("completed", {"step": spec.total_steps, **self.warm_start_metrics})
+        return "succeeded"
+
     def _run(self) -> str:
+        if self.spec.method == "supervised":
+            return self._supervised()
         start = self.setup()
         spec = self.spec
         if start >= spec.total_steps:
@@ -241,18 +270,31 @@ class JobRunner:
         spec = self.spec
         assert spec.warm_start is not None
         ws = spec.warm_start
-        tasks = generate_tasks(self.env, ws.num_examples, spec.tasks.seed + WARM_START_SEED_OFFSET,
-                               spec.tasks.options, self.env_policy)
-        self.hooks.emit_event("warm_start_started", {"examples": len(tasks), "max_steps": ws.max_steps,
+        env = self._new_env()
+        if ws.demonstrations_path is not None:  # an uploaded file, resolved by the control plane at submit time
+            demonstrations = file_demonstrations(ws.demonstrations_path, env.tools())
+        else:
+            tasks = generate_tasks(self.env, ws.num_examples, spec.tasks.seed + WARM_START_SEED_OFFSET,
+                                   spec.tasks.options, self.env_policy)
+            demonstrations = environment_demonstrations(env, tasks)
+        self.hooks.emit_event("warm_start_started", {"examples": len(demonstrations), "max_steps": ws.max_steps,
                                                      "mixed_phase": ws.mixed_phase is not None})
+        supervised = spec.method == "supervised"
 
         def on_step(phase: str, step: int, loss: float) -> None:
             self._progress()
+            if supervised:  # the job's own steps: its progress and metrics; a cancel stops it here
+                self.hooks.emit_metrics(step - 1, {"loss": loss, "action_tokens": tokens_per_step})
+                if self.hooks.control() == "cancel":
+                    self.hooks.emit_event("cancelled", {"step": step})
+                    raise _Stop("cancelled")
             if step % 25 == 0:
                 self.hooks.emit_event("warm_start_progress", {"phase": phase, "sft_step": step, "loss": loss})
 
+        # tokens the loss trains on per step, estimated from the demonstrations' mean (for trained_tokens)
+        tokens_per_step = ws.batch_size * mean_assistant_tokens(self.tokenizer, demonstrations)
         self.model.train()
-        result = run_warm_start(self.model, self.tokenizer, self._new_env(), tasks, ws, spec.seed, on_step)
+        result = run_warm_start(self.model, self.tokenizer, demonstrations, env.tools(), ws, spec.seed, on_step)
         self.warm_start_metrics = result.metrics()
         self.hooks.emit_event("warm_start_done", {"sft_steps": result.steps, "loss": result.final_loss,
                                                   "seconds": round(result.seconds, 1)})
@@ -275,6 +317,8 @@ class JobRunner:
 
             metrics = self._train_step(t, trajs, times)
             health = self.run_state.infra_guard.observe(t, groups, trained="learner_skipped" not in metrics)
+            self._infra_example = next((tj.error for tj in trajs if tj.status.is_infra_failure and tj.error),
+                                       self._infra_example)
             metrics.update(health.metrics())
             metrics["steps/untrained"] = float(self.run_state.infra_guard.untrained_steps)
             if health.warning:
@@ -303,8 +347,12 @@ class JobRunner:
             self._progress()
             if health.pause_cause:
                 self._pause_itself(done, health.pause_cause)
-        self.hooks.emit_event("completed", {"step": spec.total_steps,
-                                            "untrained_steps": self.run_state.infra_guard.untrained_steps})
+        untrained = self.run_state.infra_guard.untrained_steps
+        if untrained >= spec.total_steps:  # it ran every step and learned nothing: not a success
+            raise NothingTrained(f"no step of the job trained: the rollouts of all {spec.total_steps} steps failed "
+                                 f"for infrastructure reasons (e.g. {self._infra_example or 'unknown'}); "
+                                 "check the environment and the task file")
+        self.hooks.emit_event("completed", {"step": spec.total_steps, "untrained_steps": untrained})
         return "succeeded"
 
     # ------------------------------------------------------------------ pieces

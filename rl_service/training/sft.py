@@ -17,7 +17,7 @@ from trl import SFTConfig, SFTTrainer
 def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]],
                         tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
     """(ids, mask) for one conversation; mask 1 on assistant-written tokens (content, tool calls and the
-    end-of-turn token), 0 on everything the template or the environment inserts. Segments are tokenised
+    end-of-turn token) of turns without `weight: 0`, 0 on everything the template or the environment inserts. Segments are tokenised
     one by one, as the agent loop does."""
     template_tools = [{"type": "function", "function": t} for t in tools] if tools else None
 
@@ -45,7 +45,8 @@ def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]],
         context = encode(prefix[len(done):])
         answer = encode(turn[: len(turn) - tail])
         ids += context + answer
-        mask += [0] * len(context) + [1] * len(answer)
+        learn = 0 if m.get("weight") == 0 else 1  # OpenAI's `weight: 0`: a turn shown, not learned from
+        mask += [0] * len(context) + [learn] * len(answer)
         done = full[: len(full) - tail]
     rest = encode(render(messages, gen=False)[len(done):])
     ids += rest
@@ -84,19 +85,22 @@ class _Progress(TrainerCallback):
 
 def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[str, Any]]], steps: int,
                lr: float, batch_size: int, seed: int, *, tools: list[dict[str, Any]] | None = None,
+               tools_of: Sequence[list[dict[str, Any]] | None] | None = None,
                weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 10,
                on_step: Callable[[float], None] | None = None, stop_at_loss: float | None = None,
                stop_window: int = 10) -> list[float]:
     """Train `model` in place for at most `steps` AdamW steps of `batch_size` conversations (reshuffled every
     epoch) with TRL's SFTTrainer; returns the loss of each step. The learning rate warms up linearly over
     `warmup_steps`, then decays on a cosine to 5% of `lr`. `tools` (JSON-schema tool list) renders the same
-    system block as the rollouts. `on_step` is called with each step's loss (progress display). With
+    system block as the rollouts; `tools_of[i]`, where given, replaces it for conversation i. `on_step` is called with each step's loss (progress display). With
     `stop_at_loss`, training ends early once the mean loss of the last `stop_window` steps is below it."""
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError("steps and batch_size must be >= 1 and lr > 0")
     if not conversations:
         raise ValueError("conversations must not be empty")
-    encoded = [encode_conversation(tokenizer, c, tools) for c in conversations]
+    own = list(tools_of) if tools_of is not None else [None] * len(conversations)
+    encoded = [encode_conversation(tokenizer, c, t if t is not None else tools)
+               for c, t in zip(conversations, own, strict=True)]
     data = Dataset.from_list([{"input_ids": ids, "completion_mask": mask} for ids, mask in encoded])
     if tokenizer.pad_token is None:
         raise ValueError("the tokenizer needs a pad token")

@@ -1,5 +1,6 @@
-"""A job's warm start (`warm_start` in the spec): supervised fine-tuning on the environment's demonstrations,
-before RL step 0, in place on the driver's model."""
+"""A job's warm start (`warm_start` in the spec): supervised fine-tuning on demonstrations (the environment's,
+or an uploaded file's in OpenAI's chat format), before RL step 0, in place on the driver's model; a supervised
+job is this alone."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 from torch import nn
 
 from rl_service.spec import WarmStartSpec
+from rl_service.task_files import load_demonstrations, task_of
+from rl_service.training.sft import encode_conversation
 from rl_service.training.sft import warm_start as sft
 
 # The warm start's tasks come from another seed than the job's training and held-out tasks.
@@ -38,12 +41,53 @@ def answer_without_tools(task: dict[str, Any], demonstration: list[dict[str, Any
     return [*opening, {"role": "assistant", "content": f"The answer is {task['answer']}."}]
 
 
-def run_warm_start(model: nn.Module, tokenizer: Any, env: Any, tasks: list[dict[str, Any]], spec: WarmStartSpec,
-                   seed: int, on_step: Callable[[str, int, float], None] | None = None) -> WarmStartResult:
-    """Fine-tune `model` on demonstrations of `tasks` (then, with `mixed_phase`, on a mix where only part of
-    them use tools). `on_step(phase, step, loss)` is called after every optimizer step."""
+@dataclass
+class Demonstration:
+    """One conversation to learn from, the task it solves (for the mixed phase's direct answers) and, for a
+    file's line that declares them, its own tools (function descriptions)."""
+
+    messages: list[dict[str, Any]]
+    task: dict[str, Any]
+    tools: list[dict[str, Any]] | None = None
+
+
+def environment_demonstrations(env: Any, tasks: list[dict[str, Any]]) -> list[Demonstration]:
+    return [Demonstration(env.demonstration(t), t) for t in tasks]
+
+
+def file_demonstrations(path: str, env_tools: list[dict[str, Any]]) -> list[Demonstration]:
+    """An uploaded file's demonstrations. A line without `tools` uses the environment's; every tool call must
+    name one of the tools offered (a model taught to call a tool the environment lacks learns nothing useful)."""
+    out = []
+    for line in load_demonstrations(path):
+        tools = [t["function"] for t in line["tools"]] if line.get("tools") else None
+        names = {t.get("name") for t in (tools if tools is not None else env_tools)}
+        for m in line["messages"]:
+            for call in m.get("tool_calls", []):
+                if call["function"]["name"] not in names:
+                    raise ValueError(f"warm_start.demonstrations: line {line['id']!r} calls tool "
+                                     f"{call['function']['name']!r}, which is not among its tools {sorted(names)}")
+        out.append(Demonstration(line["messages"], task_of(line), tools))
+    return out
+
+
+def mean_assistant_tokens(tokenizer: Any, demonstrations: list[Demonstration]) -> float:
+    """The mean number of assistant tokens (what the loss trains on) of a sample of the demonstrations."""
+    sample = demonstrations[:64]
+    counts = [sum(encode_conversation(tokenizer, d.messages, d.tools)[1]) for d in sample]
+    return sum(counts) / max(len(counts), 1)
+
+
+def run_warm_start(model: nn.Module, tokenizer: Any, demonstrations: list[Demonstration], tools: list[dict[str, Any]],
+                   spec: WarmStartSpec, seed: int,
+                   on_step: Callable[[str, int, float], None] | None = None) -> WarmStartResult:
+    """Fine-tune `model` on `demonstrations` (then, with `mixed_phase`, on a mix where only part of them use
+    tools), rendered with `tools` unless a demonstration has its own. `on_step(phase, step, loss)` is called
+    after every optimizer step."""
     start = time.perf_counter()
-    gold = [env.demonstration(t) for t in tasks]
+    gold = [d.messages for d in demonstrations]
+    tasks = [d.task for d in demonstrations]
+    own = [d.tools for d in demonstrations]
     phases = [("demonstrations", gold, spec.max_steps, spec.learning_rate, spec.until_loss)]
     if spec.mixed_phase is not None:
         pick = random.Random(seed)
@@ -59,7 +103,7 @@ def run_warm_start(model: nn.Module, tokenizer: Any, env: Any, tasks: list[dict[
 
     for phase, conversations, steps, lr, stop_at in phases:
         sft(model, tokenizer, conversations, steps=steps, lr=lr, batch_size=spec.batch_size, seed=seed + len(losses),
-            tools=env.tools(), stop_at_loss=stop_at, on_step=lambda loss, phase=phase: step_done(phase, loss))
+            tools=tools, tools_of=own, stop_at_loss=stop_at, on_step=lambda loss, phase=phase: step_done(phase, loss))
     tail = losses[-10:]
     return WarmStartResult(steps=len(losses), final_loss=sum(tail) / len(tail), seconds=time.perf_counter() - start,
-                           examples=len(tasks))
+                           examples=len(demonstrations))

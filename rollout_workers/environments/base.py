@@ -130,9 +130,10 @@ class Environment(ABC):
 
     async def reset(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         """Start an episode; return the opening chat messages (the loop adds the tools' system prompt).
-        By default: keep the task as `self.task` and open with its question as the user's message."""
+        By default: keep the task as `self.task` and open with its `messages` (a task file's chat form) or its
+        question as the user's message."""
         self.task = task
-        return [{"role": "user", "content": task["question"]}]
+        return task_messages(task)
 
     @abstractmethod
     async def call(self, tool: str, args: dict[str, Any]) -> str:
@@ -194,6 +195,14 @@ def parse_int(text: str | None) -> int | None:
         return None
     m = re.fullmatch(r"\s*(-?\d[\d,]*)\s*", text)
     return int(m.group(1).replace(",", "")) if m else None
+
+
+def task_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """The opening messages of a task: its `messages` (a task file's chat form), or its `question` (or
+    `prompt`) as the user's message."""
+    if isinstance(task.get("messages"), list):
+        return [dict(m) for m in task["messages"]]
+    return [{"role": "user", "content": str(task.get("question", task.get("prompt", "")))}]
 
 
 def tool_call_message(name: str, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from rollout_workers.environments.base import (
     extract_answer,
     final_answer_text,
     parse_int,
+    task_messages,
     tool,
     tool_call_message,
 )
@@ -145,7 +146,7 @@ class CalculatorEnv(Environment):
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         result = evaluate_expression(task["expression"])
         return [
-            {"role": "user", "content": task["question"]},
+            *task_messages(task),
             tool_call_message("calculator", {"expression": task["expression"]}),
             {"role": "tool", "content": str(result)},
             {"role": "assistant", "content": f"The answer is {result}."},

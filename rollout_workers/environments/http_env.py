@@ -40,6 +40,7 @@ from rollout_workers.environments.base import (
     ToolError,
     extract_answer,
     final_answer_text,
+    task_messages,
 )
 from rollout_workers.net_guard import AllowList, PinnedTransport, TargetRefused, endpoint_url
 
@@ -186,7 +187,7 @@ class HttpEnvironment(Environment):
         try:
             data = await asyncio.to_thread(self._post, "reset", {"task": task})
         except EndpointMissing:
-            return [{"role": "user", "content": str(task.get("question", task.get("prompt", "")))}]
+            return task_messages(task)
         self.session = data.get("session")
         messages = data.get("messages")
         if not isinstance(messages, list):

@@ -19,6 +19,7 @@ from rollout_workers.environments.base import (
     ToolError,
     extract_answer,
     final_answer_text,
+    task_messages,
     tool,
     tool_call_message,
 )
@@ -130,7 +131,7 @@ class LongHorizonEnv(Environment):
         return tasks
 
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
+        messages: list[dict[str, Any]] = task_messages(task)
         for box in task["chain"]:
             messages.append(tool_call_message("open_box", {"box": box}))
             messages.append({"role": "tool", "content": self.describe(task, box)})

@@ -24,7 +24,13 @@ import httpx2
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
-from rollout_workers.environments.base import Environment, ToolError, extract_answer, final_answer_text
+from rollout_workers.environments.base import (
+    Environment,
+    ToolError,
+    extract_answer,
+    final_answer_text,
+    task_messages,
+)
 from rollout_workers.environments.http_env import MAX_TOOL_ERROR_CHARS, HttpOptions
 from rollout_workers.net_guard import AllowList, request_targets
 
@@ -225,9 +231,3 @@ class McpEnvironment(Environment):
             await self.mcp.close()
             self.mcp = None
 
-
-def task_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
-    """The opening messages of a task from a file: its `messages`, or its `question` as the user message."""
-    if isinstance(task.get("messages"), list):
-        return [dict(m) for m in task["messages"]]
-    return [{"role": "user", "content": str(task.get("question", task.get("prompt", "")))}]

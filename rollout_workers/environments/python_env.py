@@ -14,6 +14,7 @@ from rollout_workers.environments.base import (
     extract_answer,
     final_answer_text,
     parse_int,
+    task_messages,
     tool,
     tool_call_message,
 )
@@ -162,7 +163,7 @@ class PythonEnv(Environment):
 
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         return [
-            {"role": "user", "content": task["question"]},
+            *task_messages(task),
             tool_call_message("run_python", {"code": task["reference_code"]}),
             {"role": "tool", "content": f"{task['answer']}\n"},
             {"role": "assistant", "content": f"The answer is {task['answer']}."},

@@ -24,6 +24,7 @@ from rollout_workers.environments.base import (
     ToolError,
     extract_answer,
     final_answer_text,
+    task_messages,
     tool,
     tool_call_message,
 )
@@ -168,7 +169,7 @@ class RetrievalEnv(Environment):
         hits = self.corpus.search(task["title"], self.top_k)
         listing = "\n".join(f"{h}: {self.corpus.docs[h]['title']}" for h in hits)
         return [
-            {"role": "user", "content": task["question"]},
+            *task_messages(task),
             tool_call_message("search", {"query": task["title"]}),
             {"role": "tool", "content": listing},
             tool_call_message("read", {"doc_id": task["doc_id"]}),

@@ -25,6 +25,7 @@ from rollout_workers.environments.base import (
     extract_answer,
     final_answer_text,
     parse_int,
+    task_messages,
     tool,
     tool_call_message,
 )
@@ -121,7 +122,7 @@ class ToolChainEnv(Environment):
 
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         values = chain_values(task)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
+        messages: list[dict[str, Any]] = task_messages(task)
         for value, (op, operand), result in zip(values, task["steps"], values[1:], strict=False):
             messages.append(tool_call_message("calculator", {"expression": f"{value} {op} {operand}"}))
             messages.append({"role": "tool", "content": str(result)})

@@ -156,3 +156,31 @@ def test_files_upload_and_list(live: Store, tmp_path: Path) -> None:
     bad.write_text('{"question": "q"}\n{"answer": 1}\n')
     result = CliRunner().invoke(cli, ["files", "upload", str(bad)])
     assert result.exit_code == 1 and "line 2" in result.output
+
+
+def test_graders_validate_and_run_score_samples_before_a_job(live: Store, tmp_path: Path) -> None:
+    grader = tmp_path / "grader.yaml"
+    grader.write_text(yaml.safe_dump({"environment": {"name": "calculator", "grader": {
+        "type": "multi", "name": "both", "calculate_output": "0.5 * exact + 0.5 * py", "graders": {
+            "exact": {"type": "string_check", "name": "exact", "input": "{{sample.answer}}",
+                      "reference": "{{item.answer}}", "operation": "eq"},
+            "py": {"type": "python", "name": "py", "source": "def grade(sample, item):\n    return 1.0\n"}}}}}))
+    assert "ok: multi grader 'both'" in run("graders", "validate", str(grader))
+    out = run("graders", "run", str(grader), "--sample", "The answer is 4.", "--sample", "The answer is 5.",
+              "--item", '{"answer": "4"}', "--json")
+    rewards = [json.loads(line)["reward"] for line in out.splitlines()]
+    assert rewards == [1.0, 0.5]
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(json.dumps({"model_sample": "The answer is 4.", "item": {"answer": "4"}}) + "\n")
+    assert "1" in run("graders", "run", str(grader), "--samples", str(samples))
+
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"type": "python", "name": "py", "source": "def grade(sample, item)\n"}))
+    result = CliRunner().invoke(cli, ["graders", "validate", str(broken)])
+    assert result.exit_code == 1 and "grader.python.source" in result.output and "line 1" in result.output
+    crash = tmp_path / "crash.json"
+    crash.write_text(json.dumps({"type": "python", "name": "py", "source": "def grade(sample, item):\n    1 / 0\n"}))
+    result = CliRunner().invoke(cli, ["graders", "run", str(crash), "--sample", "x"])
+    assert result.exit_code == 1 and "python_grader_runtime_error" in result.output
+    result = CliRunner().invoke(cli, ["graders", "run", str(grader)])
+    assert result.exit_code == 2 and "--sample" in result.output

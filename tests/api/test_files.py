@@ -61,8 +61,15 @@ def test_bad_lines_are_422_naming_the_line_and_nothing_is_stored(api: Api) -> No
         (good + b"[1, 2]\n", "line 3: must be a JSON object"),
         (good + b'{"answer": "x"}\n', "line 3: needs a 'question' or 'messages'"),
         (good + b'{"question": ""}\n', "line 3: question"),
-        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
-         "line 3: messages: the last message must be the user's"),
+        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}\n',
+         "line 3: messages: the last message must be the user's (a task) or the assistant's (a demonstration)"),
+        (good + b'{"messages": [{"role": "system", "content": "a"}, {"role": "assistant", "content": "b"}]}\n',
+         "line 3: messages: a user message must come before the assistant's first turn"),
+        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "4"}, '
+                b'{"role": "assistant", "content": "b"}]}\n', "line 3: messages.1: a tool message answers"),
+        (good + b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"type": '
+                b'"function", "function": {"name": "f", "arguments": "{oops"}}]}, {"role": "assistant", '
+                b'"content": "b"}]}\n', "line 3: messages.1.tool_calls.0.function.arguments: not a JSON object"),
         (good + b'{"messages": [{"role": "robot", "content": "a"}]}\n', "line 3: messages.0.role"),
         (good + b'{"id": "p", "question": "again"}\n', "line 3: id 'p' repeats line 2"),
         (b"\n\n", "no tasks"),
@@ -71,9 +78,9 @@ def test_bad_lines_are_422_naming_the_line_and_nothing_is_stored(api: Api) -> No
         r = upload(api, content)
         assert r.status_code == 422, (message, r.text)
         assert message in r.json()["error"]["message"], r.json()
-        assert r.json()["error"]["field"] == "file"
+        assert r.json()["error"]["param"] == "file" and r.json()["error"]["type"] == "invalid_request_error"
     r = upload(api, good, purpose="batch")
-    assert r.status_code == 422 and r.json()["error"]["field"] == "purpose"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"  # off the schema: OpenAI's 400
     r = upload(api, good, name="tasks.csv")
     assert r.status_code == 422 and ".jsonl" in r.json()["error"]["message"]
     assert stored_files(api) == []  # not even a temporary file is left
@@ -179,3 +186,54 @@ def test_tenants_see_ids_never_host_paths(api: Api, tmp_path: Path) -> None:
     assert api.client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=api.h()).json()[0]["checkpoint"] == \
         f"{job['id']}:1"
     assert api.client.get(f"/v1/jobs/{job['id']}", headers=api.h()).json()["last_checkpoint"] == f"{job['id']}:1"
+
+
+def test_listing_pages_by_purpose_order_and_after_and_content_reads_back(api: Api) -> None:
+    """OpenAI's files list: `purpose`, `limit`, `order`, `after` with a real `has_more`; `/content` is the bytes."""
+    ids = []
+    for i in range(5):
+        r = upload(api, jsonl([{"question": f"q{i}?"}]), name=f"t{i}.jsonl", purpose="fine-tune" if i % 2 else "tasks")
+        ids.append(r.json()["id"])
+
+    def page(**params):
+        r = api.client.get("/v1/files", params=params, headers=api.h())
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    newest = [m["id"] for m in page()["data"]]
+    assert sorted(newest) == sorted(ids) and page()["has_more"] is False
+    first = page(limit=2)
+    assert [m["id"] for m in first["data"]] == newest[:2] and first["has_more"] is True
+    assert first["last_id"] == newest[1]
+    rest = page(limit=2, after=first["last_id"])
+    assert [m["id"] for m in rest["data"]] == newest[2:4] and rest["has_more"] is True
+    assert [m["id"] for m in page(after=newest[3])["data"]] == newest[4:]
+    assert [m["id"] for m in page(order="asc")["data"]] == newest[::-1]
+    assert {m["purpose"] for m in page(purpose="fine-tune")["data"]} == {"fine-tune"}
+    assert len(page(purpose="fine-tune")["data"]) == 2
+    r = api.client.get("/v1/files", params={"after": "file-" + "0" * 24}, headers=api.h())
+    assert r.status_code == 404 and r.json()["error"]["param"] == "after"
+    r = api.client.get("/v1/files", params={"limit": 0}, headers=api.h())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+    content = jsonl(TASKS)
+    f = upload(api, content).json()
+    r = api.client.get(f"/v1/files/{f['id']}/content", headers=api.h())
+    assert r.status_code == 200 and r.content == content
+    r = api.client.get(f"/v1/files/{f['id']}/content", headers=api.h(api.key_b))
+    assert r.status_code == 404 and r.json()["error"]["param"] == "file_id"
+
+
+def test_every_answer_carries_a_request_id_echoing_the_clients(api: Api) -> None:
+    r = api.client.get("/v1/files", headers=api.h())
+    generated = r.headers["x-request-id"]
+    assert generated.startswith("req_") and len(generated) > 10
+    assert api.client.get("/v1/files", headers=api.h()).headers["x-request-id"] != generated
+    r = api.client.get("/v1/files", headers={**api.h(), "X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    r = api.client.get("/v1/jobs/nope", headers={**api.h(), "X-Request-Id": "bad id with spaces"})
+    assert r.status_code == 404 and r.headers["x-request-id"].startswith("req_")  # not echoed as given
+    r = api.client.get("/v1/files")  # no key: the 401 has one too
+    assert r.status_code == 401 and r.headers["x-request-id"].startswith("req_")
+    big = api.client.post("/v1/jobs", content=b"x" * 70_000, headers={**api.h(), "X-Request-Id": "big-1"})
+    assert big.status_code == 413 and big.headers["x-request-id"] == "big-1"

@@ -156,7 +156,7 @@ class EnvironmentDownPool(ReusedPool):
                 return
             for group in done.result():
                 for tj in group:
-                    tj.status = TrajectoryStatus.ENV_ERROR
+                    tj.status, tj.error = TrajectoryStatus.ENV_ERROR, "reset failed: the tool server is gone"
             broken.set_result(done.result())
 
         future.add_done_callback(fail_all)

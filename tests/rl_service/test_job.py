@@ -397,3 +397,109 @@ def test_waiting_on_rollouts_is_progress_only_when_the_pool_finishes_chunks(tmp_
     threading.Thread(target=one_chunk_then_done).start()
     assert runner._await(moving, every_s=0.05) == "done"
     assert hooks.heartbeats == 2 and hooks.deadlines == {120.0}
+
+
+def test_a_job_on_which_no_step_trains_fails_naming_the_cause(shared_pool, tiny_llama_dir, tmp_path) -> None:
+    """Every rollout failed (e.g. every reset): the job must not end `succeeded` (it raises, the driver fails it)."""
+    from rl_service.training.runner import NothingTrained
+
+    spec = make_spec(tiny_llama_dir, total_steps=2, checkpoint_every=2)
+    hooks = InMemoryHooks()
+    down = EnvironmentDownPool(shared_pool, down_steps={0, 1})
+    with pytest.raises(NothingTrained, match="all 2 steps failed.*the tool server is gone"):
+        JobRunner("n", spec, hooks, tmp_path, pool_factory=down.factory).run()
+    assert not hooks.events_of("completed")
+
+
+def test_a_task_file_in_messages_form_trains_on_the_builtin(shared_pool, tiny_llama_dir, tmp_path) -> None:
+    """Tasks uploaded in chat form (`messages`, no `question`) open the episode with their messages."""
+    import json
+
+    from rl_service.task_files import TaskFileLimits, read_tasks
+    from rollout_workers.environments.calculator import CalculatorEnv
+
+    lines = [{"messages": [{"role": "developer", "content": "Use the calculator."},
+                           {"role": "user", "content": t["question"]}],
+              "answer": t["answer"], "expression": t["expression"]} for t in CalculatorEnv.generate_tasks(4, 0)]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    read_tasks(path, TaskFileLimits())  # the upload's check
+    spec = make_spec(tiny_llama_dir, total_steps=1, tasks={"train_path": str(path), "num_eval": 0})
+    hooks = InMemoryHooks()
+    assert JobRunner("m", spec, hooks, tmp_path / "m", pool_factory=shared_pool.factory).run() == "succeeded"
+    trajs = list(iter_trajectories(step_file(tmp_path / "m" / "trajectories", 0)))
+    assert trajs and not any(t.status.is_infra_failure for t in trajs), [t.error for t in trajs]
+    assert all("Use the calculator." in t.prompt_text for t in trajs)
+
+
+def _chat_demonstrations(tmp_path, n: int = 4, tool: str = "calculator", with_tools: bool = False):
+    """A file of demonstrations in OpenAI's supervised chat format (tool call arguments as JSON text), as checked
+    and stored by the upload."""
+    import json
+
+    from rl_service.task_files import TaskFileLimits, read_tasks
+    from rollout_workers.environments.calculator import CalculatorEnv
+
+    lines = []
+    for t in CalculatorEnv.generate_tasks(n, 1):
+        line = {"messages": [
+            {"role": "user", "content": t["question"]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": tool, "arguments": json.dumps({"expression": t["expression"]})}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": str(t["answer"])},
+            {"role": "assistant", "content": f"The answer is {t['answer']}."}], "answer": t["answer"]}
+        if with_tools:
+            line["tools"] = [{"type": "function", "function": CalculatorEnv().tools()[0] | {"name": tool}}]
+        lines.append(line)
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert len(read_tasks(path, TaskFileLimits())) == n  # the upload's check takes them
+    return path
+
+
+def test_a_supervised_job_is_sft_on_the_files_demonstrations_checkpointed_as_its_result(tiny_llama_dir, tmp_path):
+    path = _chat_demonstrations(tmp_path)
+    spec = make_spec(tiny_llama_dir, method="supervised",
+                     warm_start={"demonstrations": "file-" + "a" * 24, "demonstrations_path": str(path),
+                                 "max_steps": 6, "batch_size": 2, "until_loss": None, "learning_rate": 0.01})
+    assert spec.total_steps == 6  # a supervised job's steps are its SFT steps
+    hooks = InMemoryHooks()
+    assert JobRunner("s", spec, hooks, tmp_path / "s").run() == "succeeded"  # no rollout pool is ever started
+    losses = [m["loss"] for _, m in hooks.metrics]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert all(m["action_tokens"] > 0 for _, m in hooks.metrics)
+    (done,) = hooks.events_of("warm_start_done")
+    assert done["sft_steps"] == 6 and hooks.events_of("completed")[0]["step"] == 6
+    (ck,) = list_checkpoints(tmp_path / "s" / "checkpoints")
+    assert ck.step == 6 and [c[0] for c in hooks.checkpoints] == [6]
+    trained, w0 = _weights(ck.path), _weights(tiny_llama_dir)
+    assert any(not torch.equal(w0[k], trained[k]) for k in w0)
+    again = InMemoryHooks()  # a restarted driver finds the work done
+    assert JobRunner("s", spec, again, tmp_path / "s").run() == "succeeded" and not again.metrics
+
+
+def test_an_http_environment_warm_starts_from_uploaded_demonstrations(tiny_llama_dir, tmp_path) -> None:
+    """An http (or mcp) environment has no demonstration() of its own: a file of chat demonstrations warm-starts
+    it, rendered with the registration's tools; a call to a tool it lacks is refused by name."""
+    from rollout_workers.environments.calculator import CalculatorEnv
+
+    registration = {"kind": "http", "name": "shop", "base_url": "http://tools.invalid/", "tools": CalculatorEnv().tools()}
+    tasks = _chat_demonstrations(tmp_path)  # the same lines serve as RL tasks: their opening turns
+    base = {"environment": {"name": "shop", "registration": registration},
+            "tasks": {"train_path": str(tasks), "num_eval": 0}}
+    spec = make_spec(tiny_llama_dir, **base, warm_start={
+        "demonstrations": "file-" + "b" * 24, "demonstrations_path": str(tasks), "max_steps": 4, "batch_size": 2,
+        "until_loss": None, "learning_rate": 0.01})
+    runner = JobRunner("h", spec, InMemoryHooks(), tmp_path / "h")
+    assert runner.setup() == 0
+    runner.hooks.close()
+    assert runner.hooks.events_of("warm_start_done")[0]["sft_steps"] == 4
+    assert [m["role"] for m in runner.train_tasks[0]["messages"]] == ["user"]
+    assert any(not torch.equal(w, _weights(tmp_path / "h" / "initial")[k]) for k, w in _weights(tiny_llama_dir).items())
+
+    wrong = _chat_demonstrations(tmp_path / "w" if (tmp_path / "w").mkdir() is None else tmp_path, tool="checkout")
+    spec = make_spec(tiny_llama_dir, **base, warm_start={
+        "demonstrations": "file-" + "b" * 24, "demonstrations_path": str(wrong), "max_steps": 2})
+    with pytest.raises(ValueError, match="calls tool 'checkout', which is not among its tools"):
+        JobRunner("x", spec, InMemoryHooks(), tmp_path / "x").setup()

@@ -57,6 +57,29 @@ def test_demonstration_is_verified_and_tool_results_match(name: str) -> None:
         assert env.process(wrong, len(wrong.steps) - 1) and min(env.process(wrong, len(wrong.steps) - 1).values()) == 0.0
 
 
+@pytest.mark.parametrize("name", sorted(BUILTIN_ENVIRONMENTS))
+def test_a_task_file_line_in_messages_form_works_like_its_question(name: str) -> None:
+    """A task uploaded in chat form (`messages`, no `question`; OpenAI's `developer` role) opens the episode
+    with its messages, and the environment's tools, demonstration and verifier work on it as on the original."""
+    import json
+
+    from rl_service.task_files import TaskFileLimits, check_line
+
+    cls = BUILTIN_ENVIRONMENTS[name]
+    for original in cls.generate_tasks(2, seed=5):
+        line = {k: v for k, v in original.items() if k != "question"}
+        line["messages"] = [{"role": "developer", "content": "Think first."},
+                            {"role": "user", "content": original["question"]}]
+        task = check_line(json.dumps(line).encode(), 1, TaskFileLimits())
+        env = cls()
+        opening = asyncio.run(env.reset(task))
+        assert opening == [{"role": "system", "content": "Think first."},
+                           {"role": "user", "content": original["question"]}]
+        demo = env.demonstration(task)
+        assert demo[:2] == opening
+        assert env.outcome(_replay(env, task, demo)) == 1.0
+
+
 def test_calculator_tasks_are_short_integer_arithmetic() -> None:
     tasks = BUILTIN_ENVIRONMENTS["calculator"].generate_tasks(50, seed=0)
     for t in tasks:

@@ -51,6 +51,31 @@ class JobFiles:
     def list_all(self, p: Principal) -> list[dict[str, Any]]:
         return self.task_files.list(p.tenant)
 
+    def list_page(self, p: Principal, *, purpose: str | None = None, order: str = "desc", after: str | None = None,
+                  limit: int = 10_000) -> tuple[list[dict[str, Any]], bool]:
+        """OpenAI's files list: of one purpose, newest (desc) or oldest (asc) first, after the file ``after``;
+        and whether more follow. 404 naming `after` when it is not one of the tenant's files of that list."""
+        files = [m for m in self.task_files.list(p.tenant) if purpose is None or m["purpose"] == purpose]
+        if order == "asc":
+            files.reverse()
+        if after is not None:
+            ids = [m["id"] for m in files]
+            if after not in ids:
+                raise NotFound(f"after: no file {after!r} in this list", field="after")
+            files = files[ids.index(after) + 1:]
+        return files[:limit], len(files) > limit
+
+    def content(self, p: Principal, file_id: str) -> Path:
+        """The stored bytes of one of the tenant's files."""
+        path = self.task_files.path(p.tenant, file_id)
+        if path is None:
+            raise NotFound(f"file {file_id!r} not found", field="file_id")
+        return path
+
+    def describe(self, p: Principal, file_id: str) -> dict[str, Any] | None:
+        """One of the tenant's file objects (None: no such file)."""
+        return self.task_files.get(p.tenant, file_id)
+
     def get(self, p: Principal, file_id: str) -> dict[str, Any]:
         meta = self.task_files.get(p.tenant, file_id)
         if meta is None:
@@ -66,7 +91,8 @@ class JobFiles:
             while True:
                 jobs, total = self.store.list_jobs(p.tenant, state, offset, 200)
                 for job in jobs:
-                    if file_id in (job.spec.tasks.train_file, job.spec.tasks.eval_file):
+                    demonstrations = job.spec.warm_start.demonstrations if job.spec.warm_start else None
+                    if file_id in (job.spec.tasks.train_file, job.spec.tasks.eval_file, demonstrations):
                         raise Conflict(f"file {file_id!r} is used by job {job.id} ({state.value}); delete it once the "
                                        "job has finished", field="file_id")
                 offset += len(jobs)
@@ -79,28 +105,66 @@ class JobFiles:
         """The stored paths of the job's task files (422 naming the field for a file the tenant does not have);
         an environment without a task generator needs a train_file."""
         tasks = spec.tasks
-        for name in ("train_path", "eval_path"):
+        for name in ("train_path", "eval_path", "train_tasks", "eval_tasks"):
             if getattr(tasks, name) is not None:
                 raise InvalidInput("set by the service from the file id; name the file instead", field=f"tasks.{name}")
-        update: dict[str, str] = {}
+        update: dict[str, Any] = {}
         for name in ("train_file", "eval_file"):
             file_id = getattr(tasks, name)
             if file_id is None:
                 continue
             path = self.task_files.path(p.tenant, file_id)
-            if path is None:
+            meta = self.task_files.get(p.tenant, file_id)
+            if path is None or meta is None:
                 raise InvalidInput(f"no task file {file_id!r} (upload one with POST /v1/files)", field=f"tasks.{name}")
             update[name.replace("_file", "_path")] = str(path)
-        if tasks.train_file is None and registration is not None and registration.get("kind") == "mcp":
+            update[name.replace("_file", "_tasks")] = int(meta["tasks"])
+        supervised = spec.method == "supervised"
+        if tasks.train_file is None and not supervised and registration is not None and registration.get("kind") == "mcp":
             raise InvalidInput("an mcp environment has no task generator: upload a task file and name it here",
                                field="tasks.train_file")
-        return spec.model_copy(update={"tasks": tasks.model_copy(update=update)}) if update else spec
+        if update:
+            spec = spec.model_copy(update={"tasks": tasks.model_copy(update=update)})
+        return self._resolve_demonstrations(p, spec)
+
+    def _resolve_demonstrations(self, p: Principal, spec: JobSpec) -> JobSpec:
+        """The stored path of the warm start's demonstrations file, which must hold demonstrations."""
+        ws, field = spec.warm_start, "warm_start.demonstrations"
+        if ws is None:
+            return spec
+        for name in ("demonstrations_path", "demonstrations_count"):
+            if getattr(ws, name) is not None:
+                raise InvalidInput("set by the service from the file id; name the file instead",
+                                   field=f"warm_start.{name}")
+        if ws.demonstrations == "environment":
+            return spec
+        meta = self.task_files.get(p.tenant, ws.demonstrations)
+        path = self.task_files.path(p.tenant, ws.demonstrations)
+        if meta is None or path is None:
+            raise InvalidInput(f"no file {ws.demonstrations!r} (upload one with POST /v1/files)", field=field)
+        if not meta.get("demonstrations"):
+            raise InvalidInput(f"file {ws.demonstrations!r} holds no demonstrations: each line's messages must end "
+                               "with the assistant's turn (OpenAI's supervised chat format)", field=field)
+        resolved = {"demonstrations_path": str(path), "demonstrations_count": int(meta["demonstrations"])}
+        return spec.model_copy(update={"warm_start": ws.model_copy(update=resolved)})
+
+    # ---- uploads in parts ----
+    def upload(self, p: Principal, action: str, *args: Any) -> dict[str, Any]:
+        """One UploadStore operation (create, get, add_part, complete, cancel) for the tenant, its refusals as
+        the service's errors naming the field."""
+        from rl_service.control.upload_store import UploadError, UploadStore
+
+        try:
+            return getattr(UploadStore(self.task_files), action)(p.tenant, *args)
+        except UploadError as exc:
+            error = {404: NotFound, 409: Conflict, 413: TooLarge}.get(exc.status, InvalidInput)
+            raise error(str(exc), field=exc.field) from None
 
     # ---- checkpoints ----
     def resolve_checkpoint(self, p: Principal, ref: str) -> str:
         """The directory of a checkpoint reference (rl_service.spec.CHECKPOINT_REF): a base model the operator
-        registered, or a checkpoint the store lists for one of the tenant's own jobs that lies in that job's
-        work dir. Never a path the tenant wrote."""
+        registered, or a checkpoint the store lists for one of the tenant's own jobs (or one another tenant gave
+        it permission to) that lies in that job's work dir. Never a path the tenant wrote."""
         field = "model.checkpoint"
         if ref.startswith("base:"):
             name = ref.removeprefix("base:")
@@ -115,7 +179,10 @@ class JobFiles:
         try:
             source = self.store.get_job(job_id, tenant=p.tenant)
         except JobNotFound:
-            raise InvalidInput(f"{field}: job {job_id!r} not found", field=field) from None
+            # another tenant's checkpoint that its owner shared with this one (checkpoint permissions)
+            if not self.store.permitted(job_id, ref, p.tenant):
+                raise InvalidInput(f"{field}: job {job_id!r} not found", field=field) from None
+            source = self.store.get_job(job_id)
         work_dir = Path(source.work_dir).resolve()
         found = [c for c in self.store.checkpoints(job_id) if not step or c["step"] == int(step)]
         for c in sorted(found, key=lambda c: c["step"], reverse=True):

@@ -214,7 +214,7 @@ if idem then
   if prev and string.sub(prev, 1, #id + 1) == id .. ' ' then redis.call('DEL', idem_key) end
 end
 redis.call('DEL', job, job .. ':events', job .. ':metrics', job .. ':schedule', job .. ':checkpoints',
-           job .. ':heartbeat')
+           job .. ':heartbeat', job .. ':permissions')
 redis.call('ZREM', p .. ':jobs', id)
 redis.call('ZREM', p .. ':state:' .. state, id)
 redis.call('ZREM', p .. ':tenant:' .. tenant .. ':jobs', id)

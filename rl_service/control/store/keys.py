@@ -56,6 +56,9 @@ class KeyLayout:
     def k_checkpoints(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}:checkpoints"
 
+    def k_permissions(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}:permissions"
+
     def k_heartbeat(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}:heartbeat"
 
