@@ -1,6 +1,6 @@
 """The curriculum benchmark: the same RL budget four ways, on `calculator` and `long_horizon`.
 
-Variants (DESIGN.md section 6):
+Variants (docs/design.md section 6):
   outcome_only     w(t) = 0: plain outcome GRPO
   dense            process rewards at full weight throughout (decoupled credit assignment)
   dense_to_sparse  w(t) decays linearly 1 -> 0 over the run (decoupled credit assignment)

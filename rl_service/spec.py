@@ -162,7 +162,7 @@ class AlgorithmSpec(_Strict):
                                                 "accumulation; the loss is exact whatever its size).")
     credit_assignment: Literal["decoupled", "summed"] = Field(
         "decoupled",
-        description="Taper: decoupled: A = A_outcome + w(t)*A_process (DESIGN §6). summed: the naive baseline.",
+        description="Taper: decoupled: A = A_outcome + w(t)*A_process (docs/design.md §6). summed: the naive baseline.",
     )
     process_scale: Literal["batch", "fixed"] = Field("batch", description="Taper: how process advantages scale.")
     gamma: float | None = Field(

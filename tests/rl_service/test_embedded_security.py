@@ -1,4 +1,4 @@
-"""The embedded services' credentials and listeners (DESIGN.md section 10): the private Redis requires a generated
+"""The embedded services' credentials and listeners (docs/design.md section 10): the private Redis requires a generated
 password, the local Ray head requires its token, both listen on 127.0.0.1 only, and their secrets live in files
 created 0600 that never show up on a command line, in a log or in the data dir's record."""
 
