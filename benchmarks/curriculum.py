@@ -61,7 +61,7 @@ ENV_ROLLOUT = {
     "calculator": {"max_turns": 3, "max_tokens_per_turn": 48, "max_total_tokens": 256},
     "long_horizon": {"max_turns": 4, "max_tokens_per_turn": 40, "max_total_tokens": 512},
 }
-# a chain of two boxes out of ten: at four the tiny model's warm start never completed one (see NOTES)
+# a chain of two boxes out of ten: at four the tiny model's warm start never completed one (docs/benchmarks/curriculum.md)
 ENV_TASKS: dict[str, dict[str, Any]] = {"calculator": {}, "long_horizon": {"chain_length": 2, "num_boxes": 10}}
 # (gold SFT steps at most, target loss, mixed SFT steps, tool-use fraction of the mix) per environment
 WARM_START = {"calculator": (400, 0.05, 40, 0.25), "long_horizon": (400, 0.1, 0, 1.0)}
@@ -288,7 +288,7 @@ def bootstrap_interval(diffs: list[float], resamples: int, seed: int = 0) -> tup
 
 
 def protocol_summary(results: list[dict[str, Any]]) -> str:
-    """The markdown table of the finished runs and the paired comparison, as it goes into NOTES."""
+    """The markdown table of the finished runs and the paired comparison, as it goes into docs/benchmarks/curriculum.md."""
     lines = ["| k | variant | runs | held-out after (mean ± sd) | per seed | training-success AUC | steps to 50% "
              "| hacking warnings | samples with >= k call attempts, last 10 steps |", "|---|---|---|---|---|---|---|---|---|"]
     for k in PROTOCOL["ks"]:

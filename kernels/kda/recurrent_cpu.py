@@ -5,7 +5,7 @@ torch one (`chunk_torch.py`).
 Why a recurrence and not chunks on CPU: with K = V = 64 per head, a token costs a few multiply-adds per
 state element, the state (16 KiB) stays in L1 and nothing is materialised, while the chunked torch path
 spends most of its time in small batched matmuls and elementwise temporaries (measured 2.4x slower at 4K,
-2.6x at 16K, AVX2 CPU; a chunked form built for inference alone was 4-15x slower on an AMX CPU: NOTES).
+2.6x at 16K, AVX2 CPU; a chunked form built for inference alone was 4-15x slower on an AMX CPU; issue 30).
 
 Per token, with the decay d = exp(g), S' = Diag(d) S, e = v - S'^T k:
     S = S' + beta k e^T,    o = S^T (scale q) = S'^T (scale q) + (scale q . beta k) e.
