@@ -1,8 +1,3 @@
-"""The C source of KDA's per-token recurrence on the CPU (`recurrent_cpu.kda_rows` runs it; `kernels.native` builds
-it for the machine). A Python string rather than a .c file: the model's portable code (model/portable.py), which
-a checkpoint carries so it loads where this project is not installed, is Python files only."""
-
-SOURCE = r"""
 /* KDA's per-token recurrence on the CPU (see recurrent_cpu.py for the algebra): kda_rows.
  *
  * Per token, with the decay d = exp(g), S' = Diag(d) S, e = v - S'^T k:
@@ -27,7 +22,7 @@ typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 static inline vf load(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 static inline void store(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
-#define NB 2  /* vectors of columns per block (4 measured level, 1 slower: NOTES) */
+#define NB 2  /* vectors of columns per block (4 measured level, 1 slower) */
 #define BW (NB * VW)  /* columns per block */
 
 /* S <- Diag(a) S + bk err^T (if pending; else S stays, and is only read), then ks = S^T c and qs = S^T f, for
@@ -216,4 +211,3 @@ void kda_rows(const float *q, const float *k, const float *v, const float *decay
     for (int64_t i = 0; i < started; i++)
         pthread_join(helpers[i], NULL);
 }
-"""
