@@ -7,8 +7,9 @@ The same job is also the real job's whole life over HTTP (it was a second real j
 tests/api, a second vLLM start for the same path): submit -> running -> reward-schedule PATCH seen by the job in
 its metrics -> succeeded, with its states and events, checkpoints and trajectories (filtered, paged) listed over
 the REST API, and nothing left behind (placement group, embedded head) when the server stops. Killing a driver
-and resuming it from its checkpoint is tested with a stand-in runner in tests/rl_service/test_scheduler.py and
-with the real runner in tests/rl_service/test_scheduler_real_job.py."""
+and resuming it from its checkpoint is tested with a stand-in runner in
+tests/rl_service/control/test_scheduler.py and with the real runner in
+tests/rl_service/control/test_scheduler_real_job.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Weights pushed to the rollout engines travel out of band (zero-copy in Ray's object store, which pickles
 with protocol 5 and keeps the out-of-band buffers) and arrive as plain, equal torch tensors. Through a real
-Ray pool into a real engine they are exercised by tests/rl_service/test_job.py (the engine's logprobs match
-the learner's after every push)."""
+Ray pool into a real engine they are exercised by tests/rl_service/training/test_job.py (the engine's logprobs
+match the learner's after every push)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rl_service.spec import InfraFailureConfig
 from rl_service.training.infra_guard import InfraFailureGuard
-from tests.rl_service.learner_helpers import fake_trajectory
+from tests.rl_service.training.learner_helpers import fake_trajectory
 
 TASK = {"id": "t0", "question": "1+1", "answer": "2"}
 

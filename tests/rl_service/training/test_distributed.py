@@ -10,7 +10,7 @@ import torch
 
 from rl_service.training.distributed import combine_metrics, shard_samples
 from rl_service.training.learner import Learner, LossNorm
-from tests.rl_service.learner_helpers import make_samples
+from tests.rl_service.training.learner_helpers import make_samples
 
 
 def test_sharding_balances_tokens_and_keeps_every_sample() -> None:
@@ -37,8 +37,8 @@ def dp_runs(ray_local, tiny_llama_dir, tmp_path_factory) -> dict[str, Any]:
     from rl_service.hooks import InMemoryHooks
     from rl_service.training.checkpoint import latest_checkpoint
     from rl_service.training.runner import JobRunner
-    from tests.rl_service.learner_helpers import fake_trajectory
-    from tests.rl_service.test_job import make_spec
+    from tests.rl_service.training.learner_helpers import fake_trajectory
+    from tests.rl_service.training.test_job import make_spec
 
     tmp = tmp_path_factory.mktemp("dp")
     over = {"total_steps": 3, "algorithm": {"lr_scheduler_type": "linear", "learning_rate": 0.02}}

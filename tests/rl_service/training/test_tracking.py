@@ -16,8 +16,8 @@ from reward_models.schedule import RewardSchedule
 from rl_service.hooks import InMemoryHooks
 from rl_service.training.runner import JobRunner, seeded_vllm_engine
 from rl_service.training.tracking import TENSORBOARD_DIR, installed
-from tests.rl_service.learner_helpers import ReusedPool
-from tests.rl_service.test_job import make_spec
+from tests.rl_service.training.learner_helpers import ReusedPool
+from tests.rl_service.training.test_job import make_spec
 
 
 def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:

@@ -16,7 +16,7 @@ from rl_service.training.learner import (
     pack_micro_batches,
     policy_loss,
 )
-from tests.rl_service.learner_helpers import make_samples, make_tiny_llama
+from tests.rl_service.training.learner_helpers import make_samples, make_tiny_llama
 
 
 def reference_loss(logps, old, adv, masks, cfg: LearnerConfig, is_ratios=None, ref=None) -> float:

@@ -16,10 +16,10 @@ from rl_service.control.store import Store
 from rl_service.job_states import JobState
 from rl_service.placement import job_bundles
 from rl_service.training.checkpoint import list_checkpoints
-from tests.rl_service.test_job import make_spec
+from tests.rl_service.training.test_job import make_spec
 
 HANG_ONCE = {"kind": "python", "name": "hang_once_calculator",
-             "import_path": "tests.rl_service.learner_helpers:HangOnceCalculator"}
+             "import_path": "tests.rl_service.training.learner_helpers:HangOnceCalculator"}
 
 
 @pytest.mark.slow

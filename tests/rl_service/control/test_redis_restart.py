@@ -24,7 +24,7 @@ from rl_service.control.settings import TaperSettings
 from rl_service.control.store import Store
 from rl_service.job_states import JobState
 from rl_service.spec import JobSpec
-from tests.rl_service.test_scheduler import running_scheduler
+from tests.rl_service.control.test_scheduler import running_scheduler
 from tests.waiting import wait_for
 
 

@@ -18,7 +18,7 @@ from rl_service.training.checkpoint import (
     save_checkpoint,
 )
 from rl_service.training.learner import Learner, LearnerConfig
-from tests.rl_service.learner_helpers import make_samples, make_tiny_llama
+from tests.rl_service.training.learner_helpers import make_samples, make_tiny_llama
 
 
 def test_round_trip_continues_training_identically(tmp_path) -> None:

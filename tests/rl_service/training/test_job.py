@@ -13,7 +13,7 @@ from rl_service.spec import JobSpec
 from rl_service.training.checkpoint import latest_checkpoint, list_checkpoints
 from rl_service.training.runner import JobRunner, seeded_vllm_engine
 from rollout_workers.storage import iter_trajectories, step_file
-from tests.rl_service.learner_helpers import (
+from tests.rl_service.training.learner_helpers import (
     EnvironmentDownPool,
     ReusedPool,
     RolloutsBeforePushPool,
@@ -21,7 +21,7 @@ from tests.rl_service.learner_helpers import (
 )
 
 GRADED = {"kind": "python", "name": "graded_calculator",
-          "import_path": "tests.rl_service.learner_helpers:GradedCalculator"}
+          "import_path": "tests.rl_service.training.learner_helpers:GradedCalculator"}
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,7 @@ def test_preload_imports_the_checkpoints_model_class(tiny_llama_dir, tmp_path) -
         "print(name in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[2])
+                         cwd=Path(__file__).resolve().parents[3])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["False", "True"]
 
