@@ -199,14 +199,14 @@ class _Borrowed:
 
 def protocol_warm_start(work: Path) -> Path:
     """The shared warm start (k = 1 gold traces only), trained once and reused from disk."""
-    from api.cli.demo import warm_start
+    from rl_service.training.warm_start import warm_started_model
 
     w = PROTOCOL["warm_start"]
     ckpt = work / f"warm-tool_chain-k{w['k']}"
     if not (ckpt / "config.json").exists():
         tmp = ckpt.with_name(ckpt.name + ".tmp")
         t0 = time.monotonic()
-        _, losses = warm_start(PROTOCOL["env"], tmp, steps=w["max_steps"], target_loss=w["target_loss"],
+        losses = warm_started_model(PROTOCOL["env"], tmp, steps=w["max_steps"], target_loss=w["target_loss"],
                                examples=w["examples"], seed=w["seed"], task_options={"k": w["k"]})
         (tmp / "warm_start.json").write_text(json.dumps({"losses": losses, "seconds": time.monotonic() - t0, **w}))
         tmp.rename(ckpt)  # a half-written warm start is never mistaken for a finished one
@@ -420,8 +420,8 @@ def main() -> None:
             run_protocol(args.protocol, out, args.work, args.ks or PROTOCOL["ks"], PROTOCOL["seeds"], PROTOCOL["steps"])
         return
 
-    from api.cli.demo import warm_start
     from rl_service.ray_cluster import ensure_ray
+    from rl_service.training.warm_start import warm_started_model
 
     ensure_ray()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -432,8 +432,8 @@ def main() -> None:
         gold_steps, target_loss, mixed_steps, fraction = WARM_START[env]
         ckpt = args.work / f"warm-{env}"
         if not (ckpt / "config.json").exists():  # a warm start from an earlier invocation is reused
-            warm_start(env, ckpt, steps=gold_steps, target_loss=target_loss, mixed_steps=mixed_steps,
-                       tool_use_fraction=fraction, task_options=ENV_TASKS[env], examples=2000, seed=0)
+            warm_started_model(env, ckpt, steps=gold_steps, target_loss=target_loss, mixed_steps=mixed_steps,
+                               tool_use_fraction=fraction, task_options=ENV_TASKS[env], examples=2000, seed=0)
         for seed in range(args.seeds):
             for variant in args.variants:
                 r = run_one(env, variant, seed, args.steps, args.work, ckpt)

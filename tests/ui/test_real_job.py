@@ -50,7 +50,7 @@ def warm_started_tiny_model(out: Path, steps: int = 80) -> Path:
     from model.config import TaperConfig
     from model.modeling import TaperForCausalLM
     from model.tokenizer import load_tokenizer
-    from rl_service.training.sft import warm_start
+    from rl_service.training.sft import train_sft
     from rollout_workers.environments.registry import generate_tasks, make_env_factory
 
     torch.manual_seed(0)
@@ -63,7 +63,7 @@ def warm_started_tiny_model(out: Path, steps: int = 80) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        warm_start(model, tokenizer, gold, steps=steps, lr=3e-3, batch_size=4, seed=0, tools=env.tools())
+        train_sft(model, tokenizer, gold, steps=steps, lr=3e-3, batch_size=4, seed=0, tools=env.tools())
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(out)

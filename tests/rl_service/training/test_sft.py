@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_service.training.sft import encode_conversation, warm_start
+from rl_service.training.sft import encode_conversation, train_sft
 from rollout_workers.environments.calculator import CalculatorEnv
 
 
@@ -60,24 +60,24 @@ def _small_llama(tokenizer) -> torch.nn.Module:
                                         head_dim=24))
 
 
-def test_warm_start_lowers_the_assistant_loss(tokenizer) -> None:
+def test_sft_lowers_the_assistant_loss(tokenizer) -> None:
     model = _small_llama(tokenizer)
     convs, tools = _demos(4)
     batch = [encode_conversation(tokenizer, c, tools) for c in convs]
     with torch.no_grad():
         before = float(sft_loss(model, batch))
-    losses = warm_start(model, tokenizer, convs, steps=8, lr=5e-3, batch_size=2, seed=0, tools=tools)
+    losses = train_sft(model, tokenizer, convs, steps=8, lr=5e-3, batch_size=2, seed=0, tools=tools)
     with torch.no_grad():
         after = float(sft_loss(model, batch))
     assert len(losses) == 8 and after < before - 1.0
 
 
-def test_warm_start_stops_once_the_recent_loss_is_under_the_target(tokenizer) -> None:
+def test_sft_stops_once_the_recent_loss_is_under_the_target(tokenizer) -> None:
     model = _small_llama(tokenizer)
     convs, tools = _demos(4)
-    first = warm_start(model, tokenizer, convs, steps=6, lr=5e-3, batch_size=2, seed=0, tools=tools)
+    first = train_sft(model, tokenizer, convs, steps=6, lr=5e-3, batch_size=2, seed=0, tools=tools)
     target = 0.5 * sum(first[-3:]) / 3  # reachable: the loss keeps falling on these four conversations
-    losses = warm_start(model, tokenizer, convs, steps=200, lr=5e-3, batch_size=2, seed=1, tools=tools,
+    losses = train_sft(model, tokenizer, convs, steps=200, lr=5e-3, batch_size=2, seed=1, tools=tools,
                         stop_at_loss=target, stop_window=3)
     assert 3 < len(losses) < 200
     windows = [sum(losses[i - 3:i]) / 3 for i in range(3, len(losses) + 1)]
@@ -94,7 +94,7 @@ def test_trl_trains_on_exactly_the_assistant_tokens_and_reports_every_step(token
     with torch.no_grad():
         before = float(sft_loss(model, [encode_conversation(tokenizer, c, tools) for c in convs]))
     seen: list[float] = []
-    losses = warm_start(model, tokenizer, convs, steps=3, lr=5e-3, batch_size=4, seed=0, tools=tools,
+    losses = train_sft(model, tokenizer, convs, steps=3, lr=5e-3, batch_size=4, seed=0, tools=tools,
                         on_step=seen.append)
     assert losses[0] == pytest.approx(before, rel=1e-4)
     assert seen == losses and len(losses) == 3 and len(balanced) == 3
