@@ -451,8 +451,6 @@ def seeded_vllm_engine(config: Any) -> Any:
 
 def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     """The real rollout pool: Ray actors, each with a vLLM engine loading `weights_dir`."""
-    if spec.rollout.engine != "vllm":
-        raise ValueError(f"rollout.engine: {spec.rollout.engine!r} is not available; use 'vllm'")
     reg: Any = spec.environment.name
     if spec.environment.registration is not None:
         reg = EnvironmentRegistration.model_validate(spec.environment.registration)
