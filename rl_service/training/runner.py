@@ -1,4 +1,4 @@
-"""One RL job's driver: set up (tasks, model, learner), resume from the newest checkpoint, run the step loop
+"""One RL job's runner: set up (tasks, model, learner), resume from the newest checkpoint, run the step loop
 (the pipeline in rl_service.training.step: roll out groups, score with the schedule in force, compute
 advantages, train, push weights), obey pause/cancel, checkpoint, evaluate, report.
 
