@@ -300,7 +300,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--connections", type=int, default=32, help="Keep-alive connections of the load generator.")
     p.add_argument("--closed-seconds", type=float, default=5.0)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "api.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "api_load.json"))
     args = p.parse_args()
 
     if args.url:

@@ -17,7 +17,7 @@ Each fault counts as survived when the job trains a step past the one it was kil
 - the schedule's versions are 1..3, in order, each effective from a later step than the one before;
 - no orphan process: after `taper down` nothing this run started is left.
 
-It prints a table per fault and a summary, and writes `benchmarks/results/chaos.json`.
+It prints a table per fault and a summary, and writes `benchmarks/results/chaos_recovery.json`.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=6, help="faults per run")
     parser.add_argument("--steps", type=int, default=24, help="the job's total_steps")
     parser.add_argument("--recovery-timeout", type=float, default=300.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "chaos_recovery.json")
     args = parser.parse_args()
     if args.steps < args.faults + 5:
         parser.error("--steps must be at least --faults + 5 (faults fall on distinct steps in [2, steps - 3])")

@@ -1,6 +1,6 @@
 """The curriculum benchmark: the same RL budget four ways, on `calculator` and `long_horizon`.
 
-Variants (DESIGN.md section 6):
+Variants (docs/design.md section 6):
   outcome_only     w(t) = 0: plain outcome GRPO
   dense            process rewards at full weight throughout (decoupled credit assignment)
   dense_to_sparse  w(t) decays linearly 1 -> 0 over the run (decoupled credit assignment)
@@ -61,7 +61,7 @@ ENV_ROLLOUT = {
     "calculator": {"max_turns": 3, "max_tokens_per_turn": 48, "max_total_tokens": 256},
     "long_horizon": {"max_turns": 4, "max_tokens_per_turn": 40, "max_total_tokens": 512},
 }
-# a chain of two boxes out of ten: at four the tiny model's warm start never completed one (see NOTES)
+# a chain of two boxes out of ten: at four the tiny model's warm start never completed one (docs/benchmarks/curriculum.md)
 ENV_TASKS: dict[str, dict[str, Any]] = {"calculator": {}, "long_horizon": {"chain_length": 2, "num_boxes": 10}}
 # (gold SFT steps at most, target loss, mixed SFT steps, tool-use fraction of the mix) per environment
 WARM_START = {"calculator": (400, 0.05, 40, 0.25), "long_horizon": (400, 0.1, 0, 1.0)}
@@ -199,14 +199,14 @@ class _Borrowed:
 
 def protocol_warm_start(work: Path) -> Path:
     """The shared warm start (k = 1 gold traces only), trained once and reused from disk."""
-    from api.cli.demo import warm_start
+    from rl_service.training.warm_start import warm_started_model
 
     w = PROTOCOL["warm_start"]
     ckpt = work / f"warm-tool_chain-k{w['k']}"
     if not (ckpt / "config.json").exists():
         tmp = ckpt.with_name(ckpt.name + ".tmp")
         t0 = time.monotonic()
-        _, losses = warm_start(PROTOCOL["env"], tmp, steps=w["max_steps"], target_loss=w["target_loss"],
+        losses = warm_started_model(PROTOCOL["env"], tmp, steps=w["max_steps"], target_loss=w["target_loss"],
                                examples=w["examples"], seed=w["seed"], task_options={"k": w["k"]})
         (tmp / "warm_start.json").write_text(json.dumps({"losses": losses, "seconds": time.monotonic() - t0, **w}))
         tmp.rename(ckpt)  # a half-written warm start is never mistaken for a finished one
@@ -288,7 +288,7 @@ def bootstrap_interval(diffs: list[float], resamples: int, seed: int = 0) -> tup
 
 
 def protocol_summary(results: list[dict[str, Any]]) -> str:
-    """The markdown table of the finished runs and the paired comparison, as it goes into NOTES."""
+    """The markdown table of the finished runs and the paired comparison, as it goes into docs/benchmarks/curriculum.md."""
     lines = ["| k | variant | runs | held-out after (mean ± sd) | per seed | training-success AUC | steps to 50% "
              "| hacking warnings | samples with >= k call attempts, last 10 steps |", "|---|---|---|---|---|---|---|---|---|"]
     for k in PROTOCOL["ks"]:
@@ -420,8 +420,8 @@ def main() -> None:
             run_protocol(args.protocol, out, args.work, args.ks or PROTOCOL["ks"], PROTOCOL["seeds"], PROTOCOL["steps"])
         return
 
-    from api.cli.demo import warm_start
     from rl_service.ray_cluster import ensure_ray
+    from rl_service.training.warm_start import warm_started_model
 
     ensure_ray()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -432,8 +432,8 @@ def main() -> None:
         gold_steps, target_loss, mixed_steps, fraction = WARM_START[env]
         ckpt = args.work / f"warm-{env}"
         if not (ckpt / "config.json").exists():  # a warm start from an earlier invocation is reused
-            warm_start(env, ckpt, steps=gold_steps, target_loss=target_loss, mixed_steps=mixed_steps,
-                       tool_use_fraction=fraction, task_options=ENV_TASKS[env], examples=2000, seed=0)
+            warm_started_model(env, ckpt, steps=gold_steps, target_loss=target_loss, mixed_steps=mixed_steps,
+                               tool_use_fraction=fraction, task_options=ENV_TASKS[env], examples=2000, seed=0)
         for seed in range(args.seeds):
             for variant in args.variants:
                 r = run_one(env, variant, seed, args.steps, args.work, ckpt)

@@ -307,9 +307,9 @@ def main() -> None:
         t0 = time.monotonic()
         print(f"fine-tuning a tiny {args.model} model on calculator demonstrations ({args.sft_steps} steps)")
         if args.model == "taper":
-            from api.cli.demo import warm_start
+            from rl_service.training.warm_start import warm_started_model
 
-            warm_start("calculator", Path(model_dir), steps=args.sft_steps, examples=2048, seed=0)
+            warm_started_model("calculator", Path(model_dir), steps=args.sft_steps, examples=2048, seed=0)
         else:
             train_tool_caller(Path(model_dir), str(TOKENIZER_DIR), args.sft_steps)
         print(f"  done in {time.monotonic() - t0:.0f} s; reuse it with --model-dir {model_dir}")

@@ -135,7 +135,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sandbox_cpu.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sandbox_overhead.json"))
     args = p.parse_args()
 
     load_before = os.getloadavg()[0]

@@ -1,7 +1,7 @@
 """Decode steps (or prefills) of the serving benchmark's models, interleaved in one process: a paired comparison.
 
 `serving.py` runs each model in its own process, one after another; on a shared machine the host's load
-changes between them and moves a model's step time by up to ~2x from one run to the next (benchmarks/NOTES.md,
+changes between them and moves a model's step time by up to ~2x from one run to the next (docs/benchmarks/serving.md,
 issue 30). Here every model's engine lives in one process and the measurement takes rounds: one decode step of
 each model per round, so a busy moment slows all of them alike. The comparison is the per-round ratio of each
 model's step time to the first model's (its median and range over the rounds).

@@ -1,1 +1,3 @@
-"""KDA ops: Triton kernels for CUDA and pure-torch paths for CPU (chunked, recurrent decode, naive reference)."""
+"""KDA ops and the model's other hot loops: Triton kernels for CUDA; on CPU a vectorised torch chunked path for
+training and compiled passes (C beside its loader, built by `native.py`; numba) for serving and evaluation;
+naive references for tests."""

@@ -1,4 +1,4 @@
-"""Fused Block-AttnRes mix (DESIGN section 2) for CUDA: scores, softmax over depth and the weighted sum in one
+"""Fused Block-AttnRes mix (docs/design.md section 2) for CUDA: scores, softmax over depth and the weighted sum in one
 Triton kernel, and one for the backward, registered as torch.library custom ops.
 
 Per token, over N candidates V_i [d]: s_i = r_i <V_i, key> with r_i = rsqrt(mean(V_i^2) + eps), key = gamma * w

@@ -5,7 +5,9 @@ when they live in arrays that might alias the data (numba has no `restrict`), an
 speed of their stores. The C sources use GCC/Clang vector extensions, so one source serves AVX2, AVX-512 and
 NEON; `-march=native` picks the widest, as numba's JIT does. A build is cached per source, compiler, flags
 and CPU (`cache_dir()`): the first use on a machine costs about a second, later ones a file lookup. The
-compiler is `CC` (default `cc`); torch.compile's CPU backend needs one too.
+compiler is `CC` (default `cc`); torch.compile's CPU backend needs one too. The sources are `.c` files beside
+their Python loaders (`read_source`); `tests/kernels/test_c_sources.py` builds each with warnings as errors and
+runs it under AddressSanitizer and UBSan.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def _cpu_identity() -> bytes:
         return os.uname().machine.encode()
     keep = [line for line in lines if line.split(":")[0].strip() in ("flags", "Features", "model name", "CPU part")]
     return "\n".join(dict.fromkeys(keep)).encode()
+
+
+def read_source(anchor: str, name: str) -> str:
+    """The C source `name` beside the Python file `anchor` (a loader's `__file__`). The sources are package data,
+    and `model.portable` copies them beside the flattened modules that read them, so call it with exactly
+    `read_source(__file__, "<name>.c")` with a literal name: that is the form portable.py looks for."""
+    return (Path(anchor).parent / name).read_text()
 
 
 @functools.cache

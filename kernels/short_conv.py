@@ -1,4 +1,4 @@
-"""Short causal depthwise conv + SiLU (the KDA layer's q/k/v conv, DESIGN section 2) for CUDA: one Triton kernel
+"""Short causal depthwise conv + SiLU (the KDA layer's q/k/v conv, docs/design.md section 2) for CUDA: one Triton kernel
 each way, registered as torch.library custom ops so torch.compile keeps each a single opaque op.
 
 x [B, T, C] (channels q|k|v concatenated), weight [C, 1, W] with W <= 4 taps, zero history before t = 0:

@@ -5,7 +5,7 @@
 
 reading bf16 inputs as their bits where they lie and writing bf16 rounded to nearest even. torch's form makes
 ~10 passes over [N, I] with casts around them; in bf16 on a CPU those passes cost more than the expert
-matmuls (measured on an AMX Xeon: NOTES, issue 30)."""
+matmuls (measured on an AMX Xeon, issue 30)."""
 
 from __future__ import annotations
 

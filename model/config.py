@@ -1,4 +1,4 @@
-"""`TaperConfig`: every hyper-parameter of the KDA-hybrid Stable-LatentMoE LM (DESIGN section 2), with presets."""
+"""`TaperConfig`: every hyper-parameter of the KDA-hybrid Stable-LatentMoE LM (docs/design.md section 2), with presets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Process and outcome rewards, the dense-to-sparse decay schedule and credit assignment (DESIGN.md §6).
+"""Process and outcome rewards, the dense-to-sparse decay schedule and credit assignment (docs/design.md §6).
 
 Public API (import from the submodules; this package imports nothing heavy on its own):
 

@@ -1,4 +1,4 @@
-"""Credit assignment: token-level advantages from outcome and process rewards (DESIGN.md section 6).
+"""Credit assignment: token-level advantages from outcome and process rewards (docs/design.md section 6).
 
 ``decoupled`` (the default) keeps the two signals apart until the end, so that `w` really sets the mix:
 

@@ -1,6 +1,6 @@
 """The dense-to-sparse process-reward schedule `w(t)`, its node density, and its version history.
 
-`t` is the training step. Kinds (DESIGN.md section 6):
+`t` is the training step. Kinds (docs/design.md section 6):
 
 - ``constant``:     w(t) = w_start
 - ``linear``:       w(t) = w_start + (w_end - w_start) * p(t)

@@ -26,7 +26,7 @@ class EnvironmentSettings(BaseSettings):
 
     data_dir: Path = Field(Path("taper_data"), description="Checkpoints, trajectories, logs and the private Redis.")
 
-    # what tenants' environments may do (DESIGN.md section 10); the defaults are the safe ones
+    # what tenants' environments may do (docs/design.md section 10); the defaults are the safe ones
     http_allow: ListSetting = Field(
         (), description="Internal targets http environments may reach: CIDRs or host names, comma-separated "
                         "(e.g. 127.0.0.1 for a local tool server). Default none: loopback, private, link-local, "

@@ -2,7 +2,7 @@
 
     queued -> starting -> running <-> paused -> succeeded | failed | cancelled
 
-Details beyond the diagram (DESIGN.md section 8):
+Details beyond the diagram (docs/design.md section 8):
 
 - ``running -> starting``: the job's driver died and the scheduler restarts it from the last checkpoint.
 - ``paused -> queued``: a paused job holds no Ray resources (its driver checkpointed and exited), so

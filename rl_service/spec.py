@@ -108,7 +108,7 @@ class RolloutSpec(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     tool_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
-    engine: Literal["vllm", "hf"] = "vllm"
+    engine: Literal["vllm"] = Field("vllm", description="The rollout engine: vLLM (the only one).")
     kv_cache_gib: float = Field(1.0, gt=0.0, le=1024.0)
     async_mode: bool = Field(False, description="Generate step t+1 while the learner trains step t.")
     max_staleness: int = Field(1, ge=0, le=16, description="Max policy-version lag of a trajectory used in training.")
@@ -169,7 +169,7 @@ class AlgorithmSpec(_Strict):
                                                 "accumulation; the loss is exact whatever its size).")
     credit_assignment: Literal["decoupled", "summed"] = Field(
         "decoupled",
-        description="Taper: decoupled: A = A_outcome + w(t)*A_process (DESIGN §6). summed: the naive baseline.",
+        description="Taper: decoupled: A = A_outcome + w(t)*A_process (docs/design.md §6). summed: the naive baseline.",
     )
     process_scale: Literal["batch", "fixed"] = Field("batch", description="Taper: how process advantages scale.")
     gamma: float | None = Field(

@@ -1,7 +1,7 @@
 """Outbound HTTP to targets a tenant chose: check the URL, resolve the host once, refuse internal addresses,
 connect to the checked address.
 
-The rule (DESIGN.md section 10): a target may not be loopback, private, link-local (cloud metadata at
+The rule (docs/design.md section 10): a target may not be loopback, private, link-local (cloud metadata at
 169.254.169.254), multicast, unspecified, reserved or otherwise not globally routable, nor an IPv6 form
 that embeds an IPv4 address (IPv4-mapped, 6to4, NAT64), nor an IPv4 address written in a numeric
 encoding other than dotted decimal (`2130706433`, `0x7f.1`, `0177.0.0.1`, `127.1`), unless the operator's

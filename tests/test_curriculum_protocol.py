@@ -3,10 +3,13 @@ the schedule and credit assignment, and the paired bootstrap interval behaves.""
 
 from __future__ import annotations
 
+import ast
+import inspect
 from pathlib import Path
 
 import pytest
 
+import benchmarks.curriculum
 from benchmarks.curriculum import PROTOCOL, PROTOCOL_VARIANTS, bootstrap_interval, protocol_spec, steps_to
 from rl_service.spec import JobSpec
 
@@ -37,3 +40,11 @@ def test_paired_bootstrap_interval() -> None:
 def test_steps_to_threshold_uses_the_moving_average() -> None:
     assert steps_to([0.0, 1.0, 1.0, 0.0, 1.0], 0.5, window=2) == 1
     assert steps_to([0.0, 0.6, 0.3, 0.2], 0.5, window=3) is None
+
+
+def test_the_results_page_quotes_the_protocol_as_fixed_in_the_benchmark() -> None:
+    doc = ast.get_docstring(ast.parse(inspect.getsource(benchmarks.curriculum)), clean=False) or ""
+    fixed = doc[doc.index("The tool_chain protocol"):].split("\n", 1)[1].rstrip()
+    page = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "curriculum.md").read_text()
+    quoted = page.split("```text\n", 1)[1].split("```", 1)[0].rstrip()
+    assert quoted == fixed

@@ -2,7 +2,7 @@
 the example package is installed into the venv and checked with `taper env check`; `taper serve`'s embedded
 setup runs; both examples (the Python package, the HTTP server with /process) are registered over REST and
 trained by their job files (a warm start on demonstrations, then RL with a schedule patched mid-run: 6 of the
-files' 12 RL steps, to keep the suite short; NOTES has the full runs); each ends with a checkpoint whose greedy rollout writes a well-formed `convert` call."""
+files' 12 RL steps, to keep the suite short; docs/benchmarks/rl.md has the full runs); each ends with a checkpoint whose greedy rollout writes a well-formed `convert` call."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_the_guide_trains_an_example_to_a_checkpoint_that_calls_its_tool(
     train = [r["metrics"] for r in rows if "time/step" in r["metrics"]]
     assert train[0]["warm_start/steps"] >= 1 and max(m["schedule/version"] for m in train) == 2
     evals = [r for r in rows if "eval/success_rate" in r["metrics"]]
-    print(f"{example}: held-out success by step",  # the guide's NOTES numbers
+    print(f"{example}: held-out success by step",  # the numbers of docs/benchmarks/rl.md
           [(r["step"], round(r["metrics"]["eval/success_rate"], 3)) for r in evals])
     if registration["kind"] == "http":  # the server's /process components reached the rewards
         trajs = service.get(f"/v1/jobs/{job_id}/trajectories", params={"limit": 20}).json()["items"]

@@ -128,41 +128,6 @@ class EmbeddedService:
         return Store(self.redis.client_url).create_api_key("demo", name="demo")
 
 
-def warm_start(env_name: str, out: Path, *, steps: int, examples: int, seed: int, target_loss: float | None = None,
-               mixed_steps: int = 0, tool_use_fraction: float = 1.0, task_options: dict[str, Any] | None = None,
-               console: Console | None = None) -> tuple[Path, list[float]]:
-    """A warm-started tiny model saved as a checkpoint directory, outside any job (the benchmarks share one
-    across runs): the same phases a job's `warm_start` runs. Returns the directory and every step's loss."""
-    import torch
-
-    from model.config import TaperConfig
-    from model.modeling import TaperForCausalLM
-    from model.tokenizer import load_tokenizer
-    from rl_service.spec import WarmStartSpec
-    from rl_service.training.warm_start import WARM_START_SEED_OFFSET, run_warm_start
-    from rollout_workers.environments.registry import generate_tasks, make_env_factory
-
-    torch.manual_seed(seed)
-    tokenizer = load_tokenizer()
-    model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tokenizer)))
-    spec = WarmStartSpec(num_examples=examples, max_steps=steps, until_loss=target_loss, mixed_phase=(
-        {"steps": mixed_steps, "tool_use_fraction": tool_use_fraction} if mixed_steps else None))
-    tasks = generate_tasks(env_name, examples, seed=seed + WARM_START_SEED_OFFSET, options=task_options)
-    losses: list[float] = []
-    with Progress(TextColumn("[bold]warm start"), BarColumn(), TextColumn("{task.fields[loss]}"),
-                  TimeElapsedColumn(), console=console or Console(quiet=True)) as progress:
-        bar = progress.add_task("sft", total=steps + mixed_steps, loss="")
-
-        def on_step(phase: str, step: int, loss: float) -> None:
-            losses.append(loss)
-            progress.update(bar, completed=step, loss=f"{phase}: loss {loss:.3f}")
-
-        run_warm_start(model, tokenizer, make_env_factory(env_name)(), tasks, spec, seed, on_step)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out, losses
-
-
 def fetch_metrics(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
     rows = client.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 100000}).raise_for_status().json()["items"]
     return [{**r["metrics"], "step": r["step"]} for r in rows]

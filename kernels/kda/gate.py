@@ -3,7 +3,7 @@ Triton form that the CUDA kernels inline. The CPU recurrence's gate loop
 (`recurrent_cpu_numba.gate_decay_rows`) writes the same two formulas in numba, which cannot call either; its
 tests compare it with this one.
 
-Bounded (DESIGN section 2):   g = lower_bound * sigmoid(f + dt_bias),   so g in (lower_bound, 0).
+Bounded (docs/design.md section 2):   g = lower_bound * sigmoid(f + dt_bias),   so g in (lower_bound, 0).
 Unbounded (for comparison):   g = -exp(A_log) * softplus(f + dt_bias).
 
 flash-linear-attention's bounded form is `lower_bound * sigmoid(exp(A_log) * (f + dt_bias))`; with

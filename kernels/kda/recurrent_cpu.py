@@ -5,13 +5,13 @@ torch one (`chunk_torch.py`).
 Why a recurrence and not chunks on CPU: with K = V = 64 per head, a token costs a few multiply-adds per
 state element, the state (16 KiB) stays in L1 and nothing is materialised, while the chunked torch path
 spends most of its time in small batched matmuls and elementwise temporaries (measured 2.4x slower at 4K,
-2.6x at 16K, AVX2 CPU; a chunked form built for inference alone was 4-15x slower on an AMX CPU: NOTES).
+2.6x at 16K, AVX2 CPU; a chunked form built for inference alone was 4-15x slower on an AMX CPU; issue 30).
 
 Per token, with the decay d = exp(g), S' = Diag(d) S, e = v - S'^T k:
     S = S' + beta k e^T,    o = S^T (scale q) = S'^T (scale q) + (scale q . beta k) e.
 Each token's rank-1 update is applied lazily, in the next token's one sweep over the state: that sweep
 forms S_{t-1} = Diag(d_{t-1}) S_{t-2} + beta k e^T row by row and, from the same rows, S'_t^T k_t and
-S'_t^T q_t. So the state is read and written once per token. The sweep is C (`recurrent_cpu_c.py`, built for
+S'_t^T q_t. So the state is read and written once per token. The sweep is C (`recurrent_cpu.c`, built for
 this CPU by `kernels.native`), which keeps its running sums in registers; the passes around it (gate, conv,
 output norm) are numba (`recurrent_cpu_numba.py`).
 """
@@ -27,8 +27,8 @@ import torch
 from kernels.cpu_math import empty_f32_or_bf16, f32_or_bf16_bits
 from kernels.cpu_threads import run_row_blocks, threads_for
 from kernels.kda.common import L2NORM_EPS, preprocess, sequence_rows
-from kernels.kda.recurrent_cpu_c import SOURCE as RECURRENCE_SOURCE
 from kernels.native import load as load_native
+from kernels.native import read_source
 
 Array = torch.Tensor | np.ndarray
 STATE_ELEMENTS_PER_THREAD = 1 << 20  # ~0.2 ms of the recurrence on one core; a C thread starts in ~20 us
@@ -43,7 +43,7 @@ def slots_contiguous(pool: torch.Tensor) -> bool:
 
 @functools.cache
 def _kda_rows_c() -> ctypes._CFuncPtr:
-    fn = load_native("kda_recurrence", RECURRENCE_SOURCE).kda_rows
+    fn = load_native("kda_recurrence", read_source(__file__, "recurrent_cpu.c")).kda_rows
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr] * 5 + [i64, i64, i64, ctypes.c_float, ctypes.c_int32, ctypes.c_float, ptr, ptr, ptr, i64,
                                ptr, i64, ptr, ctypes.c_int32]

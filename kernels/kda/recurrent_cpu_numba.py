@@ -1,5 +1,5 @@
 """The numba loops of `recurrent_cpu.py`: the passes around the recurrence (gate, conv, decode inputs, output
-norm); the recurrence itself is C (`recurrent_cpu_c.py`). Their signatures are declared: importing this module
+norm); the recurrence itself is C (`recurrent_cpu.c`). Their signatures are declared: importing this module
 compiles them once (about 2 s) or loads them from numba's on-disk cache, and an argument of another type
 is an error rather than a second compile."""
 

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (DESIGN section 2), on top of `kernels.kda`.
+"""Kimi Delta Attention layer (docs/design.md section 2), on top of `kernels.kda`.
 
 Per head (K = V head dims), state S in R^{K x V}:
   q, k, v = SiLU(causal depthwise conv(W x)); q, k L2-normalised (in the kernel); beta = sigmoid(W_b x)

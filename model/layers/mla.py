@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention (NoPE, DESIGN section 2).
+"""Gated multi-head latent attention (NoPE, docs/design.md section 2).
 
 q = W_q x (or W_qb RMSNorm(W_qa x) with q_lora_rank); c = RMSNorm(W_kva x); [k; v] = W_kvb c per head;
 causal softmax attention with scale 1/sqrt(Dqk); out = W_o(attn * sigmoid(W_g x)).

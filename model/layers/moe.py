@@ -1,4 +1,4 @@
-"""Stable LatentMoE with quantile balancing (DESIGN section 2).
+"""Stable LatentMoE with quantile balancing (docs/design.md section 2).
 
 Router on the full hidden x: s = sigmoid(W_r x) (fp32); the top-k of s + b are chosen (b: balancing bias,
 a buffer without gradient); combine weights are s renormalised over the chosen set times

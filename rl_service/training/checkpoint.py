@@ -15,7 +15,7 @@ directory. `keep_last` prunes the oldest; temporary directories a crashed writer
 `remove_stale_temporaries` when the job starts again.
 
 Nothing is ever unpickled from a checkpoint: the `.pt` files hold tensors, numbers, strings and containers
-only and are read with `torch.load(weights_only=True)`, which refuses any other object (DESIGN.md section 10).
+only and are read with `torch.load(weights_only=True)`, which refuses any other object (docs/design.md section 10).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One RL job's driver: set up (tasks, model, learner), resume from the newest checkpoint, run the step loop
+"""One RL job's runner: set up (tasks, model, learner), resume from the newest checkpoint, run the step loop
 (the pipeline in rl_service.training.step: roll out groups, score with the schedule in force, compute
 advantages, train, push weights), obey pause/cancel, checkpoint, evaluate, report.
 
@@ -499,8 +499,6 @@ def seeded_vllm_engine(config: Any) -> Any:
 
 def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     """The real rollout pool: Ray actors, each with a vLLM engine loading `weights_dir`."""
-    if spec.rollout.engine != "vllm":
-        raise ValueError(f"rollout.engine: {spec.rollout.engine!r} is not available; use 'vllm'")
     reg: Any = spec.environment.name
     if spec.environment.registration is not None:
         reg = EnvironmentRegistration.model_validate(spec.environment.registration)

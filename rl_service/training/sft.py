@@ -1,6 +1,7 @@
-"""Supervised warm-start on gold conversations (e.g. `Environment.demonstration(task)`) with TRL's `SFTTrainer`:
-next-token cross-entropy on the assistant's tokens only (TRL's completion-only loss over our masks), the
-conversations rendered and tokenised segment by segment exactly as the rollouts see them."""
+"""Supervised fine-tuning on gold conversations (e.g. `Environment.demonstration(task)`) with TRL's `SFTTrainer`
+(`train_sft`; a job's warm start, `warm_start.py`, runs it): next-token cross-entropy on the assistant's tokens
+only (TRL's completion-only loss over our masks), the conversations rendered and tokenised segment by segment
+exactly as the rollouts see them."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class _Progress(TrainerCallback):
             control.should_training_stop = True
 
 
-def warm_start(model: nn.Module, tokenizer: Any, conversations: list[list[dict[str, Any]]], steps: int,
+def train_sft(model: nn.Module, tokenizer: Any, conversations: list[list[dict[str, Any]]], steps: int,
                lr: float, batch_size: int, seed: int, *, tools: list[dict[str, Any]] | None = None,
                tools_of: Sequence[list[dict[str, Any]] | None] | None = None,
                weight_decay: float = 0.0, max_grad_norm: float = 1.0, warmup_steps: int = 10,

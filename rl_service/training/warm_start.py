@@ -1,6 +1,8 @@
-"""A job's warm start (`warm_start` in the spec): supervised fine-tuning on demonstrations (the environment's,
-or an uploaded file's in OpenAI's chat format), before RL step 0, in place on the driver's model; a supervised
-job is this alone."""
+"""Warm starts, in one home: a job's (`warm_start` in the spec: supervised fine-tuning on demonstrations, the
+environment's or an uploaded file's in OpenAI's chat format, before RL step 0, in place on the job's model; a
+supervised job is this alone; `run_warm_start`) and the same phases outside any job, on a fresh tiny model saved
+as a checkpoint (`warm_started_model`, which the benchmarks share across runs). The SFT loop itself is
+`sft.train_sft` (TRL's SFTTrainer)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,14 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from rl_service.spec import WarmStartSpec
 from rl_service.task_files import load_demonstrations, task_of
-from rl_service.training.sft import encode_conversation
-from rl_service.training.sft import warm_start as sft
+from rl_service.training.sft import encode_conversation, train_sft
 
 # The warm start's tasks come from another seed than the job's training and held-out tasks.
 WARM_START_SEED_OFFSET = 10_000
@@ -102,8 +104,41 @@ def run_warm_start(model: nn.Module, tokenizer: Any, demonstrations: list[Demons
         losses.append(loss)
 
     for phase, conversations, steps, lr, stop_at in phases:
-        sft(model, tokenizer, conversations, steps=steps, lr=lr, batch_size=spec.batch_size, seed=seed + len(losses),
-            tools=tools, tools_of=own, stop_at_loss=stop_at, on_step=lambda loss, phase=phase: step_done(phase, loss))
+        train_sft(model, tokenizer, conversations, steps=steps, lr=lr, batch_size=spec.batch_size, seed=seed + len(losses),
+                  tools=tools, tools_of=own, stop_at_loss=stop_at, on_step=lambda loss, phase=phase: step_done(phase, loss))
     tail = losses[-10:]
     return WarmStartResult(steps=len(losses), final_loss=sum(tail) / len(tail), seconds=time.perf_counter() - start,
                            examples=len(demonstrations))
+
+
+def warm_started_model(env_name: str, out: Path, *, steps: int, examples: int, seed: int,
+                       target_loss: float | None = None, mixed_steps: int = 0, tool_use_fraction: float = 1.0,
+                       task_options: dict[str, Any] | None = None,
+                       on_step: Callable[[str, int, float], None] | None = None) -> list[float]:
+    """A fresh tiny model warm-started on `env_name`'s demonstrations outside any job (the phases a job's
+    `warm_start` runs), saved with its tokenizer to `out`. Returns every step's loss."""
+    import torch
+
+    from model.config import TaperConfig
+    from model.modeling import TaperForCausalLM
+    from model.tokenizer import load_tokenizer
+    from rollout_workers.environments.registry import generate_tasks, make_env_factory
+
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer()
+    model = TaperForCausalLM(TaperConfig.preset("tiny", vocab_size=len(tokenizer)))
+    spec = WarmStartSpec(num_examples=examples, max_steps=steps, until_loss=target_loss, mixed_phase=(
+        {"steps": mixed_steps, "tool_use_fraction": tool_use_fraction} if mixed_steps else None))
+    tasks = generate_tasks(env_name, examples, seed=seed + WARM_START_SEED_OFFSET, options=task_options)
+    losses: list[float] = []
+
+    def step_done(phase: str, step: int, loss: float) -> None:
+        losses.append(loss)
+        if on_step is not None:
+            on_step(phase, step, loss)
+
+    env = make_env_factory(env_name)()
+    run_warm_start(model, tokenizer, environment_demonstrations(env, tasks), env.tools(), spec, seed, step_done)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return losses

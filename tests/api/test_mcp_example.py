@@ -38,7 +38,7 @@ def warm_start(model_dir: Path, tools: list[dict], out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl_service.training.sft import warm_start as sft
+    from rl_service.training.sft import train_sft
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
@@ -50,7 +50,7 @@ def warm_start(model_dir: Path, tools: list[dict], out: Path) -> Path:
             {"role": "tool", "content": str(temp)},
             {"role": "assistant", "content": f"The answer is {temp}."},
         ])
-    losses = sft(model, tok, conversations, steps=300, lr=3e-3, batch_size=6, seed=0, tools=tools,
+    losses = train_sft(model, tok, conversations, steps=300, lr=3e-3, batch_size=6, seed=0, tools=tools,
                  stop_at_loss=0.02)
     assert losses[-1] < 0.2, losses[-10:]
     model.save_pretrained(out)

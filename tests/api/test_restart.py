@@ -36,7 +36,7 @@ from rl_service.control.settings import get_settings
 from rl_service.control.store import Store
 from tests.waiting import wait_for
 
-STANDIN_DIR = Path(__file__).resolve().parent.parent / "rl_service"
+STANDIN_DIR = Path(__file__).resolve().parent.parent / "rl_service" / "control"
 # a separate process joins the head named by RAY_ADDRESS and runs a task there, as a job's entrypoint does
 JOIN = """
 import ray

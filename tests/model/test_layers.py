@@ -102,7 +102,7 @@ def test_zero_history_conv_state_equals_the_torch_paths(T):
 
 
 def _naive_kda_layer(layer: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
-    """The KDA layer written out from DESIGN section 2 with the kernels' naive per-token recurrence."""
+    """The KDA layer written out from docs/design.md section 2 with the kernels' naive per-token recurrence."""
     B, T, _ = x.shape
     H, HV, K, V = layer.num_heads, layer.num_v_heads, layer.head_dim, layer.v_head_dim
     pre = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1).transpose(1, 2)

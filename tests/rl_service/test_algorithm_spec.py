@@ -70,6 +70,7 @@ def test_a_grpo_config_mapping_is_accepted_and_sampling_fields_land_in_rollout()
     ({"warmup_steps": 10**9}, {}, "algorithm.warmup_steps"),
     ({"vllm_importance_sampling_clip_min": 3.0, "vllm_importance_sampling_clip_max": 2.0}, {}, "algorithm"),
     ({"num_generations": 4}, {"num_generations": 8}, "algorithm.num_generations"),
+    ({}, {"engine": "hf"}, "rollout.engine"),  # vLLM is the only rollout engine
 ])
 def test_unknown_or_out_of_bounds_fields_are_named(algorithm: dict, rollout: dict, field: str) -> None:
     with pytest.raises(ValidationError) as exc:

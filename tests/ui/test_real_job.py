@@ -7,8 +7,9 @@ The same job is also the real job's whole life over HTTP (it was a second real j
 tests/api, a second vLLM start for the same path): submit -> running -> reward-schedule PATCH seen by the job in
 its metrics -> succeeded, with its states and events, checkpoints and trajectories (filtered, paged) listed over
 the REST API, and nothing left behind (placement group, embedded head) when the server stops. Killing a driver
-and resuming it from its checkpoint is tested with a stand-in runner in tests/rl_service/test_scheduler.py and
-with the real runner in tests/rl_service/test_scheduler_real_job.py."""
+and resuming it from its checkpoint is tested with a stand-in runner in
+tests/rl_service/control/test_scheduler.py and with the real runner in
+tests/rl_service/control/test_scheduler_real_job.py."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def warm_started_tiny_model(out: Path, steps: int = 80) -> Path:
     from model.config import TaperConfig
     from model.modeling import TaperForCausalLM
     from model.tokenizer import load_tokenizer
-    from rl_service.training.sft import warm_start
+    from rl_service.training.sft import train_sft
     from rollout_workers.environments.registry import generate_tasks, make_env_factory
 
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def warm_started_tiny_model(out: Path, steps: int = 80) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        warm_start(model, tokenizer, gold, steps=steps, lr=3e-3, batch_size=4, seed=0, tools=env.tools())
+        train_sft(model, tokenizer, gold, steps=steps, lr=3e-3, batch_size=4, seed=0, tools=env.tools())
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(out)

@@ -31,7 +31,7 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
                   detached_scheduler: bool = False) -> ServiceRuntime:
     """Connect to Redis and join Ray, or use the data dir's embedded ones (a private Redis and a local Ray
     head, each started once in its own session so that jobs keep running through an API restart; `taper down`
-    stops them), then run the scheduler loop (DESIGN.md section 8). On the embedded setup a supervisor thread
+    stops them), then run the scheduler loop (docs/design.md section 8). On the embedded setup a supervisor thread
     restarts a Redis that died, and with ``detached_scheduler`` (`taper serve`) keeps a scheduler process
     running beside this one, so that jobs are placed and recovered while no API runs. Writes a first API key
     for tenant ``default`` to ``data_dir/api-key`` when the store has none, so a fresh single-machine install

@@ -89,7 +89,7 @@ class Learner:
         outweighs the gain there) and data-parallel wrappers eager. Not the default yet: the learner's own step
         (fp32 weights under autocast, a new batch shape per micro-batch, padding masks) has not been timed or
         checked compiled on a GPU; each new shape costs a compile (~100 s for the stack) until dynamo marks the
-        shapes dynamic (benchmarks/NOTES.md, "Model on the H200")."""
+        shapes dynamic (docs/benchmarks/model.md)."""
         if scope == "auto":
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
             scope = "stack" if self.device.type == "cuda" and not distributed else None
