@@ -42,7 +42,7 @@ run_lane 1 "tests/ui tests/test_demo.py" "tests/kernels tests/reward_models test
   "tests/test_foundation.py tests/test_docs.py tests/test_curriculum_protocol.py tests/rollout_workers" \
   "tests/test_guide.py" >"$logs/lane2.log" 2>&1 &
 lane2=$!
-run_lane 0 "tests/rl_service tests/api" "tests/model"
+run_lane 0 "tests/rl_service tests/api" "tests/model tests/gpu"
 wait $lane2 || true
 echo "==> lane 2"
 cat "$logs/lane2.log"
