@@ -134,8 +134,9 @@ class Integration(_Strict):
 class FineTuningJobCreate(_Strict):
     """POST /v1/fine_tuning/jobs. OpenAI's fields, then Taper's own (sent with the client's `extra_body`)."""
 
-    model: str = Field(pattern=MODEL, description="A preset (tiny, small, large), a checkpoint "
-                       "(`JOB_ID`, `JOB_ID:STEP`: e.g. a job's fine_tuned_model) or `base:NAME`.")
+    model: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,96}$", description="A preset (tiny, small, large), a "
+                       "checkpoint (`JOB_ID`, `JOB_ID:STEP`: e.g. a job's fine_tuned_model), `base:NAME`, or a name "
+                       "the operator made an alias of one (e.g. the OpenAI model an RFT script names).")
     training_file: str | None = Field(
         None, pattern=FILE_ID,
         description="A file id of purpose fine-tune (JSONL tasks); omit (null) to use the environment's generator.")
@@ -297,9 +298,22 @@ def _supervised_blocks(request: FineTuningJobCreate, blocks: dict[str, Any], fil
         raise _bad(f"{param}.n_epochs", "sets warm_start.max_steps, which the request also sets; give one of them")
 
 
-def job_spec_of(request: FineTuningJobCreate, file_meta: FileMeta = lambda _: None) -> JobSpec:
+def resolve_model(model: str, aliases: dict[str, str]) -> str:
+    """A request's `model`, its alias resolved; a 422 naming `model` for a name that is none of Taper's."""
+    model = aliases.get(model, model)
+    if not re.fullmatch(MODEL, model):
+        offered = ", ".join([*PRESETS, *sorted(aliases)])
+        raise _bad("model", f"no model {model!r}: give a preset, a checkpoint (JOB_ID or JOB_ID:STEP), base:NAME or "
+                            f"an alias the operator set (offered: {offered}; GET /v1/models lists them)")
+    return model
+
+
+def job_spec_of(request: FineTuningJobCreate, file_meta: FileMeta = lambda _: None,
+                aliases: dict[str, str] | None = None) -> JobSpec:
     """The job spec of a create request (a 422 naming the OpenAI field that cannot be honoured).
-    ``file_meta`` answers an uploaded file's object (None: unknown), for `n_epochs` and the default method."""
+    ``file_meta`` answers an uploaded file's object (None: unknown), for `n_epochs` and the default method;
+    ``aliases`` maps the operator's other model names to Taper's."""
+    request = request.model_copy(update={"model": resolve_model(request.model, aliases or {})})
     method = method_of(request, file_meta)
     if method == "dpo":
         raise _bad("method.type", "dpo is not offered: Taper trains with reinforcement or supervised")
@@ -561,7 +575,7 @@ class FineTuningJobs:
         return meta, content
 
     def create(self, p: Principal, request: FineTuningJobCreate, idempotency_key: str | None = None) -> dict[str, Any]:
-        spec = job_spec_of(request, lambda file_id: self.service.files.describe(p, file_id))
+        spec = job_spec_of(request, lambda file_id: self.service.files.describe(p, file_id), self.service.model_aliases)
         job, _ = self.service.jobs.submit(p, spec, idempotency_key)
         return job_object(job)
 
