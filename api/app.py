@@ -137,7 +137,7 @@ class _JobsByState:
 def _field_of(loc: tuple[Any, ...], message: str = "") -> str:
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header"):
-        parts = parts[1:] or parts
+        return error_field(parts[1:], message) or parts[0]  # a check on the whole body may name its field
     return error_field(parts, message)
 
 
@@ -158,9 +158,10 @@ def _install_errors(app: FastAPI) -> None:
             field = "body"  # its location is a character offset, not a field
         details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": plain_message(e)}
                    for e in errors[:20]]
+        message = plain_message(first)
         return JSONResponse(
-            {"error": {"code": "invalid", "message": f"{field}: {plain_message(first)}", "field": field,
-                       "details": details}},
+            {"error": {"code": "invalid", "field": field, "details": details,
+                       "message": message if message.startswith(f"{field}:") else f"{field}: {message}"}},
             status_code=422,
         )
 

@@ -433,13 +433,15 @@ def files_upload(
     file: Annotated[Path, typer.Argument(help="A JSONL file: one task per line ({question | messages, answer?, ...}).")],
     purpose: Annotated[str, typer.Option(help="tasks or fine-tune.")] = "tasks",
 ) -> None:
-    """Upload a task file; prints its id (name it in a job's tasks.train_file / tasks.eval_file)."""
+    """Upload a task file; prints its id (name it in a job's tasks.train_file / tasks.eval_file, or, for a file of
+    demonstrations, warm_start.demonstrations)."""
     if not file.is_file():
         raise typer.BadParameter(f"{file} is not a file")
     with _api() as c, file.open("rb") as f:
         meta = _check(c.post("/v1/files", files={"file": (file.name, f, "application/jsonl")},
                              data={"purpose": purpose}, timeout=httpx.Timeout(30, write=None)))
-    console.print(f"{meta['id']}  ({meta['tasks']} tasks, {meta['bytes']} bytes)")
+    demos = f", {meta['demonstrations']} of them demonstrations" if meta.get("demonstrations") else ""
+    console.print(f"{meta['id']}  ({meta['tasks']} tasks{demos}, {meta['bytes']} bytes)")
 
 
 @files_app.command("list")

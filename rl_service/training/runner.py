@@ -262,6 +262,8 @@ class JobRunner:
                                           self.initial_dir, self.tokenizer.pad_token_id or 0, self._progress)
         start, self.run_state = resume_from(ckpt, spec, self.model, self.learner, self.dp, len(self.train_tasks),
                                             self.trajectory_dir, self.hooks)
+        registration = spec.environment.registration or {}
+        self.run_state.infra_guard.endpoint = registration.get("base_url")  # http and mcp: named in warnings
         return start
 
     def _warm_start(self) -> None:
