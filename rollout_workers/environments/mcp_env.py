@@ -34,6 +34,7 @@ from rollout_workers.environments.base import (
 )
 from rollout_workers.environments.http_env import MAX_TOOL_ERROR_CHARS, HttpOptions
 from rollout_workers.net_guard import AllowList, request_targets
+from rollout_workers.retry import Retryable, acall_with_retries
 
 if TYPE_CHECKING:
     from rollout_workers.environments.registry import EnvironmentRegistration
@@ -226,26 +227,27 @@ class McpEnvironment(Environment):
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         reg = self.config
-        last_error: BaseException | None = None
-        for attempt in range(reg.retries + 1):
-            if attempt:
-                await asyncio.sleep(reg.backoff_s * 2 ** (attempt - 1))
+
+        async def attempt() -> Any:
             session = self.mcp.session if self.mcp is not None else None
             if session is None:
                 raise RuntimeError(f"MCP session lost: {_describe(self.mcp.failure if self.mcp else None)}")
             try:
                 async with _slots(reg):
-                    result = await asyncio.wait_for(session.call_tool(tool, args), reg.timeout_s)
+                    return await asyncio.wait_for(session.call_tool(tool, args), reg.timeout_s)
             except TimeoutError:
                 raise TimeoutError(f"MCP server {reg.base_url}: no answer to {tool} within {reg.timeout_s}s") from None
-            except Exception as exc:  # noqa: BLE001 - connection failures are retried, then reported
-                last_error = exc
-                continue
-            if result.is_error:
-                raise ToolError(result_text(result)[:MAX_TOOL_ERROR_CHARS] or f"{tool} failed")
-            return result_text(result)
-        raise RuntimeError(f"MCP server {reg.base_url}: {tool} failed after {reg.retries + 1} attempts: "
-                           f"{_describe(last_error)}")
+            except Exception as exc:  # connection failures are retried (rollout_workers.retry), then reported
+                raise Retryable(_describe(exc)) from exc
+
+        try:
+            result = await acall_with_retries(attempt, reg.retries, reg.backoff_s)
+        except Retryable as exc:
+            raise RuntimeError(f"MCP server {reg.base_url}: {tool} failed after {reg.retries + 1} attempts: "
+                               f"{exc}") from None
+        if result.is_error:
+            raise ToolError(result_text(result)[:MAX_TOOL_ERROR_CHARS] or f"{tool} failed")
+        return result_text(result)
 
     def outcome(self, trajectory: Trajectory) -> float:
         """Without a declared grader: the stated answer equals the task's `answer`."""
