@@ -33,6 +33,7 @@ from api.routers import (
     models,
     system,
     uploads,
+    webhooks,
 )
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
@@ -282,7 +283,7 @@ def create_app(
     app.add_middleware(RequestMetrics, registry=registry)
     app.add_middleware(RequestId)  # outermost: every answer carries x-request-id
     _install_errors(app)
-    for r in (jobs.router, checkpoints.router, environments.router, admin.router, system.router):
+    for r in (jobs.router, checkpoints.router, environments.router, admin.router, webhooks.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
     for r in (fine_tuning.router, graders.router, files.router, uploads.router, models.router):
         app.include_router(r)  # OpenAI's routes document their own (OpenAI-shaped) errors
