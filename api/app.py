@@ -44,9 +44,9 @@ from rl_service.control.settings import TaperSettings, get_settings
 
 log = logging.getLogger(__name__)
 
-STORE_RETRY_AFTER_S = 5
+STORE_RETRY_AFTER_S = 5  # Retry-After of a 503 while Redis is unreachable
 # Paths of OpenAI's API: their errors come in OpenAI's shape (`param`, `type`)
-OPENAI_PATHS = ("/v1/files", "/v1/uploads", "/v1/fine_tuning", "/v1/models")  # Retry-After of a 503 while Redis is unreachable
+OPENAI_PATHS = ("/v1/files", "/v1/uploads", "/v1/fine_tuning", "/v1/models")
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None,
@@ -74,7 +74,7 @@ class BodySizeLimit:
 
         def too_big() -> JSONResponse:
             message = f"request body over {max_bytes} bytes"
-            if scope.get("path", "").startswith(OPENAI_PATHS):
+            if path.startswith(OPENAI_PATHS):
                 status, body = openai_error(413, message, "too_large", "body")
                 return JSONResponse(body, status_code=status)
             return error_response(413, "too_large", message, "body")
