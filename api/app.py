@@ -34,6 +34,7 @@ from api.routers import (
     models,
     system,
     uploads,
+    webhooks,
 )
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
@@ -45,9 +46,9 @@ from rl_service.json_limits import nesting_exceeds
 
 log = logging.getLogger(__name__)
 
-STORE_RETRY_AFTER_S = 5
+STORE_RETRY_AFTER_S = 5  # Retry-After of a 503 while Redis is unreachable
 # Paths of OpenAI's API: their errors come in OpenAI's shape (`param`, `type`)
-OPENAI_PATHS = ("/v1/files", "/v1/uploads", "/v1/fine_tuning", "/v1/models")  # Retry-After of a 503 while Redis is unreachable
+OPENAI_PATHS = ("/v1/files", "/v1/uploads", "/v1/fine_tuning", "/v1/models")
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None,
@@ -75,7 +76,7 @@ class BodySizeLimit:
 
         def too_big() -> JSONResponse:
             message = f"request body over {max_bytes} bytes"
-            if scope.get("path", "").startswith(OPENAI_PATHS):
+            if path.startswith(OPENAI_PATHS):
                 status, body = openai_error(413, message, "too_large", "body")
                 return JSONResponse(body, status_code=status)
             return error_response(413, "too_large", message, "body")
@@ -185,7 +186,7 @@ class _JobsByState:
 def _field_of(loc: tuple[Any, ...], message: str = "") -> str:
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header"):
-        parts = parts[1:] or parts
+        return error_field(parts[1:], message) or parts[0]  # a check on the whole body may name its field
     return error_field(parts, message)
 
 
@@ -206,9 +207,10 @@ def _install_errors(app: FastAPI) -> None:
             field = "body"  # its location is a character offset, not a field
         details = [{"field": _field_of(tuple(e.get("loc", ())), str(e.get("msg", ""))), "message": plain_message(e)}
                    for e in errors[:20]]
+        message = plain_message(first)
         return JSONResponse(
-            {"error": {"code": "invalid", "message": f"{field}: {plain_message(first)}", "field": field,
-                       "details": details}},
+            {"error": {"code": "invalid", "field": field, "details": details,
+                       "message": message if message.startswith(f"{field}:") else f"{field}: {message}"}},
             status_code=422,
         )
 
@@ -331,7 +333,7 @@ def create_app(
     app.add_middleware(RequestMetrics, registry=registry)
     app.add_middleware(RequestId)  # outermost: every answer carries x-request-id
     _install_errors(app)
-    for r in (jobs.router, checkpoints.router, environments.router, admin.router, system.router):
+    for r in (jobs.router, checkpoints.router, environments.router, admin.router, webhooks.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
     for r in (fine_tuning.router, graders.router, files.router, uploads.router, models.router):
         app.include_router(r)  # OpenAI's routes document their own (OpenAI-shaped) errors

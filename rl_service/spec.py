@@ -354,6 +354,20 @@ class ResourcesSpec(_Strict):
         return dict(self.learner_custom)
 
 
+WEBHOOK_EVENTS = ("succeeded", "failed", "cancelled", "paused")
+
+
+class WebhookSpec(_Strict):
+    """Where to POST the job's notices: signed (Standard Webhooks' headers, HMAC-SHA256 with the tenant's
+    secret, GET /v1/webhooks/secret), retried with backoff; the URL must be one the operator's network rules
+    allow (as a tool server's)."""
+
+    url: str = Field(min_length=8, max_length=2048, pattern=r"^https?://", description="http or https.")
+    events: list[Literal["succeeded", "failed", "cancelled", "paused"]] = Field(
+        default_factory=lambda: list(WEBHOOK_EVENTS), min_length=1, max_length=4,
+        description="The states that send a notice.")
+
+
 class JobSpec(_Strict):
     name: str = Field("rl-job", min_length=1, max_length=128)
     method: Literal["reinforcement", "supervised"] = Field(
@@ -380,6 +394,8 @@ class JobSpec(_Strict):
     priority: int = Field(0, ge=-100, le=100, description="Higher runs first; at most the tenant's max_priority.")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     metadata: Metadata = Field(default_factory=dict, description="The tenant's own labels (as OpenAI's `metadata`).")
+    webhooks: list[WebhookSpec] = Field(default_factory=list, max_length=4,
+                                        description="Signed notices when the job ends or pauses.")
 
     @model_validator(mode="after")
     def _sampling_fields_live_in_rollout(self) -> JobSpec:

@@ -279,7 +279,8 @@ class AgentLoop:
             call.error, call.error_kind = replace_surrogates(str(e)) or type(e).__name__, "tool_error"
             call.latency_s = time.monotonic() - t0
         except Exception as e:
-            call.error, call.error_kind = replace_surrogates(f"environment crashed in {name}: {e!r}"), "tool_error"
+            # the environment's failure, not the model's: the infrastructure kind, as the episode's status
+            call.error, call.error_kind = replace_surrogates(f"environment crashed in {name}: {e!r}"), "env_error"
             outcome = (TrajectoryStatus.ENV_ERROR, call.error)
             call.latency_s = time.monotonic() - t0
         else:

@@ -94,6 +94,6 @@ class RolloutStats:
             for status in ("ok", "truncated", "env_error", "tool_timeout"):
                 out[f"status_{status}"] = float(self.statuses.get(status, 0))
             out["failures"] = out["status_env_error"] + out["status_tool_timeout"]
-            for kind in ("format", "unknown_tool", "bad_arguments", "tool_error", "timeout"):
+            for kind in ("format", "unknown_tool", "bad_arguments", "tool_error", "timeout", "env_error"):
                 out[f"tool_errors_{kind}"] = float(self.tool_errors.get(kind, 0))
             return out

@@ -34,7 +34,9 @@ class ToolCall(BaseModel):
     arguments: dict[str, Any] | None = None
     result: str | None = None
     error: str | None = None  # parse error, unknown tool, bad arguments, tool exception, timeout
-    error_kind: str | None = None  # "format" | "unknown_tool" | "bad_arguments" | "tool_error" | "timeout"
+    # "format" | "unknown_tool" | "bad_arguments" | "tool_error" (the model's) | "timeout" | "env_error" (the tool
+    # server's or environment's failure: the episode ends env_error)
+    error_kind: str | None = None
     latency_s: float = 0.0
 
 

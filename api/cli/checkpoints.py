@@ -3,6 +3,7 @@ and unpack it, ready for `AutoModelForCausalLM.from_pretrained(folder, trust_rem
 
 from __future__ import annotations
 
+import json
 import tarfile
 import tempfile
 from collections.abc import Callable
@@ -23,11 +24,16 @@ def register(app: typer.Typer, api: Callable[[], AbstractContextManager[httpx.Cl
     app.add_typer(checkpoints_app, name="checkpoints")
 
     @checkpoints_app.command("list")
-    def list_checkpoints(job_id: str) -> None:
+    def list_checkpoints(job_id: str, as_json: Annotated[bool, typer.Option(
+            "--json", help="Print the API's answer as JSON.")] = False) -> None:
         """The job's checkpoints (step, time)."""
         with api() as c:
-            for ckpt in check(c.get(f"/v1/jobs/{job_id}/checkpoints")):
-                console.print(f"step {ckpt['step']:>8}  {ckpt['ts']:.0f}")
+            found = check(c.get(f"/v1/jobs/{job_id}/checkpoints"))
+        if as_json:
+            print(json.dumps(found))
+            return
+        for ckpt in found:
+            console.print(f"step {ckpt['step']:>8}  {ckpt['ts']:.0f}")
 
     @checkpoints_app.command()
     def download(

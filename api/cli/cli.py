@@ -37,7 +37,15 @@ app.add_typer(files_app, name="files")
 app.add_typer(quota_app, name="quota")
 
 console = Console()
-TERMINAL = {"succeeded", "failed", "cancelled"}
+# Exit codes: 0 done (a watched job succeeded), 1 the API refused the request or a watched job failed,
+# 2 bad usage or an API that cannot be reached, 3 a watched job was cancelled, 4 it paused (itself or by hand)
+EXIT_FAILED, EXIT_UNREACHABLE, EXIT_CANCELLED, EXIT_PAUSED = 1, 2, 3, 4
+WATCH_EXIT = {"succeeded": 0, "failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED, "paused": EXIT_PAUSED}
+Json = Annotated[bool, typer.Option("--json", help="Print the API's answer as JSON (events: one per line).")]
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data))  # plain stdout: no wrapping, no markup
 _api_url_option: str | None = None
 
 
@@ -95,7 +103,7 @@ def _api() -> Iterator[httpx.Client]:
         yield client
     except httpx.TransportError as exc:
         console.print(f"[red]error[/red] cannot reach the Taper API at {client.base_url}: {exc}")
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_UNREACHABLE) from None
     finally:
         client.close()
 
@@ -200,11 +208,14 @@ def down() -> None:
 def submit(
     file: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON), see rl_service/spec.py.")],
     idempotency_key: Annotated[str | None, typer.Option(help="Submitting again with the same key is a no-op.")] = None,
+    as_json: Json = False,
 ) -> None:
     """Submit a job; prints its id."""
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     with _api() as c:
         job = _check(c.post("/v1/jobs", json=_load(file), headers=headers))
+    if as_json:
+        return _print_json(job)
     console.print(f"[green]{job['id']}[/green] {job['state']}")
 
 
@@ -223,28 +234,34 @@ def _job_table(jobs: list[dict[str, Any]]) -> Table:
 def status(
     job_id: Annotated[str | None, typer.Argument(help="A job id; all jobs when omitted.")] = None,
     state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
-    watch: Annotated[bool, typer.Option(help="Follow the job's progress until it finishes.")] = False,
+    watch: Annotated[bool, typer.Option(help="Follow the job's progress until it finishes or pauses; the exit "
+                                             "code says how it ended (0 succeeded, 1 failed, 3 cancelled, "
+                                             "4 paused).")] = False,
+    as_json: Json = False,
 ) -> None:
     """Jobs with progress bars, or one job's details."""
     with _api() as c:
         if job_id is None:
             params = {"limit": 100, **({"state": state} if state else {})}
             page = _check(c.get("/v1/jobs", params=params))
+            if as_json:
+                return _print_json(page)
             console.print(_job_table(page["items"]))
             console.print(f"{page['total']} job(s)")
             return
         job = _check(c.get(f"/v1/jobs/{job_id}"))
         if not watch:
-            _print_job(job)
-            return
+            return _print_json(job) if as_json else _print_job(job)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console) as progress:
+                      TimeElapsedColumn(), console=console, disable=as_json) as progress:
             task = progress.add_task(f"{job_id} {job['state']}", total=job["total_steps"], completed=job["step"])
-            while job["state"] not in TERMINAL:
+            while job["state"] not in WATCH_EXIT:
                 time.sleep(1.0)
                 job = _check(c.get(f"/v1/jobs/{job_id}"))
                 progress.update(task, completed=job["step"], description=f"{job_id} {job['state']}")
-        _print_job(job)
+    _print_json(job) if as_json else _print_job(job)
+    if WATCH_EXIT[job["state"]]:
+        raise typer.Exit(WATCH_EXIT[job["state"]])
 
 
 def _print_job(job: dict[str, Any]) -> None:
@@ -268,15 +285,17 @@ def _print_event(e: dict[str, Any]) -> None:
 def logs(
     job_id: str,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream new events until the job finishes.")] = False,
+    as_json: Json = False,
 ) -> None:
     """A job's events."""
+    show = _print_json if as_json else _print_event
     with _api() as c:
         if not follow:
             after = None
             while True:
                 page = _check(c.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000, **({"after": after} if after else {})}))
                 for e in page["items"]:
-                    _print_event(e)
+                    show(e)
                 if not page["next"]:
                     return
                 after = page["next"]
@@ -293,29 +312,31 @@ def logs(
                     eid = line[3:].strip()
                 elif line.startswith("data:"):
                     data = json.loads(line[5:].strip())
-                    _print_event({"id": eid, "kind": kind, "ts": data.get("ts", time.time()), "data": data})
+                    show({"id": eid, "kind": kind, "ts": data.get("ts", time.time()), "data": data})
 
 
 @app.command()
-def cancel(job_id: str) -> None:
+def cancel(job_id: str, as_json: Json = False) -> None:
     """Cancel a job."""
     with _api() as c:
-        console.print(_check(c.post(f"/v1/jobs/{job_id}/cancel"))["state"])
+        job = _check(c.post(f"/v1/jobs/{job_id}/cancel"))
+    _print_json(job) if as_json else console.print(job["state"])
 
 
 @app.command()
-def pause(job_id: str) -> None:
+def pause(job_id: str, as_json: Json = False) -> None:
     """Pause a job (it checkpoints and frees its resources)."""
     with _api() as c:
         job = _check(c.post(f"/v1/jobs/{job_id}/pause"))
-        console.print(f"{job['state']} (requested: {job['control']})")
+    _print_json(job) if as_json else console.print(f"{job['state']} (requested: {job['control']})")
 
 
 @app.command()
-def resume(job_id: str) -> None:
+def resume(job_id: str, as_json: Json = False) -> None:
     """Resume a paused job from its last checkpoint."""
     with _api() as c:
-        console.print(_check(c.post(f"/v1/jobs/{job_id}/resume"))["state"])
+        job = _check(c.post(f"/v1/jobs/{job_id}/resume"))
+    _print_json(job) if as_json else console.print(job["state"])
 
 
 @app.command()
@@ -331,10 +352,12 @@ def delete(
 
 # ---- schedule ----
 @schedule_app.command("show")
-def schedule_show(job_id: str) -> None:
+def schedule_show(job_id: str, as_json: Json = False) -> None:
     """The current schedule and its versions."""
     with _api() as c:
         s = _check(c.get(f"/v1/jobs/{job_id}/reward-schedule"))
+    if as_json:
+        return _print_json(s)
     console.print(f"version {s['version']} (from step {s['effective_from']}): {json.dumps(s['schedule'])}")
     for v in s["history"][:-1]:
         console.print(f"  v{v['version']} from step {v['effective_from']}: {json.dumps(v['patch'] or v['schedule'])}")
@@ -352,6 +375,7 @@ def schedule_set(
     job_id: str,
     fields: Annotated[list[str] | None, typer.Argument(help="FIELD=VALUE pairs, e.g. w_end=0 horizon=50.")] = None,
     file: Annotated[Path | None, typer.Option(help="A YAML/JSON object of schedule fields.")] = None,
+    as_json: Json = False,
 ) -> None:
     """Change the schedule from the job's next step (a new version)."""
     patch: dict[str, Any] = dict(_load(file)) if file else {}
@@ -364,23 +388,30 @@ def schedule_set(
         raise typer.BadParameter("give FIELD=VALUE pairs or --file")
     with _api() as c:
         s = _check(c.patch(f"/v1/jobs/{job_id}/reward-schedule", json=patch))
+    if as_json:
+        return _print_json(s)
     console.print(f"version {s['version']} from step {s['effective_from']}: {json.dumps(s['schedule'])}")
 
 
 # ---- environments ----
 @env_app.command("register")
-def env_register(file: Annotated[Path, typer.Argument(help="An EnvironmentRegistration (YAML or JSON).")]) -> None:
+def env_register(file: Annotated[Path, typer.Argument(help="An EnvironmentRegistration (YAML or JSON).")],
+                 as_json: Json = False) -> None:
     """Register a tool environment (python import path, http tool server or mcp server)."""
     with _api() as c:
         env = _check(c.post("/v1/environments", json=_load(file)))
+    if as_json:
+        return _print_json(env)
     console.print(f"registered [green]{env['name']}[/green] ({env['registration']['kind']})")
 
 
 @env_app.command("list")
-def env_list() -> None:
+def env_list(as_json: Json = False) -> None:
     """Built-in and registered environments."""
     with _api() as c:
         envs = _check(c.get("/v1/environments"))
+    if as_json:
+        return _print_json(envs)
     table = Table("name", "kind", "detail")
     for e in envs:
         reg = e["registration"] or {}
@@ -432,21 +463,28 @@ def env_check(
 def files_upload(
     file: Annotated[Path, typer.Argument(help="A JSONL file: one task per line ({question | messages, answer?, ...}).")],
     purpose: Annotated[str, typer.Option(help="tasks or fine-tune.")] = "tasks",
+    as_json: Json = False,
 ) -> None:
-    """Upload a task file; prints its id (name it in a job's tasks.train_file / tasks.eval_file)."""
+    """Upload a task file; prints its id (name it in a job's tasks.train_file / tasks.eval_file, or, for a file of
+    demonstrations, warm_start.demonstrations)."""
     if not file.is_file():
         raise typer.BadParameter(f"{file} is not a file")
     with _api() as c, file.open("rb") as f:
         meta = _check(c.post("/v1/files", files={"file": (file.name, f, "application/jsonl")},
                              data={"purpose": purpose}, timeout=httpx.Timeout(30, write=None)))
-    console.print(f"{meta['id']}  ({meta['tasks']} tasks, {meta['bytes']} bytes)")
+    if as_json:
+        return _print_json(meta)
+    demos = f", {meta['demonstrations']} of them demonstrations" if meta.get("demonstrations") else ""
+    console.print(f"{meta['id']}  ({meta['tasks']} tasks{demos}, {meta['bytes']} bytes)")
 
 
 @files_app.command("list")
-def files_list() -> None:
+def files_list(as_json: Json = False) -> None:
     """Your task files, newest first."""
     with _api() as c:
         files = _check(c.get("/v1/files"))["data"]
+    if as_json:
+        return _print_json(files)
     table = Table("filename", "purpose", "tasks", "bytes")
     table.add_column("id", no_wrap=True, min_width=29)
     for f in files:
@@ -466,10 +504,11 @@ def _print_quota(q: dict[str, Any]) -> None:
 
 
 @quota_app.command("show")
-def quota_show(tenant: str) -> None:
+def quota_show(tenant: str, as_json: Json = False) -> None:
     """A tenant's quota."""
     with _api() as c:
-        _print_quota(_check(c.get(f"/v1/tenants/{tenant}/quota")))
+        quota = _check(c.get(f"/v1/tenants/{tenant}/quota"))
+    _print_json(quota) if as_json else _print_quota(quota)
 
 
 @quota_app.command("set")

@@ -22,6 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from reward_models.graders import Grader
 from reward_models.monitor import HackingMonitorConfig
 from reward_models.schedule import RewardSchedule
+from rl_service.control.openai_results import (
+    checkpoint_metrics,
+    estimated_finish,
+    job_of_result_file,
+    result_file_id,
+    results_csv,
+    trained_tokens,
+)
 from rl_service.control.service import (
     InvalidInput,
     NotFound,
@@ -47,6 +55,7 @@ from rl_service.spec import (
     WandbTracking,
     WarmStartSpec,
     WatchdogSpec,
+    WebhookSpec,
 )
 
 PRESETS = ("tiny", "small", "large")
@@ -134,8 +143,9 @@ class Integration(_Strict):
 class FineTuningJobCreate(_Strict):
     """POST /v1/fine_tuning/jobs. OpenAI's fields, then Taper's own (sent with the client's `extra_body`)."""
 
-    model: str = Field(pattern=MODEL, description="A preset (tiny, small, large), a checkpoint "
-                       "(`JOB_ID`, `JOB_ID:STEP`: e.g. a job's fine_tuned_model) or `base:NAME`.")
+    model: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,96}$", description="A preset (tiny, small, large), a "
+                       "checkpoint (`JOB_ID`, `JOB_ID:STEP`: e.g. a job's fine_tuned_model), `base:NAME`, or a name "
+                       "the operator made an alias of one (e.g. the OpenAI model an RFT script names).")
     training_file: str | None = Field(
         None, pattern=FILE_ID,
         description="A file id of purpose fine-tune (JSONL tasks); omit (null) to use the environment's generator.")
@@ -165,6 +175,7 @@ class FineTuningJobCreate(_Strict):
     checkpoint_every: int | None = Field(None, ge=1)
     keep_last_checkpoints: int | None = Field(None, ge=1, le=1000)
     priority: int | None = Field(None, ge=-100, le=100)
+    webhooks: list[WebhookSpec] | None = Field(None, max_length=4)
 
 
 def _bad(param: str, message: str) -> InvalidInput:
@@ -297,9 +308,22 @@ def _supervised_blocks(request: FineTuningJobCreate, blocks: dict[str, Any], fil
         raise _bad(f"{param}.n_epochs", "sets warm_start.max_steps, which the request also sets; give one of them")
 
 
-def job_spec_of(request: FineTuningJobCreate, file_meta: FileMeta = lambda _: None) -> JobSpec:
+def resolve_model(model: str, aliases: dict[str, str]) -> str:
+    """A request's `model`, its alias resolved; a 422 naming `model` for a name that is none of Taper's."""
+    model = aliases.get(model, model)
+    if not re.fullmatch(MODEL, model):
+        offered = ", ".join([*PRESETS, *sorted(aliases)])
+        raise _bad("model", f"no model {model!r}: give a preset, a checkpoint (JOB_ID or JOB_ID:STEP), base:NAME or "
+                            f"an alias the operator set (offered: {offered}; GET /v1/models lists them)")
+    return model
+
+
+def job_spec_of(request: FineTuningJobCreate, file_meta: FileMeta = lambda _: None,
+                aliases: dict[str, str] | None = None) -> JobSpec:
     """The job spec of a create request (a 422 naming the OpenAI field that cannot be honoured).
-    ``file_meta`` answers an uploaded file's object (None: unknown), for `n_epochs` and the default method."""
+    ``file_meta`` answers an uploaded file's object (None: unknown), for `n_epochs` and the default method;
+    ``aliases`` maps the operator's other model names to Taper's."""
+    request = request.model_copy(update={"model": resolve_model(request.model, aliases or {})})
     method = method_of(request, file_meta)
     if method == "dpo":
         raise _bad("method.type", "dpo is not offered: Taper trains with reinforcement or supervised")
@@ -371,57 +395,6 @@ def _hyperparameters(spec: JobSpec) -> dict[str, Any]:
     }
 
 
-RESULT_FILE_SUFFIX = "00000000"  # a job's result file: `file-` + the job's 16 hex digits + this
-
-
-def result_file_id(job_id: str) -> str:
-    return "file-" + job_id.removeprefix("job-") + RESULT_FILE_SUFFIX
-
-
-def job_of_result_file(file_id: str) -> str | None:
-    if not (file_id.startswith("file-") and file_id.endswith(RESULT_FILE_SUFFIX) and len(file_id) == 29):
-        return None
-    return "job-" + file_id[5:21]
-
-
-def _training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if not all(k.startswith("eval/") for k in r["metrics"])]
-
-
-RESULT_COLUMNS = ("step", "train_loss", "train_mean_reward", "train_success_rate", "valid_success_rate",
-                  "trained_tokens")
-
-
-def results_csv(rows: list[dict[str, Any]]) -> bytes:
-    """A job's result file (OpenAI's: one CSV row per training step): the loss, the mean outcome reward and the
-    success rate of the step's rollouts, the held-out success rate where it was evaluated, tokens trained."""
-    import csv
-    import io
-
-    evals = {r["step"]: r["metrics"]["eval/success_rate"] for r in rows if "eval/success_rate" in r["metrics"]}
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(RESULT_COLUMNS)
-    for r in _training_rows(rows):
-        m, done = r["metrics"], r["step"] + 1
-        writer.writerow([done, m.get("loss", ""), m.get("reward/outcome_mean", ""), m.get("success_rate", ""),
-                         evals.get(done, ""), int(m.get("action_tokens", 0))])
-    return out.getvalue().encode()
-
-
-def trained_tokens(rows: list[dict[str, Any]]) -> int:
-    """Tokens the loss trained on, over the job's steps."""
-    return int(sum(r["metrics"].get("action_tokens", 0.0) for r in _training_rows(rows)))
-
-
-def estimated_finish(job: JobRecord) -> int | None:
-    """When a running job will be done at its latest step's pace (None: not running, or no step yet)."""
-    pace = (job.last_metrics or {}).get("time/step")
-    if job.state != JobState.RUNNING or not job.step or not isinstance(pace, int | float):
-        return None
-    return int(job.updated_at + max(0, job.total_steps - job.step) * float(pace))
-
-
 def job_object(job: JobRecord, tokens: int | None = None) -> dict[str, Any]:
     """A `fine_tuning.job` object. `fine_tuned_model` is the succeeded job's id: as a `model` it names the job's
     newest checkpoint, so it starts the next job from there. ``tokens``: the finished job's trained tokens
@@ -489,20 +462,6 @@ def event_object(event: dict[str, Any]) -> dict[str, Any]:
             "message": message, "data": {"kind": kind, **data}, "type": "metrics" if kind == "eval" else "message"}
 
 
-def checkpoint_metrics(step: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """OpenAI's checkpoint metrics from the job's rows: the loss of the step that ended at the checkpoint, and
-    (Taper's) its rollouts' mean reward and success rate, the held-out success rate when evaluated there."""
-    out: dict[str, Any] = {"step": step}
-    for r in rows:
-        m = r["metrics"]
-        if r["step"] == step - 1 and "loss" in m:
-            out.update(train_loss=m["loss"], train_mean_reward=m.get("reward/outcome_mean"),
-                       train_success_rate=m.get("success_rate"))
-        if r["step"] == step and "eval/success_rate" in m:
-            out["valid_success_rate"] = m["eval/success_rate"]
-    return out
-
-
 def checkpoint_object(job_id: str, checkpoint: dict[str, Any], rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     ref = f"{job_id}:{checkpoint['step']}"
     return {"object": "fine_tuning.job.checkpoint", "id": ref, "created_at": int(checkpoint["ts"]),
@@ -561,7 +520,7 @@ class FineTuningJobs:
         return meta, content
 
     def create(self, p: Principal, request: FineTuningJobCreate, idempotency_key: str | None = None) -> dict[str, Any]:
-        spec = job_spec_of(request, lambda file_id: self.service.files.describe(p, file_id))
+        spec = job_spec_of(request, lambda file_id: self.service.files.describe(p, file_id), self.service.model_aliases)
         job, _ = self.service.jobs.submit(p, spec, idempotency_key)
         return job_object(job)
 

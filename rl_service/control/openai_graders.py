@@ -12,7 +12,7 @@ from reward_models.graders import GradeContext, Grader, GraderSpec
 from reward_models.graders.trial import ERROR_FLAGS, Trial, run_grader
 from rl_service.control.service import TaperService
 
-MAX_SAMPLE_CHARS = 1_000_000
+MAX_SAMPLE_CHARS = 100_000  # a final answer; under the request limit, so the field is what refuses it
 
 
 class GraderValidate(BaseModel):

@@ -1,7 +1,7 @@
 """OpenAI's `/v1/models` and checkpoint permissions over Taper (translation only; the rules stay in
 TaperService and the store).
 
-Models: the presets (`tiny`, `small`, `large`), the operator's base models (`base:NAME`) and the tenant's
+Models: the presets (`tiny`, `small`, `large`), the operator's base models (`base:NAME`) and aliases, and the tenant's
 fine-tuned models (its succeeded jobs, by job id; `JOB_ID:STEP` names one checkpoint). Each is a `model` to
 start a job from. Checkpoint permissions let other tenants (OpenAI's projects: here, tenant names) start jobs
 from one of the tenant's checkpoints (`JOB_ID:STEP`) or fine-tuned models (`JOB_ID`)."""
@@ -51,13 +51,15 @@ class OpenAIModels:
         """Presets, the operator's base models, then the tenant's fine-tuned models newest first."""
         data = [model_object(name, 0, "taper") for name in PRESETS]
         data += [model_object(f"base:{name}", 0, "operator") for name in sorted(self.service.files.base_models)]
+        data += [model_object(alias, 0, "operator") for alias in sorted(self.service.model_aliases)]
         data += self._fine_tuned(p)
         return {"object": "list", "data": data}
 
     def retrieve(self, p: Principal, model: str) -> dict[str, Any]:
         if model in PRESETS:
             return model_object(model, 0, "taper")
-        if model.startswith("base:") and model.removeprefix("base:") in self.service.files.base_models:
+        if model in self.service.model_aliases or (model.startswith("base:") and model.removeprefix("base:")
+                                                   in self.service.files.base_models):
             return model_object(model, 0, "operator")
         job_id, _, step = model.partition(":")
         if job_id.startswith("job-"):

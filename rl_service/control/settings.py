@@ -77,6 +77,10 @@ class TaperSettings(EnvironmentSettings):
         default_factory=dict,
         description="Model directories tenants may start from as `model.checkpoint: base:NAME` "
                     '(JSON: {"NAME": "/models/dir"}).')
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Other names of models for the OpenAI-compatible routes, e.g. an OpenAI model id an RFT script "
+                    'sends -> a preset or base:NAME (JSON: {"o4-mini-2025-04-16": "small"}).')
     task_files: TaskFileLimits = Field(
         default_factory=TaskFileLimits,
         description="Limits on uploaded task files (TAPER_TASK_FILES__MAX_BYTES=..., __MAX_LINES, __MAX_LINE_BYTES, "
@@ -94,6 +98,19 @@ class TaperSettings(EnvironmentSettings):
         for name in v:
             if not re.fullmatch(BASE_MODEL_NAME, name):
                 raise ValueError(f"base model name {name!r}: use 1-64 of A-Z, a-z, 0-9, '_', '.', '-'")
+        return v
+
+    @field_validator("model_aliases")
+    @classmethod
+    def _aliases_name_models(cls, v: dict[str, str]) -> dict[str, str]:
+        from rl_service.spec import BASE_MODEL_NAME
+
+        for alias, target in v.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,96}", alias):
+                raise ValueError(f"model alias {alias!r}: use 1-96 of A-Z, a-z, 0-9, '_', '.', ':', '-'")
+            if not re.fullmatch(rf"tiny|small|large|base:{BASE_MODEL_NAME}", target):
+                raise ValueError(f"model alias {alias!r}: names a preset (tiny, small, large) or base:NAME, "
+                                 f"not {target!r}")
         return v
 
     @model_validator(mode="after")

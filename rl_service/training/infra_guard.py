@@ -36,6 +36,7 @@ class InfraFailureGuard:
         self.streak = streak  # failing steps in a row, up to the last one observed
         self.warned = warned  # a warning was already raised for this streak
         self.untrained_steps = untrained_steps  # steps on which the learner had nothing to train on
+        self.endpoint: str | None = None  # the environment's tool server, named in warnings (set by the runner)
 
     def observe(self, step: int, groups: Sequence[Sequence[Trajectory]], trained: bool) -> StepHealth:
         """Judge training step `step` (0-based) from its rollout groups; `trained` says whether the learner
@@ -52,9 +53,12 @@ class InfraFailureGuard:
 
         self.streak += 1
         every_group = bool(groups) and failed_groups == len(groups)
+        example = next((tj.error for tj in trajs if tj.status.is_infra_failure and tj.error), None)
+        where = f"the tool server at {self.endpoint}" if self.endpoint else "the environment's tool server"
         summary = (f"{failed} of {len(trajs)} trajectories of step {step} were infrastructure failures "
                    f"({failed_groups} of {len(groups)} groups failed whole; {self.streak} failing step(s) in a "
-                   "row): check the environment's tool server or the rollout workers")
+                   f"row): check {where} or the rollout workers"
+                   + (f"; the first error: {example[:300]}" if example else ""))
         warning = None
         if not self.warned and (every_group or self.streak >= self.config.warn_after_steps):
             self.warned = True

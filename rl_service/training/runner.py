@@ -191,7 +191,9 @@ class JobRunner:
     def _supervised(self) -> str:
         """A supervised job: the warm start alone, its result the job's one checkpoint (step total_steps)."""
         spec = self.spec
-        if latest_checkpoint(self.checkpoint_dir) is not None:  # a restarted driver after the job's work was done
+        done = latest_checkpoint(self.checkpoint_dir)
+        if done is not None:  # a restarted driver after the job's work was done: recorded again, not redone
+            self.hooks.add_checkpoint(done.step, done.path.resolve().as_uri())
             return "succeeded"
         self.env = environment_of(spec)
         self._progress()
@@ -262,6 +264,8 @@ class JobRunner:
                                           self.initial_dir, self.tokenizer.pad_token_id or 0, self._progress)
         start, self.run_state = resume_from(ckpt, spec, self.model, self.learner, self.dp, len(self.train_tasks),
                                             self.trajectory_dir, self.hooks)
+        registration = spec.environment.registration or {}
+        self.run_state.infra_guard.endpoint = registration.get("base_url")  # http and mcp: named in warnings
         return start
 
     def _warm_start(self) -> None:

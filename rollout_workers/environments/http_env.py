@@ -12,8 +12,9 @@ message; reward 1.0 when the stated answer equals the task's "answer"; no task g
 components of the environment's own; no demonstrations. /process answers one object per trajectory step,
 each value in [0, 1] (clipped), at most MAX_PROCESS_COMPONENTS names of at most 64 characters.
 
-Each request has the registration's timeout; connection errors, 429 and 5xx are retried with
-exponential backoff; at most `concurrency` requests per registration are in flight in a process.
+Each request has the registration's timeout; connection errors, 429 and 5xx are retried with exponential
+backoff and jitter (a server's Retry-After honoured, capped); at most `concurrency` requests per registration
+are in flight in a process.
 
 Targets are tenant-chosen, so every connection goes through net_guard: the host is resolved and checked
 against the operator's allow-list on each new request and the connection goes to the checked address;
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -43,6 +43,7 @@ from rollout_workers.environments.base import (
     task_messages,
 )
 from rollout_workers.net_guard import AllowList, PinnedTransport, TargetRefused, endpoint_url
+from rollout_workers.retry import Retryable, call_with_retries, retry_after
 
 if TYPE_CHECKING:
     from rollout_workers.environments.registry import EnvironmentRegistration
@@ -108,32 +109,30 @@ def _read_bounded(response: httpx.Response, where: str) -> bytes:
 
 
 def post_json(reg: EnvironmentRegistration, endpoint: str, body: dict[str, Any], allow: AllowList) -> dict[str, Any]:
-    """POST to `base_url/endpoint` with timeout, retries with backoff and the registration's concurrency limit.
-    Raises EndpointMissing on 404, RuntimeError naming the status code alone for other errors."""
+    """POST to `base_url/endpoint` with timeout, retries (rollout_workers.retry: backoff with jitter, the
+    server's Retry-After) and the registration's concurrency limit. Raises EndpointMissing on 404,
+    RuntimeError naming the status code alone for other errors."""
     url = endpoint_url(str(reg.base_url), endpoint)
     where = f"{reg.base_url} /{endpoint}"
     target = _target(reg, allow)
-    last_error: Exception | None = None
-    for attempt in range(reg.retries + 1):
-        if attempt:
-            time.sleep(reg.backoff_s * 2 ** (attempt - 1))
+
+    def attempt() -> dict[str, Any]:
         with target.slots:
             try:
                 with target.client.stream("POST", url, json=body, timeout=reg.timeout_s) as response:
                     status = response.status_code
                     content = _read_bounded(response, where) if 200 <= status < 300 else b""
+                    wait = retry_after(response.headers.get("retry-after"))
             except TargetRefused as e:
                 raise RuntimeError(f"{where}: target refused: {e}") from None
             except httpx.TimeoutException as e:
                 raise TimeoutError(f"{where}: no answer within {reg.timeout_s}s") from e
             except httpx.TransportError as e:
-                last_error = e
-                continue
+                raise Retryable(str(e) or type(e).__name__) from e
         if status == 404:
             raise EndpointMissing(where)
         if status == 429 or status >= 500:
-            last_error = RuntimeError(f"{where}: HTTP {status}")
-            continue
+            raise Retryable(f"{where}: HTTP {status}", retry_after_s=wait)
         if 300 <= status < 400:
             raise RuntimeError(f"{where}: HTTP {status} (redirects are not followed)")
         if not 200 <= status < 300:
@@ -145,7 +144,11 @@ def post_json(reg: EnvironmentRegistration, endpoint: str, body: dict[str, Any],
         if not isinstance(data, dict):
             raise RuntimeError(f"{where}: expected a JSON object, got {type(data).__name__}")
         return data
-    raise RuntimeError(f"{where}: failed after {reg.retries + 1} attempts: {last_error}")
+
+    try:
+        return call_with_retries(attempt, reg.retries, reg.backoff_s)
+    except Retryable as e:
+        raise RuntimeError(f"{where}: failed after {reg.retries + 1} attempts: {e}") from None
 
 
 def probe(reg: EnvironmentRegistration, allow: AllowList) -> None:

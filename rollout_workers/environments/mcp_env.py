@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import httpx2
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from mcp.types import PaginatedRequestParams
 
 from rollout_workers.environments.base import (
     Environment,
@@ -33,12 +34,15 @@ from rollout_workers.environments.base import (
 )
 from rollout_workers.environments.http_env import MAX_TOOL_ERROR_CHARS, HttpOptions
 from rollout_workers.net_guard import AllowList, request_targets
+from rollout_workers.retry import Retryable, acall_with_retries
 
 if TYPE_CHECKING:
     from rollout_workers.environments.registry import EnvironmentRegistration
     from rollout_workers.trajectory import Trajectory
 
-MAX_TOOLS = 128
+MAX_TOOLS = 128  # tools one environment exposes (after a registration's `tools` filter)
+MAX_LISTED_TOOLS = 4096  # tools a server may list at registration (all pages)
+MAX_LISTED_PAGES = 256
 MAX_RESULT_CHARS = 64 * 1024
 T = TypeVar("T")
 
@@ -120,10 +124,21 @@ class McpSession:
                 await asyncio.wait_for(self._owner, self.timeout_s)
 
 
+# What the SDK says when the answer is HTTP but not JSON-RPC: a plain web service, not an MCP endpoint
+_NOT_JSON_RPC = ("Failed to parse JSON response", "validation error", "Unexpected content type")
+NOT_AN_MCP_ENDPOINT = ("not an MCP endpoint: it answers HTTP, but not MCP's JSON-RPC; base_url must be the server's "
+                       "streamable HTTP endpoint (often .../mcp). A plain HTTP tool server registers as kind 'http'")
+
+
 def _describe(exc: BaseException | None) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}" if exc is not None else "the session ended"
+    if exc is None:
+        return "the session ended"
+    text = str(exc)
+    if any(marker in text for marker in _NOT_JSON_RPC):
+        return NOT_AN_MCP_ENDPOINT
+    return f"{type(exc).__name__}: {text[:500]}"
 
 
 def run_coroutine(factory: Callable[[], Awaitable[T]]) -> T:
@@ -137,19 +152,32 @@ def run_coroutine(factory: Callable[[], Awaitable[T]]) -> T:
 
 
 def list_mcp_tools(url: str, allow: AllowList, timeout_s: float) -> list[dict[str, Any]]:
-    """The server's tools as {name, description, parameters}; raises RuntimeError saying what went wrong."""
+    """Every tool the server lists (all pages, following `nextCursor`; at most MAX_LISTED_TOOLS) as {name,
+    description, parameters}; raises RuntimeError saying what went wrong."""
 
     async def list_tools() -> list[dict[str, Any]]:
         session = McpSession(url, allow, timeout_s)
+        tools: list[Any] = []
         try:
             client = await session.open()
-            listed = await asyncio.wait_for(client.list_tools(), timeout_s)
+            cursor: str | None = None
+            for _ in range(MAX_LISTED_PAGES):
+                params = PaginatedRequestParams(cursor=cursor) if cursor is not None else None
+                listed = await asyncio.wait_for(client.list_tools(params=params), timeout_s)
+                tools += listed.tools
+                cursor = listed.next_cursor
+                if cursor is None or len(tools) > MAX_LISTED_TOOLS:
+                    break
+            else:
+                raise RuntimeError(f"MCP server {url}: still paging after {MAX_LISTED_PAGES} pages of tools")
         except TimeoutError:
             raise RuntimeError(f"MCP server {url} did not answer within {timeout_s}s") from None
         finally:
             await session.close()
+        if len(tools) > MAX_LISTED_TOOLS:
+            raise RuntimeError(f"MCP server {url} lists more than {MAX_LISTED_TOOLS} tools")
         return [{"name": t.name, "description": t.description or "", "parameters": dict(t.input_schema)}
-                for t in listed.tools[: MAX_TOOLS + 1]]
+                for t in tools]
 
     return run_coroutine(list_tools)
 
@@ -199,26 +227,27 @@ class McpEnvironment(Environment):
 
     async def call(self, tool: str, args: dict[str, Any]) -> str:
         reg = self.config
-        last_error: BaseException | None = None
-        for attempt in range(reg.retries + 1):
-            if attempt:
-                await asyncio.sleep(reg.backoff_s * 2 ** (attempt - 1))
+
+        async def attempt() -> Any:
             session = self.mcp.session if self.mcp is not None else None
             if session is None:
                 raise RuntimeError(f"MCP session lost: {_describe(self.mcp.failure if self.mcp else None)}")
             try:
                 async with _slots(reg):
-                    result = await asyncio.wait_for(session.call_tool(tool, args), reg.timeout_s)
+                    return await asyncio.wait_for(session.call_tool(tool, args), reg.timeout_s)
             except TimeoutError:
                 raise TimeoutError(f"MCP server {reg.base_url}: no answer to {tool} within {reg.timeout_s}s") from None
-            except Exception as exc:  # noqa: BLE001 - connection failures are retried, then reported
-                last_error = exc
-                continue
-            if result.is_error:
-                raise ToolError(result_text(result)[:MAX_TOOL_ERROR_CHARS] or f"{tool} failed")
-            return result_text(result)
-        raise RuntimeError(f"MCP server {reg.base_url}: {tool} failed after {reg.retries + 1} attempts: "
-                           f"{_describe(last_error)}")
+            except Exception as exc:  # connection failures are retried (rollout_workers.retry), then reported
+                raise Retryable(_describe(exc)) from exc
+
+        try:
+            result = await acall_with_retries(attempt, reg.retries, reg.backoff_s)
+        except Retryable as exc:
+            raise RuntimeError(f"MCP server {reg.base_url}: {tool} failed after {reg.retries + 1} attempts: "
+                               f"{exc}") from None
+        if result.is_error:
+            raise ToolError(result_text(result)[:MAX_TOOL_ERROR_CHARS] or f"{tool} failed")
+        return result_text(result)
 
     def outcome(self, trajectory: Trajectory) -> float:
         """Without a declared grader: the stated answer equals the task's `answer`."""

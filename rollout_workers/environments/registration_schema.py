@@ -12,6 +12,9 @@ from typing import Any
 
 from rollout_workers.environments.base import _TOOL_NAME
 
+# The keys of an MCP client's stdio server config: refused by name (a tenant's command never runs on the cluster)
+STDIO_FIELDS = ("command", "args", "env", "cwd")
+
 KIND_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # kind -> (required, absent)
     "python": (("import_path",), ("base_url", "tools")),
     "http": (("base_url", "tools"), ("import_path",)),

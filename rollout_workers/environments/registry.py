@@ -27,10 +27,15 @@ from rollout_workers.environments.base import Environment, validate_tool_schemas
 from rollout_workers.environments.calculator import CalculatorEnv
 from rollout_workers.environments.http_env import HttpEnvironment, probe
 from rollout_workers.environments.long_horizon import LongHorizonEnv
-from rollout_workers.environments.mcp_env import MAX_TOOLS, McpEnvironment, list_mcp_tools
+from rollout_workers.environments.mcp_env import (
+    MAX_TOOLS,
+    NOT_AN_MCP_ENDPOINT,
+    McpEnvironment,
+    list_mcp_tools,
+)
 from rollout_workers.environments.policy import EnvironmentPolicy, check_options
 from rollout_workers.environments.python_env import PythonEnv
-from rollout_workers.environments.registration_schema import kind_union_schema
+from rollout_workers.environments.registration_schema import STDIO_FIELDS, kind_union_schema
 from rollout_workers.environments.retrieval import RetrievalEnv
 from rollout_workers.environments.tool_chain import ToolChainEnv
 from rollout_workers.net_guard import AllowList, TargetRefused, check_base_url, resolve_target
@@ -70,6 +75,19 @@ class EnvironmentRegistration(BaseModel):
     process_rewards: list[dict[str, Any]] = Field(
         default_factory=list, max_length=16,
         description="Declared per-step process components ({kind: tool_called | tool_args_match, name, ...}).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_stdio(cls, data: Any) -> Any:
+        """An MCP client config's stdio server ({command, args, env}) is refused with what to do instead."""
+        if isinstance(data, dict):
+            stdio = [k for k in STDIO_FIELDS if k in data]
+            if stdio:
+                raise ValueError(
+                    f"{stdio[0]}: a stdio MCP server ({'/'.join(stdio)}) is never run on the cluster (it would run "
+                    "the tenant's command on it); serve it over streamable HTTP (e.g. server.run('streamable-http') "
+                    "in the Python SDK) and register its URL as base_url with kind 'mcp'")
+        return data
 
     @field_validator("name")
     @classmethod
@@ -158,18 +176,23 @@ def _mcp_tools(reg: EnvironmentRegistration, policy: EnvironmentPolicy) -> list[
     try:
         listed = list_mcp_tools(str(reg.base_url), policy.allow_list, reg.timeout_s)
     except Exception as e:
+        if NOT_AN_MCP_ENDPOINT in str(e):
+            raise ValueError(f"base_url: {reg.base_url} is {NOT_AN_MCP_ENDPOINT}") from None
         raise ValueError(f"base_url: the MCP server did not answer: {str(e)[:500]}") from None
     if not listed:
         raise ValueError("base_url: the MCP server lists no tools")
-    if len(listed) > MAX_TOOLS:
-        raise ValueError(f"base_url: the MCP server lists more than {MAX_TOOLS} tools; name the ones to use in tools")
     if reg.tools is not None:
         wanted = [t.get("name") for t in reg.tools]
         by_name = {t["name"]: t for t in listed}
         missing = [w for w in wanted if w not in by_name]
         if missing:
-            raise ValueError(f"tools: the MCP server has no tool {missing[0]!r} (it lists {sorted(by_name)})")
+            shown = sorted(by_name)
+            listing = ", ".join(shown[:20]) + (f", ... ({len(shown)} in all)" if len(shown) > 20 else "")
+            raise ValueError(f"tools: the MCP server has no tool {missing[0]!r} (it lists {listing})")
         listed = [by_name[w] for w in wanted]
+    if len(listed) > MAX_TOOLS:  # what the environment exposes, after the filter
+        raise ValueError(f"base_url: the MCP server lists {len(listed)} tools, more than the {MAX_TOOLS} an "
+                         "environment may expose; name the ones to use in tools ([{name: ...}, ...])")
     return validate_tool_schemas(listed, field="base_url: the MCP server's tools")
 
 

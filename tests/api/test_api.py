@@ -377,3 +377,12 @@ def test_openapi_documents_errors_with_the_shared_error_body(api: Api) -> None:
     patch_body = schema["paths"]["/v1/jobs/{job_id}/reward-schedule"]["patch"]["requestBody"]["content"]
     assert patch_body["application/json"]["schema"]["$ref"].endswith("/SchedulePatch")
     assert schema["components"]["schemas"]["SchedulePatch"]["minProperties"] == 1
+
+
+def test_a_stdio_mcp_config_is_refused_naming_command_and_saying_what_to_do(api: Api) -> None:
+    r = api.client.post("/v1/environments", json={"kind": "mcp", "name": "local", "command": "python",
+                                                   "args": ["server.py"]}, headers=api.h())
+    assert r.status_code == 422 and r.json()["error"]["field"] == "command", r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("command: a stdio MCP server") and "streamable HTTP" in message
+    assert "Extra inputs" not in message

@@ -184,3 +184,28 @@ def test_graders_validate_and_run_score_samples_before_a_job(live: Store, tmp_pa
     assert result.exit_code == 1 and "python_grader_runtime_error" in result.output
     result = CliRunner().invoke(cli, ["graders", "run", str(grader)])
     assert result.exit_code == 2 and "--sample" in result.output
+
+
+def test_json_output_and_exit_codes_that_say_how_a_watched_job_ended(live: Store, tmp_path: Path) -> None:
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"name": "json-job", "total_steps": 4}))
+    job = json.loads(run("submit", str(spec), "--json"))
+    assert job["state"] == "queued" and job["name"] == "json-job"
+    assert json.loads(run("status", job["id"], "--json"))["id"] == job["id"]
+    assert [j["id"] for j in json.loads(run("status", "--json"))["items"]] == [job["id"]]
+    assert json.loads(run("schedule", "show", job["id"], "--json"))["version"] == 1
+    events = [json.loads(line) for line in run("logs", job["id"], "--json").splitlines()]
+    assert events[0]["kind"] == "submitted"
+    assert isinstance(json.loads(run("files", "list", "--json")), list)
+    assert any(e["name"] == "calculator" for e in json.loads(run("env", "list", "--json")))
+
+    ended = {}
+    for final in ("succeeded", "failed", "cancelled", "paused"):
+        jid = json.loads(run("submit", str(spec), "--json"))["id"]
+        live.transition(jid, "starting")
+        live.transition(jid, "running")
+        live.transition(jid, final)
+        result = CliRunner().invoke(cli, ["status", jid, "--watch", "--json"])
+        assert json.loads(result.output)["state"] == final
+        ended[final] = result.exit_code
+    assert ended == {"succeeded": 0, "failed": 1, "cancelled": 3, "paused": 4}

@@ -1,5 +1,6 @@
 """The MCP example end to end: the example MCP server on 127.0.0.1, registered over REST with a JSONL task file
-and a `multi` grader, trained by a short RL job on the tiny model with a decaying process weight. The server
+and a `multi` grader, trained by a short RL job on the tiny model with a decaying process weight, after the
+job's own warm start on an uploaded file of demonstrations (OpenAI's chat format with tool calls). The server
 is killed in the middle of the job's episodes: those become infrastructure failures, excluded from the
 advantages, and the job goes on to its last step."""
 
@@ -20,7 +21,6 @@ from rl_service.control.store import Store
 from rl_service.hooks import InMemoryHooks
 from rl_service.spec import JobSpec
 from rl_service.training.runner import JobRunner
-from rollout_workers.environments.base import tool_call_message
 from rollout_workers.environments.policy import EnvironmentPolicy
 from rollout_workers.storage import iter_trajectories, step_file
 from rollout_workers.trajectory import Trajectory
@@ -30,32 +30,6 @@ from mcp_helpers import start_weather_server, stop  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mcp"
 TEMPERATURES = {"Oslo": 4, "Paris": 12, "Cairo": 31, "Lima": 19, "Tokyo": 15, "Quito": 14}
-
-
-def warm_start(model_dir: Path, tools: list[dict], out: Path) -> Path:
-    """The tiny random model taught, by SFT on the task file's questions, to call get_temperature and state
-    its answer: enough for its rollouts to make real MCP calls."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rl_service.training.sft import train_sft
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    conversations = []
-    for city, temp in TEMPERATURES.items():
-        conversations.append([
-            {"role": "user", "content": f"What is the temperature in {city} now, in degrees Celsius?"},
-            tool_call_message("get_temperature", {"city": city}),
-            {"role": "tool", "content": str(temp)},
-            {"role": "assistant", "content": f"The answer is {temp}."},
-        ])
-    losses = train_sft(model, tok, conversations, steps=300, lr=3e-3, batch_size=6, seed=0, tools=tools,
-                 stop_at_loss=0.02)
-    assert losses[-1] < 0.2, losses[-10:]
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 @pytest.mark.slow
@@ -77,6 +51,11 @@ def test_mcp_example_trains_end_to_end_and_survives_its_server_dying(
                             headers=headers)
             assert r.status_code == 200, r.text
             file_id = r.json()["id"]
+            demos = (EXAMPLE / "weather_demonstrations.jsonl").read_bytes()  # OpenAI's chat format, tool_calls
+            r = client.post("/v1/files", files={"file": ("weather_demonstrations.jsonl", demos)},
+                            data={"purpose": "fine-tune"}, headers=headers)
+            assert r.status_code == 200 and r.json()["demonstrations"] == 6, r.text
+            demos_id = r.json()["id"]
             registration = yaml.safe_load((EXAMPLE / "weather_env.yaml").read_text()) | {"base_url": url}
             r = client.post("/v1/environments", json=registration, headers=headers)
             assert r.status_code == 201, r.text
@@ -85,6 +64,7 @@ def test_mcp_example_trains_end_to_end_and_survives_its_server_dying(
             assert stored["grader"]["type"] == "multi"
             job = yaml.safe_load((EXAMPLE / "weather_job.yaml").read_text())
             job["tasks"]["train_file"] = file_id
+            job["warm_start"]["demonstrations"] = demos_id
             job |= {"total_steps": 4, "checkpoint_every": 4,
                     "reward_schedule": {"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 3},
                     "rollout": {**job["rollout"], "num_generations": 2, "max_tokens_per_turn": 24,
@@ -94,12 +74,14 @@ def test_mcp_example_trains_end_to_end_and_survives_its_server_dying(
             job_id = r.json()["id"]
         spec = store.get_job(job_id, tenant="acme").spec
         assert spec.environment.registration is not None and spec.tasks.train_path
-        weights = warm_start(tiny_llama_dir, stored["tools"], tmp_path / "warm")
-        spec = JobSpec.model_validate(spec.model_dump() | {"model": {"checkpoint_dir": str(weights)}})
+        assert spec.warm_start.demonstrations_path  # the job warm-starts itself from the uploaded file
+        spec = JobSpec.model_validate(spec.model_dump() | {"model": {"checkpoint_dir": str(tiny_llama_dir)}})
 
         hooks = InMemoryHooks(schedule=spec.reward_schedule)
         work = tmp_path / "job"
         assert JobRunner(job_id, spec, hooks, work).run() == "succeeded"
+        (done,) = hooks.events_of("warm_start_done")
+        assert done["loss"] < 0.2, done
     finally:
         stop(proc)
         get_settings.cache_clear()

@@ -111,7 +111,7 @@ def _reinforcement(grader: dict | None = None, **hyperparameters) -> dict:
 
 # Requests off the schema are OpenAI's 400; schema-valid ones the service refuses keep its 422. Both name the field.
 @pytest.mark.parametrize(("change", "param", "error"), [
-    ({"model": "gpt-4o-mini"}, "model", openai.BadRequestError),
+    ({"model": "gpt-4o-mini"}, "model", openai.UnprocessableEntityError),  # no alias of it
     ({"method": {"type": "dpo"}}, "method.type", openai.UnprocessableEntityError),
     ({"method": {"type": "supervised"}}, "training_file", openai.UnprocessableEntityError),
     ({"method": {"type": "supervised", "reinforcement": {}}}, "method", openai.UnprocessableEntityError),

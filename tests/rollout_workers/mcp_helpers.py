@@ -11,6 +11,7 @@ from pathlib import Path
 from rl_service.ports import free_port
 
 SERVER = Path(__file__).resolve().parents[2] / "examples" / "mcp" / "weather_server.py"
+SHOP_SERVER = Path(__file__).with_name("mcp_shop_server.py")  # 150 tools, listed in pages
 
 
 # The example server, killed (os._exit, as by a crash) when a tool call looks up the Nth temperature: the
@@ -34,10 +35,10 @@ server["main"]()
 
 
 def start_weather_server(port: int | None = None, timeout_s: float = 60.0,
-                         die_at_lookup: int | None = None) -> tuple[subprocess.Popen, str]:
+                         die_at_lookup: int | None = None, script: Path = SERVER) -> tuple[subprocess.Popen, str]:
     port = port or free_port()
     if die_at_lookup is None:
-        argv = [sys.executable, str(SERVER), "--port", str(port)]
+        argv = [sys.executable, str(script), "--port", str(port)]
     else:
         argv = [sys.executable, "-c", _DYING.format(path=str(SERVER), limit=die_at_lookup), "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

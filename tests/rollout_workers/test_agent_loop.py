@@ -231,6 +231,7 @@ def test_http_environment_end_to_end(tokenizer: Any, tool_server: tuple[str, Any
     trajs, _, _ = run_plans(plans, sampling, tokenizer=tokenizer, env_factory=factory)
     add, flaky, missing, leaky, *slow = trajs
     assert leaky.status == TrajectoryStatus.ENV_ERROR and "HTTP 400" in (leaky.steps[0].tool_calls[0].error or "")
+    assert leaky.steps[0].tool_calls[0].error_kind == "env_error"  # the server's failure, not the model's
     assert "SECRET" not in leaky.model_dump_json()  # the target's error body is not echoed
     assert add.status == TrajectoryStatus.OK and add.steps[0].tool_calls[0].result == "7"
     assert factory().outcome(add) == 1.0  # the server's /outcome verifier

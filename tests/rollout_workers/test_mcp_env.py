@@ -106,3 +106,52 @@ def test_every_connection_is_checked_not_only_the_registration(server: tuple[obj
 
     with pytest.raises(RuntimeError, match="loopback"):
         asyncio.run(episode())
+
+
+def test_a_server_with_many_tools_in_pages_registers_the_ones_named() -> None:
+    """150 tools listed 50 a page: every page is read (nextCursor), and the 128-tool limit applies to what the
+    environment exposes, after the `tools` filter."""
+    from .mcp_helpers import SHOP_SERVER
+
+    proc, url = start_weather_server(script=SHOP_SERVER)
+    try:
+        reg = validate_registration({"kind": "mcp", "name": "shop", "base_url": url,
+                                     "tools": [{"name": "stock"}, {"name": "aisle_147"}]}, LOCAL)
+        assert [t["name"] for t in reg.tools or []] == ["stock", "aisle_147"]  # aisle_147 is on the third page
+        with pytest.raises(ValueError, match="lists 150 tools, more than the 128 an environment may expose; name the"):
+            validate_registration({"kind": "mcp", "name": "shop", "base_url": url}, LOCAL)
+    finally:
+        stop(proc)
+
+
+def test_registrations_that_are_not_mcp_say_what_is_wrong() -> None:
+    """A plain HTTP service at base_url is "not an MCP endpoint" (not a JSON-RPC parse dump); a stdio server's
+    config says why it cannot run and what to do."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Plain(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", "16")
+            self.end_headers()
+            self.wfile.write(b'{"result": "ok"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Plain)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ValueError) as exc:
+            validate_registration({"kind": "mcp", "name": "plain", "timeout_s": 5,
+                                   "base_url": f"http://127.0.0.1:{httpd.server_port}/"}, LOCAL)
+    finally:
+        httpd.shutdown()
+    assert str(exc.value).startswith("base_url: ") and "not an MCP endpoint" in str(exc.value)
+    assert "validation error" not in str(exc.value) and "kind 'http'" in str(exc.value)
+    with pytest.raises(ValueError, match="command: a stdio MCP server .command/args. is never run on the cluster.*"
+                                         "streamable HTTP"):
+        validate_registration({"kind": "mcp", "name": "local", "command": "python", "args": ["server.py"]}, LOCAL)

@@ -26,6 +26,17 @@ FINAL_RESULTS = {"succeeded": JobState.SUCCEEDED, "failed": JobState.FAILED, "ca
                  "paused": JobState.PAUSED}
 
 
+def _send_webhooks(store: Store, job_id: str) -> None:
+    """The job's signed notices of the state it just reached (a receiver's trouble never fails the job)."""
+    from rl_service.control.webhooks import notify
+    from rl_service.environment_settings import operator_environment_policy
+
+    try:
+        notify(store, job_id, operator_environment_policy().allow_list)
+    except Exception:
+        log.exception("job %s: webhooks not sent", job_id)
+
+
 def load_runner(runner: str | type) -> type:
     if not isinstance(runner, str):
         return runner
@@ -99,12 +110,14 @@ class JobDriver:
             store.add_event(job_id, "error", {"error": detail, "traceback": traceback.format_exc()[-4000:]})
             store.transition(job_id, JobState.FAILED, expect=[JobState.RUNNING], fields={"error": detail},
                              reason="runner raised")
+            _send_webhooks(store, job_id)
             return "failed"
         # Outside the try: failing to record the outcome is not the job failing. It propagates, and the
         # scheduler's liveness check restarts the driver, whose runner resumes from the final checkpoint.
         cause = getattr(runner, "pause_cause", None)  # a job that paused itself says why, as its error
         store.transition(job_id, target, expect=[JobState.RUNNING], reason=f"runner returned {result}",
                          fields={"error": cause} if cause else None)
+        _send_webhooks(store, job_id)
         return target.value
 
     def _run_with_restarts(self, runner: Any, job: JobRecord, hooks: RedisHooks) -> tuple[str, Any]:

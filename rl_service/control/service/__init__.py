@@ -40,12 +40,15 @@ class TaperService:
     def __init__(self, store: Store, data_dir: Path, submit_rate_per_minute: int = 60,
                  auth_cache_s: float = 5.0, status_cache_s: float = 0.25, env_policy: Any = None, *,
                  limits: JobLimits | None = None, default_quota: TenantQuota | None = None,
-                 base_models: dict[str, Path] | None = None, task_file_limits: Any = None) -> None:
+                 base_models: dict[str, Path] | None = None, task_file_limits: Any = None,
+                 model_aliases: dict[str, str] | None = None) -> None:
         """`env_policy`: the operator's EnvironmentPolicy (TaperSettings.environment_policy()); default: the
         safe defaults. ``limits`` (the operator's maxima per job), ``default_quota`` (of tenants an admin gave
-        none) and ``base_models`` (name -> model directory tenants may start from) come from the settings."""
+        none), ``base_models`` (name -> model directory tenants may start from) and ``model_aliases`` (other
+        names of models, for the OpenAI-compatible routes) come from the settings."""
         self.store = store
         self.data_dir = Path(data_dir)
+        self.model_aliases = dict(model_aliases or {})
         self.tenants = Tenants(store, auth_cache_s, default_quota)
         self.environments = Environments(store, env_policy)
         self.files = JobFiles(store, self.data_dir, task_file_limits, base_models)

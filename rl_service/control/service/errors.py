@@ -9,6 +9,7 @@ from pydantic import BaseModel, ValidationError
 
 from reward_models.schedule import RewardSchedule
 from rl_service.spec import JobSpec
+from rollout_workers.environments.registration_schema import STDIO_FIELDS
 
 
 class ServiceError(Exception):
@@ -72,7 +73,8 @@ def _model_field_names(model: type[BaseModel], out: set[str] | None = None) -> s
     return out
 
 
-_KNOWN_FIELDS = _model_field_names(JobSpec) | _model_field_names(RewardSchedule)
+# fields a model-level check names first in its message (a registration's refused stdio keys among them)
+_KNOWN_FIELDS = _model_field_names(JobSpec) | _model_field_names(RewardSchedule) | set(STDIO_FIELDS)
 
 
 def plain_message(error: dict[str, Any]) -> str:

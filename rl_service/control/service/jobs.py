@@ -97,6 +97,7 @@ class Jobs:
             check_job(spec, self.limits, quota)
         except LimitExceeded as exc:
             raise InvalidInput(str(exc), field=exc.field) from None
+        self._check_webhooks(spec)
         registration = self.environments.resolve(p, spec.environment.name)
         self.environments.check_job(spec, registration)
         spec = self.files.resolve_task_files(p, spec, registration)
@@ -117,6 +118,17 @@ class Jobs:
             raise RateLimited(str(exc), retry_after_s=60 - int(time.time()) % 60) from None
         except QueueFull as exc:
             raise QuotaExceeded(f"{exc}; wait for some to start or finish", field="max_queued_jobs") from None
+
+    def _check_webhooks(self, spec: JobSpec) -> None:
+        """Each webhook's host is one the operator's network rules allow (as a tool server's)."""
+        from rollout_workers.environments.registry import check_target
+
+        for i, hook in enumerate(spec.webhooks):
+            try:
+                check_target(hook.url, self.environments.policy.allow_list)
+            except ValueError as exc:
+                raise InvalidInput(f"webhooks[{i}].url: {str(exc).removeprefix('base_url: ')}",
+                                   field=f"webhooks[{i}].url") from None
 
     # ---- read ----
     def list_jobs(self, p: Principal, state: JobState | None, offset: int, limit: int) -> tuple[list[JobRecord], int]:
@@ -212,8 +224,12 @@ class Jobs:
 
     def cancel(self, p: Principal, job_id: str) -> JobRecord:
         def act(job: JobRecord) -> None:
-            if job.state in (JobState.QUEUED, JobState.PAUSED):
+            if job.state in (JobState.QUEUED, JobState.PAUSED):  # no driver to send its notices: sent here
                 self.store.transition(job_id, JobState.CANCELLED, expect=[job.state], reason="cancelled by user")
+                if job.spec.webhooks:
+                    from rl_service.control.webhooks import notify
+
+                    notify(self.store, job_id, self.environments.policy.allow_list, background=True)
             elif job.state.has_driver:
                 self.store.update_job(job_id, allowed=[JobState.STARTING, JobState.RUNNING],
                                       fields={"control": CONTROL_CANCEL}, event="cancel_requested")

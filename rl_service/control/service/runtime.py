@@ -52,7 +52,7 @@ def start_runtime(settings: Any, *, run_scheduler: bool = True, runner: str | ty
     service = TaperService(store, data_dir, submit_rate_per_minute=settings.submit_rate_per_minute,
                            env_policy=settings.environment_policy(), limits=settings.limits,
                            default_quota=settings.default_quota, base_models=settings.base_models,
-                           task_file_limits=settings.task_files)
+                           task_file_limits=settings.task_files, model_aliases=settings.model_aliases)
     service.environments.builtin()  # import the environment registry now, not in the first submission
     if not store.has_api_keys():
         key_file = data_dir / "api-key"

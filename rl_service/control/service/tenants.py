@@ -123,3 +123,7 @@ class Tenants:
         require_admin(p)
         validate_tenant(tenant)
         self.store.delete_quota(tenant)
+
+    def webhook_secret(self, p: Principal, rotate: bool = False) -> str:
+        """The caller's tenant's webhook signing secret (a new one with ``rotate``: the old one stops)."""
+        return self.store.webhook_secret(p.tenant, rotate=rotate)

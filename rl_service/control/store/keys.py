@@ -78,6 +78,9 @@ class KeyLayout:
     def k_envs(self, tenant: str) -> str:
         return f"{self.prefix}:tenant:{tenant}:envs"
 
+    def k_webhook_secret(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{tenant}:webhook_secret"
+
     def k_quota(self, tenant: str) -> str:
         return f"{self.prefix}:tenant:{tenant}:quota"
 

@@ -21,7 +21,19 @@ def hash_api_key(key: str) -> str:
 
 
 class TenantsPart(StoreBase):
-    """Quotas, environments and API keys."""
+    """Quotas, environments, API keys and webhook signing secrets."""
+
+    def webhook_secret(self, tenant: str, rotate: bool = False) -> str:
+        """The tenant's webhook signing secret (`whsec_` and base64 of 32 random bytes), made on first use."""
+        import base64
+        import secrets
+
+        fresh = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+        if rotate:
+            self.r.set(self.k_webhook_secret(tenant), fresh)
+            return fresh
+        self.r.set(self.k_webhook_secret(tenant), fresh, nx=True)
+        return str(self.r.get(self.k_webhook_secret(tenant)))
 
     def get_quota(self, tenant: str) -> TenantQuota | None:
         """The quota an admin set for ``tenant``; None when it has none (the operator's default applies)."""

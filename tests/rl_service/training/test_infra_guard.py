@@ -53,3 +53,14 @@ def test_state_round_trip_keeps_the_streak() -> None:
     assert copy.observe(2, groups(2), trained=True).pause_cause is not None
     assert InfraFailureGuard.from_state_dict(config, None).state_dict() == {"streak": 0, "warned": False,
                                                                             "untrained_steps": 0}
+
+
+def test_the_warning_and_the_pause_name_the_endpoint_and_the_first_error() -> None:
+    guard = InfraFailureGuard(InfraFailureConfig(pause_after_steps=1))
+    guard.endpoint = "http://shop.example:8000/mcp"
+    failing = groups(8)
+    failing[0][0].error = "MCP server http://shop.example:8000/mcp: connection refused"
+    health = guard.observe(0, failing, trained=False)
+    assert "check the tool server at http://shop.example:8000/mcp" in health.warning
+    assert "the first error: MCP server http://shop.example:8000/mcp: connection refused" in health.warning
+    assert "http://shop.example:8000/mcp" in health.pause_cause

@@ -477,6 +477,7 @@ def test_a_supervised_job_is_sft_on_the_files_demonstrations_checkpointed_as_its
     assert any(not torch.equal(w0[k], trained[k]) for k in w0)
     again = InMemoryHooks()  # a restarted driver finds the work done
     assert JobRunner("s", spec, again, tmp_path / "s").run() == "succeeded" and not again.metrics
+    assert [c[0] for c in again.checkpoints] == [6]  # recorded again, in case the first driver died before
 
 
 def test_an_http_environment_warm_starts_from_uploaded_demonstrations(tiny_llama_dir, tmp_path) -> None:
