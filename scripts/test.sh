@@ -15,11 +15,12 @@ for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; slee
 # the layer contracts in pyproject.toml: imports flow one way
 .venv/bin/lint-imports --no-logo
 # One pytest process per group: in-process vLLM engines and Ray clients of one group cannot leak into
-# the next. The groups run in two lanes at once (the suite waits on services and subprocesses about half
-# the time, so two lanes share the two cores well); each lane has its own Redis database (tests empty
-# theirs) and starts its own local Ray. Lane 1's output streams; lane 2's is printed when it ends. Every
-# group runs; the script fails if any group failed.
-# One OpenMP thread per process: two lanes already fill the two cores, and torch's OpenMP threads
+# the next. The groups run in three lanes at once: a lane waits on services and subprocesses most of the
+# time (the rl_service group keeps about half a core busy), so three lanes fill the two cores where two left
+# them part idle; each lane has its own Redis database (tests empty theirs) and starts its own local Ray.
+# Lanes are balanced by the groups' measured times (longest first); lane 1's output streams, the others'
+# are printed when they end. Every group runs; the script fails if any group failed.
+# One OpenMP thread per process: the lanes already fill the two cores, and torch's OpenMP threads
 # spin-wait when they outnumber the cores (measured: a tiny-model SFT step 20 s instead of 0.4 s).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 logs=$(mktemp -d)
@@ -38,14 +39,19 @@ run_lane() {
   done
 }
 pytest_args=("$@")
-run_lane 1 "tests/ui tests/test_demo.py" "tests/kernels tests/reward_models tests/deploy" \
-  "tests/test_foundation.py tests/test_docs.py tests/test_curriculum_protocol.py tests/rollout_workers" \
-  "tests/test_guide.py" >"$logs/lane2.log" 2>&1 &
+run_lane 2 "tests/api" "tests/model tests/gpu" "tests/ui tests/test_demo.py" >"$logs/lane2.log" 2>&1 &
 lane2=$!
-run_lane 0 "tests/rl_service tests/api" "tests/model tests/gpu"
+run_lane 3 "tests/kernels tests/reward_models tests/deploy" \
+  "tests/test_foundation.py tests/test_docs.py tests/test_curriculum_protocol.py tests/rollout_workers" \
+  >"$logs/lane3.log" 2>&1 &
+lane3=$!
+run_lane 1 "tests/rl_service" "tests/test_guide.py"
 wait $lane2 || true
 echo "==> lane 2"
 cat "$logs/lane2.log"
+wait $lane3 || true
+echo "==> lane 3"
+cat "$logs/lane3.log"
 if [ -s "$logs/failed" ]; then
   echo "FAILED groups:"
   cat "$logs/failed"

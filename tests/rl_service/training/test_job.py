@@ -3,19 +3,16 @@ the calculator environment (scored with a dense outcome), real scoring/credit an
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from rl_service.hooks import InMemoryHooks
 from rl_service.spec import JobSpec
 from rl_service.training.checkpoint import latest_checkpoint, list_checkpoints
-from rl_service.training.runner import JobRunner, seeded_vllm_engine
+from rl_service.training.runner import JobRunner
 from rollout_workers.storage import iter_trajectories, step_file
 from tests.rl_service.training.learner_helpers import (
     EnvironmentDownPool,
-    ReusedPool,
     RolloutsBeforePushPool,
     fake_trajectory,
 )
@@ -23,17 +20,6 @@ from tests.rl_service.training.learner_helpers import (
 GRADED = {"kind": "python", "name": "graded_calculator",
           "import_path": "tests.rl_service.training.learner_helpers:GradedCalculator"}
 
-
-@pytest.fixture(scope="module")
-def shared_pool(ray_local, tiny_llama_dir):
-    from rollout_workers.engine import EngineConfig
-    from rollout_workers.pool import RolloutPool
-
-    engine = EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=528, kv_cache_gib=0.25, seed=0,
-                          engine_kwargs={"max_num_batched_tokens": 8448})
-    pool = RolloutPool(functools.partial(seeded_vllm_engine, engine), "calculator", 1, num_cpus_per_worker=1)
-    yield ReusedPool(pool)
-    pool.shutdown()
 
 
 def make_spec(model_dir, **over) -> JobSpec:

@@ -4,7 +4,6 @@ a new version), and a tracker the cluster lacks costs a warning, not the job."""
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections import defaultdict
 from pathlib import Path
@@ -14,9 +13,8 @@ from tensorboardX.proto import event_pb2
 
 from reward_models.schedule import RewardSchedule
 from rl_service.hooks import InMemoryHooks
-from rl_service.training.runner import JobRunner, seeded_vllm_engine
+from rl_service.training.runner import JobRunner
 from rl_service.training.tracking import TENSORBOARD_DIR, installed
-from tests.rl_service.training.learner_helpers import ReusedPool
 from tests.rl_service.training.test_job import make_spec
 
 
@@ -36,19 +34,8 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def pool(ray_local, tiny_llama_dir):
-    from rollout_workers.engine import EngineConfig
-    from rollout_workers.pool import RolloutPool
 
-    engine = EngineConfig(model_dir=str(tiny_llama_dir), max_model_len=528, kv_cache_gib=0.25, seed=0,
-                          engine_kwargs={"max_num_batched_tokens": 8448})
-    pool = RolloutPool(functools.partial(seeded_vllm_engine, engine), "calculator", 1, num_cpus_per_worker=1)
-    yield ReusedPool(pool)
-    pool.shutdown()
-
-
-def test_event_file_has_the_training_series(pool, tiny_llama_dir, tmp_path: Path) -> None:
+def test_event_file_has_the_training_series(shared_pool, tiny_llama_dir, tmp_path: Path) -> None:
     assert not installed("wandb")  # the optional tracker this job asks for is missing here
     spec = make_spec(tiny_llama_dir, total_steps=3, checkpoint_every=10, tracking={"wandb": {"project": "taper"}},
                      reward_schedule={"kind": "linear", "w_start": 1.0, "w_end": 0.0, "horizon": 3})
@@ -58,7 +45,7 @@ def test_event_file_has_the_training_series(pool, tiny_llama_dir, tmp_path: Path
             hooks.set_schedule(RewardSchedule(kind="constant", w_start=0.25))
 
     hooks = InMemoryHooks(schedule=spec.reward_schedule, on_metrics=steer)
-    assert JobRunner("tb", spec, hooks, tmp_path, pool_factory=pool.factory).run() == "succeeded"
+    assert JobRunner("tb", spec, hooks, tmp_path, pool_factory=shared_pool.factory).run() == "succeeded"
 
     scalars = read_scalars(tmp_path / TENSORBOARD_DIR)
     expected = {"loss", "success_rate", "schedule/weight", "schedule/version", "time/step", "rollout/tokens_per_s",
