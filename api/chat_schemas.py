@@ -1,0 +1,175 @@
+"""Request and response models of `/v1/chat/completions`, shaped as OpenAI's (the fields Taper serves; any other
+field is refused, naming it). The translation to the engine and back lives in api/chat_completions.py."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_TEXT = 1_000_000  # characters of one message text (the body size limit binds first by default)
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_TEXT)
+
+
+Content = Annotated[str, Field(max_length=MAX_TEXT)] | Annotated[list[TextPart], Field(min_length=1, max_length=256)]
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str = Field(max_length=MAX_TEXT, description="The arguments as a JSON object in a string.")
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Strict):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = Field(None, max_length=64)
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: Content
+    name: str | None = Field(None, max_length=64)
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=64)
+    refusal: str | None = Field(None, max_length=MAX_TEXT)
+    name: str | None = Field(None, max_length=64)
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str = Field(min_length=1, max_length=128)
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object.")
+    strict: bool | None = Field(None, description="Accepted; arguments are not constrained while sampling.")
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = Field(None, description="Send a last chunk with `usage` (and `usage: null` before).")
+
+
+class ChatCompletionRequest(_Strict):
+    model: str = Field(min_length=1, max_length=96,
+                       description="A checkpoint you may use: a job's `fine_tuned_model` (`JOB_ID`), `JOB_ID:STEP`, "
+                                   "`base:NAME` or a preset (see /v1/models).")
+    messages: list[Message] = Field(min_length=1, max_length=2048)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="auto (the default with tools): the model may call them; none: its text is the content.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most the first tool call is returned.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=128, description="Choices (the operator's max_n binds).")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy. Default 1.")
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000,
+                                              description="Per choice; the operator's bound binds.")
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="Deprecated: max_completion_tokens.")
+    stop: Annotated[str, Field(min_length=1, max_length=256)] | Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=4)] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Same seed, same request: same answer.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[int, Field(ge=-100, le=100)]] | None = \
+        Field(None, max_length=1024, description="Token id -> bias added to its logit.")
+    user: str | None = Field(None, max_length=256, description="Accepted and ignored.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_tokens: give max_completion_tokens only (max_tokens is its deprecated name)")
+        return self
+
+
+# ---- responses ----
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+
+class Choice(BaseModel):
+    index: int
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
