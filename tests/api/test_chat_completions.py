@@ -8,6 +8,7 @@ checkpoint permissions, the chat-engine quota, the 4xx answers in OpenAI's shape
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -297,11 +298,11 @@ def test_quota_refuses_another_engine_while_all_are_busy(live, hf) -> None:
     ({"messages": HELLO, "max_tokens": 1000}, 400, "max_tokens"),
     ({"messages": HELLO, "response_format": {"type": "json_object"}}, 400, "response_format"),  # not served
     ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages[0].content"),
+     "messages.0.content"),
     ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "bad name"}}]}, 400,
-     "tools[0].function.name"),
+     "tools.0.function.name"),
     ({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": HELLO, "top_logprobs": 2}, 422, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "word " * 1000}]}, 400, "messages"),  # over the context
@@ -324,6 +325,19 @@ def test_oversize_body_and_missing_key(live) -> None:
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
     r = httpx.post(f"{live['url']}/v1/chat/completions", json={"model": live["model"], "messages": HELLO})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_the_guide_snippet_runs(live, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/chat-completions.md's snippet, pointed at this server, key and checkpoint."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "chat-completions.md").read_text()
+    code = re.search(r"```python\n(.*?)```", guide, re.DOTALL).group(1)
+    code, subs = re.subn(r'OpenAI\(base_url=.*\)\n', f"OpenAI(base_url={live['url'] + '/v1'!r}, "
+                                                     f"api_key={live['keys']['alpha']!r})\n", code)
+    code, more = re.subn(r'^MODEL = .*$', f"MODEL = {live['model']!r}", code, flags=re.MULTILINE)
+    assert subs == more == 1
+    exec(compile(code, "docs/chat-completions.md", "exec"), {})
+    answer, hello, usage = capsys.readouterr().out.splitlines()
+    assert (answer, hello) == ("The answer is 5.", "Hello there, friend!") and re.fullmatch(r"\d+ tokens", usage)
 
 
 def test_an_idle_engine_is_stopped(live) -> None:
