@@ -34,33 +34,29 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class SystemMessage(_Strict):
-    role: Literal["system", "developer"]
-    content: Content
+class Message(_Strict):
+    """One message of the conversation (one model for every role, so that errors name `messages.N.FIELD`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = Field(None, description="Required except for an assistant message with tool_calls.")
     name: str | None = Field(None, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=64, description="assistant messages only")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128, description="tool messages only (required)")
+    refusal: str | None = Field(None, max_length=MAX_TEXT, description="assistant messages only")
 
-
-class UserMessage(_Strict):
-    role: Literal["user"]
-    content: Content
-    name: str | None = Field(None, max_length=64)
-
-
-class AssistantMessage(_Strict):
-    role: Literal["assistant"]
-    content: Content | None = None
-    tool_calls: list[ToolCall] | None = Field(None, max_length=64)
-    refusal: str | None = Field(None, max_length=MAX_TEXT)
-    name: str | None = Field(None, max_length=64)
-
-
-class ToolMessage(_Strict):
-    role: Literal["tool"]
-    content: Content
-    tool_call_id: str = Field(min_length=1, max_length=128)
-
-
-Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> Message:
+        if self.role != "assistant":
+            for name in ("tool_calls", "refusal"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only an assistant message has it")
+            if self.content is None:
+                raise ValueError(f"content: a {self.role} message needs it")
+        elif self.content is None and not self.tool_calls:
+            raise ValueError("content: an assistant message needs content or tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id: a tool message needs it (and only a tool message has it)")
+        return self
 
 
 class FunctionDefinition(_Strict):
