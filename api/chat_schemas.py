@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_TEXT = 1_000_000  # characters of one message text (the body size limit binds first by default)
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -103,15 +103,27 @@ class ChatCompletionRequest(_Strict):
         Field(None, max_length=1024, description="Token id -> bias added to its logit.")
     user: str | None = Field(None, max_length=256, description="Accepted and ignored.")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only with stream: true")
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("max_tokens: give max_completion_tokens only (max_tokens is its deprecated name)")
-        return self
+    # field validators (not a model one): the error then names the field
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _with_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only with stream: true")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _one_limit(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("max_completion_tokens") is not None:
+            raise ValueError("give max_completion_tokens only (max_tokens is its deprecated name)")
+        return v
 
 
 # ---- responses ----
