@@ -75,7 +75,8 @@ def _parses_tools(req: ChatCompletionRequest) -> dict[str, dict[str, Any]] | Non
     """The request's tools by name when the answer may call them."""
     if not req.tools or req.tool_choice == "none":
         return None
-    return {t.function.name: t.function.model_dump(exclude_none=True) for t in req.tools}
+    return {t.function.name: {"parameters": {"type": "object"}, **t.function.model_dump(exclude_none=True)}
+            for t in req.tools}
 
 
 def split_tool_calls(text: str, tools: dict[str, dict[str, Any]] | None, parallel: bool = True,

@@ -65,6 +65,18 @@ class FunctionDefinition(_Strict):
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object.")
     strict: bool | None = Field(None, description="Accepted; arguments are not constrained while sampling.")
 
+    @field_validator("parameters")
+    @classmethod
+    def _a_json_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            import jsonschema
+
+            try:
+                jsonschema.validators.validator_for(v).check_schema(v)
+            except jsonschema.exceptions.SchemaError as e:
+                raise ValueError(f"not a valid JSON schema: {e.message}") from None
+        return v
+
 
 class Tool(_Strict):
     type: Literal["function"]
