@@ -146,10 +146,8 @@ class JsonDepthLimit:
                 break
         body = b"".join(chunks)
         if nesting_exceeds(body, self.max_depth):
-            message = f"body: JSON nested deeper than {self.max_depth} levels (arrays and objects)"
-            response = error_response(422, "invalid", message, "body")
-            if scope.get("path", "").startswith(OPENAI_PATHS):
-                response = JSONResponse(openai_error(422, message, "invalid", "body")[1], status_code=422)
+            response = error_response(422, "invalid", f"body: JSON nested deeper than {self.max_depth} levels "
+                                                      "(arrays and objects)", "body")
             return await response(scope, receive, send)
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
 
