@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-MAX_TEXT = 1_000_000  # characters of one message text (the body size limit binds first by default)
+MAX_TEXT = 131_072  # characters of one text (a longer message comes as several text parts; the body size limit binds too)
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
