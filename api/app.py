@@ -25,6 +25,7 @@ from api.openapi import install_openapi
 from api.request_id import RequestId
 from api.routers import (
     admin,
+    chat,
     checkpoints,
     environments,
     files,
@@ -39,6 +40,7 @@ from api.routers import (
 from api.schemas import error_responses
 from api.training_metrics import TrainingMetrics
 from api.ui import router as ui_router
+from rl_service.control.chat_engines import ChatEngines
 from rl_service.control.openai_compat import openai_error
 from rl_service.control.service import RateLimited, ServiceError, TaperService, error_field, plain_message
 from rl_service.control.settings import TaperSettings, get_settings
@@ -48,7 +50,7 @@ log = logging.getLogger(__name__)
 
 STORE_RETRY_AFTER_S = 5  # Retry-After of a 503 while Redis is unreachable
 # Paths of OpenAI's API: their errors come in OpenAI's shape (`param`, `type`)
-OPENAI_PATHS = ("/v1/files", "/v1/uploads", "/v1/fine_tuning", "/v1/models")
+OPENAI_PATHS = ("/v1/files", "/v1/uploads", "/v1/fine_tuning", "/v1/models", "/v1/chat")
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None,
@@ -304,11 +306,14 @@ def create_app(
             runtime = start_runtime(settings, run_scheduler=run_scheduler, runner=runner,
                                     detached_scheduler=settings.embedded_scheduler)
             app.state.service = runtime.service
+            app.state.chat_engines = ChatEngines(runtime.service, settings.chat, ray_address=settings.ray_address)
             registry.register(_JobsByState(runtime.service))
             registry.register(TrainingMetrics(runtime.service, job_labels=settings.metrics_job_labels))
         try:
             yield
         finally:
+            if app.state.chat_engines is not None:
+                app.state.chat_engines.close()
             if runtime is not None:
                 runtime.stop()
 
@@ -320,6 +325,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.service = service
+    app.state.chat_engines = ChatEngines(service, settings.chat, ray_address=settings.ray_address) if service else None
     app.state.prometheus = registry
     app.state.metrics_public = settings.metrics_public
     if service is not None:
@@ -335,7 +341,7 @@ def create_app(
     _install_errors(app)
     for r in (jobs.router, checkpoints.router, environments.router, admin.router, webhooks.router, system.router):
         app.include_router(r, responses=error_responses(401) if r is not system.router else None)
-    for r in (fine_tuning.router, graders.router, files.router, uploads.router, models.router):
+    for r in (fine_tuning.router, graders.router, files.router, uploads.router, models.router, chat.router):
         app.include_router(r)  # OpenAI's routes document their own (OpenAI-shaped) errors
     app.include_router(ui_router)
     install_openapi(app)

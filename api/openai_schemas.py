@@ -27,7 +27,8 @@ _ERRORS = {400: "The request does not match the schema; `error.param` names the 
            422: "A valid request the service cannot honour; `error.param` names the field",
            409: "The request conflicts with the job's current state",
            413: "The request body (or the file) is over the size limit",
-           429: "Rate limited or over the tenant's quota"}
+           429: "Rate limited or over the tenant's quota",
+           503: "The model's engine could not start or failed; retry later"}
 
 
 def openai_error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -29,33 +29,11 @@ class VLLMEngine(ContinuousBatchingEngine):
 
     def __init__(self, config: EngineConfig, weight_version: int = 0) -> None:
         from transformers import AutoTokenizer
-        from vllm import LLM  # heavy imports, only where an engine is built
 
         super().__init__(weight_version)
         self.config = config
-        tokenizer_dir = config.tokenizer_dir or config.model_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        dtype = config.dtype
-        if dtype == "auto":
-            dtype = "float32" if _on_cpu() else "bfloat16"
-        kwargs: dict[str, Any] = dict(
-            model=config.model_dir,
-            tokenizer=tokenizer_dir,
-            dtype=dtype,
-            seed=config.seed,
-            max_model_len=config.max_model_len,
-            enforce_eager=config.enforce_eager,
-            max_num_seqs=config.max_num_seqs,
-            logprobs_mode=config.logprobs_mode,
-        )
-        if _on_cpu():
-            kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * (1 << 30))
-        else:
-            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        kwargs.update(config.engine_kwargs)
-        if _on_cpu():
-            rewind_cpu_generators_exactly()
-        self.llm = LLM(**kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir or config.model_dir)
+        self.llm = build_llm(config)
         self._engine = self.llm.llm_engine
         self._supported_tasks = self._engine.get_supported_tasks()
         self._turn_of: dict[str, str] = {}  # live vLLM request id -> the turn's request id
@@ -161,6 +139,34 @@ class VLLMEngine(ContinuousBatchingEngine):
         for key in list(self._sessions):  # their KV was computed by the old weights
             self._end_session(key)
         load_weights_into_llm(self.llm, state_dict)
+
+
+def build_llm(config: EngineConfig) -> Any:
+    """The `vllm.LLM` an engine config describes (float32 on CPU, bfloat16 on GPU for dtype 'auto')."""
+    from vllm import LLM  # heavy import, only where an engine is built
+
+    tokenizer_dir = config.tokenizer_dir or config.model_dir
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "float32" if _on_cpu() else "bfloat16"
+    kwargs: dict[str, Any] = dict(
+        model=config.model_dir,
+        tokenizer=tokenizer_dir,
+        dtype=dtype,
+        seed=config.seed,
+        max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager,
+        max_num_seqs=config.max_num_seqs,
+        logprobs_mode=config.logprobs_mode,
+    )
+    if _on_cpu():
+        kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * (1 << 30))
+    else:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    kwargs.update(config.engine_kwargs)
+    if _on_cpu():
+        rewind_cpu_generators_exactly()
+    return LLM(**kwargs)
 
 
 @dataclass

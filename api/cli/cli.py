@@ -497,7 +497,7 @@ def _print_quota(q: dict[str, Any]) -> None:
     quota = q["quota"]
     source = "the operator's default" if q["default"] else "its own"
     console.print(f"tenant [bold]{q['tenant']}[/bold] ({source} quota)")
-    for field in ("max_running_jobs", "max_queued_jobs", "max_priority"):
+    for field in ("max_running_jobs", "max_queued_jobs", "max_priority", "max_chat_engines"):
         console.print(f"  {field}: {quota[field]}")
     caps = {k: v for k, v in quota["resources"].items() if v is not None}
     console.print("  resources: " + (", ".join(f"{k}={v}" for k, v in caps.items()) or "the operator's limits"))
@@ -515,7 +515,7 @@ def quota_show(tenant: str, as_json: Json = False) -> None:
 def quota_set(
     tenant: str,
     fields: Annotated[list[str], typer.Argument(
-        help="FIELD=VALUE pairs: max_running_jobs, max_queued_jobs, max_priority, resources.learner_cpus, ... "
+        help="FIELD=VALUE pairs: max_running_jobs, max_queued_jobs, max_priority, max_chat_engines, resources.learner_cpus, ... "
              "(resources.X=null drops a cap).")],
 ) -> None:
     """Change some fields of a tenant's quota (the others keep their current values)."""

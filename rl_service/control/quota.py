@@ -58,7 +58,26 @@ class TenantQuota(_Strict):
     max_running_jobs: int = Field(4, ge=0, le=100_000, description="Jobs starting or running at once; more wait queued.")
     max_queued_jobs: int = Field(100, ge=0, le=1_000_000, description="Queued jobs; a submission beyond is refused.")
     max_priority: int = Field(0, ge=-100, le=100, description="The highest `priority` the tenant's jobs may ask for.")
+    max_chat_engines: int = Field(
+        2, ge=0, le=1000, description="Chat engines (/v1/chat/completions) kept running at once: one per model in use.")
     resources: ResourceCaps = Field(default_factory=ResourceCaps, description="Per-job caps inside the operator's.")
+
+
+class ChatSettings(_Strict):
+    """The operator's settings for chat engines (``TAPER_CHAT__IDLE_TIMEOUT_S=300``, ...)."""
+
+    idle_timeout_s: float = Field(600.0, gt=0.0, description="An engine no request has used for this long is stopped.")
+    max_completion_tokens: int = Field(
+        4096, ge=1, le=1_000_000, description="Most tokens one choice may sample; a request asking for more is refused.")
+    max_n: int = Field(8, ge=1, le=128, description="Most choices (`n`) one request may ask for.")
+    max_model_len: int = Field(4096, ge=16, le=1_048_576, description="Context length of each engine (prompt + completion).")
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="KV cache of each engine on CPU (GPU: gpu_memory_utilization).")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Sequences one engine runs in a batch.")
+    max_concurrent_requests: int = Field(256, ge=1, le=100_000, description="Requests one engine takes at once.")
+    engine_cpus: float = Field(1.0, ge=0.0, description="Ray CPUs each engine reserves.")
+    engine_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs each engine reserves.")
+    start_timeout_s: float = Field(900.0, gt=0.0, description="How long a request waits for its engine to start.")
 
 
 class LimitExceeded(ValueError):

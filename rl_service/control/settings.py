@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from rl_service.control.quota import JobLimits, TenantQuota
+from rl_service.control.quota import ChatSettings, JobLimits, TenantQuota
 from rl_service.environment_settings import EnvironmentSettings, SettingsError, load
 from rl_service.task_files import TaskFileLimits
 
@@ -85,6 +85,10 @@ class TaperSettings(EnvironmentSettings):
         default_factory=TaskFileLimits,
         description="Limits on uploaded task files (TAPER_TASK_FILES__MAX_BYTES=..., __MAX_LINES, __MAX_LINE_BYTES, "
                     "__MAX_FILES per tenant).")
+    chat: ChatSettings = Field(
+        default_factory=ChatSettings,
+        description="Engines behind /v1/chat/completions: idle timeout, per-request token bound, engine sizes "
+                    "(TAPER_CHAT__IDLE_TIMEOUT_S=300, TAPER_CHAT__MAX_COMPLETION_TOKENS=2048, ...).")
     events_maxlen: int = Field(10_000, ge=100, description="Events kept per job (older ones are trimmed).")
     metrics_maxlen: int = Field(100_000, ge=100, description="Metric rows kept per job (older ones are trimmed).")
     schedule_max_versions: int = Field(
