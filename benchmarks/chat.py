@@ -2,8 +2,8 @@
 tiny preset, against the same requests on the engine alone (rollout_workers.chat_engine.ChatEngineHost in this
 process, no API, no Ray).
 
-    python benchmarks/chat.py                    # embedded `taper serve` (private Redis, local Ray), 32 clients
-    python benchmarks/chat.py --clients 8 --requests 2 --tokens 32
+    python -m benchmarks.chat                    # embedded `taper serve` (private Redis, local Ray), 32 clients
+    python -m benchmarks.chat --clients 8 --requests 2 --tokens 32
 
 Each client sends `--requests` requests one after another (temperature 1, a distinct seed each, `--tokens`
 tokens: the end-of-turn token is biased away so every request samples them all). Latency is per request, from
