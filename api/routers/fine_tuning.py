@@ -39,7 +39,7 @@ def _jobs(svc: Svc) -> FineTuningJobs:
 
 
 @router.post("", response_model=FineTuningJob, summary="Create a fine-tuning job (reinforcement)",
-             responses=openai_error_responses(400, 401, 413, 422, 429))
+             responses=openai_error_responses(400, 401, 409, 413, 422, 429))
 def create_job(
     request: FineTuningJobCreate,
     svc: Svc,
