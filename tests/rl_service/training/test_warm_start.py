@@ -16,10 +16,10 @@ def test_a_warm_started_model_is_saved_with_its_tokenizer_and_reports_each_step(
     from model.modeling import TaperForCausalLM
 
     seen: list[tuple[str, int]] = []
-    losses = warm_started_model("calculator", tmp_path / "warm", steps=3, examples=8, seed=0, mixed_steps=2,
+    losses = warm_started_model("calculator", tmp_path / "warm", steps=2, examples=4, seed=0, mixed_steps=1,
                                 tool_use_fraction=0.5, on_step=lambda phase, step, loss: seen.append((phase, step)))
-    assert len(losses) == 5 and all(loss > 0 for loss in losses)
-    assert seen == [("demonstrations", 1), ("demonstrations", 2), ("demonstrations", 3), ("mixed", 4), ("mixed", 5)]
+    assert len(losses) == 3 and all(loss > 0 for loss in losses)
+    assert seen == [("demonstrations", 1), ("demonstrations", 2), ("mixed", 3)]
     model = TaperForCausalLM.from_pretrained(tmp_path / "warm")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "warm")
     with torch.no_grad():
