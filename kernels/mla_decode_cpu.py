@@ -10,7 +10,7 @@ the online softmax's running max and sum are vectors too. The cache pages hold k
 values are the same latents: the values are read, row by row, or in the AMX kernel's packing (16-column strips
 of interleaved row pairs) for bf16 caches on AMX CPUs. Measured against vLLM's kernel at 8 x 16K latents: 2x
 faster on an AVX2 CPU, 1.6x on an AVX-512 one (its vec kernel), 1.5x slower than its AMX kernel
-(`model.vllm_plugin.layers.vllm_kernel_decodes_latents` picks; the history of benchmarks/NOTES.md). Sequences run in blocks
+(`model.vllm_plugin.layers.vllm_kernel_decodes_latents` picks; the git history of benchmarks/NOTES.md). Sequences run in blocks
 on torch's intra-op threads (`kernels.cpu_threads`), with the same result on any number.
 """
 

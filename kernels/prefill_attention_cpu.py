@@ -15,7 +15,7 @@ The query chunk is the last Tq of the Tk tokens (past = Tk - Tq).
   2^8); the keys are taken in L2-sized passes over 1,024 queries at a time. At head size 32 torch's kernel and
   vLLM's AMX kernel spend most of their time in the softmax between two library matmuls: a 4K chunk at 16K
   tokens, 8 heads, took 448-483 ms in torch's and 168-181 ms in ours on one Xeon core (the history of
-  benchmarks/NOTES.md).
+  the git history of benchmarks/NOTES.md).
 
 The tile products are AMX instructions where the compiler targets a CPU with AMX (`-march=native`), and a C
 emulation of the same products elsewhere: the emulation is slow and serves only to test the kernel's blocking,

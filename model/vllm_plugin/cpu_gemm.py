@@ -3,7 +3,7 @@
 sgl-kernel's packed-weight brgemm for weights up to 1 MiB (N a multiple of 16, K of 32), else a oneDNN matmul with
 the weight reordered for it once. torch's `F.linear` in bf16 hands oneDNN the weight unprepared, and at a decode
 step's 8 tokens that costs more than the arithmetic: a [256, 900] projection took 58 us as `F.linear` against
-34 us with the weight reordered once (bf16, one Xeon core with AMX; benchmarks/NOTES.md).
+34 us with the weight reordered once (bf16, one Xeon core with AMX; the git history of benchmarks/NOTES.md).
 
 A weight whose N is not a multiple of 16 but would otherwise qualify for sgl-kernel's brgemm is padded with zero
 rows to one, and its outputs are the leading columns of the padded product (a column slice, not contiguous): at
@@ -65,7 +65,7 @@ def _sgl_matmul(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """vLLM's dispatch's sgl-kernel branch (the weight packed once, then `weight_packed_linear`), calling the
     kernel directly. vLLM's wrapper, which also reshapes both operands and finds the op's overload by name on
     every call, held 5.4% of a decode step's samples on one Xeon core with AMX (the benchmark model, py-spy;
-    benchmarks/NOTES.md), its allocation (kept here) among them. x: [T, in], contiguous, in W's dtype."""
+    the git history of benchmarks/NOTES.md), its allocation (kept here) among them. x: [T, in], contiguous, in W's dtype."""
     packed = torch.ops._C.convert_weight_packed(weight)
     kernel = torch.ops._C.weight_packed_linear.default
     n = weight.shape[0]

@@ -8,7 +8,7 @@ that is rebuilt whenever any source weight was replaced or modified in place (tr
 pointer and version counter; `drop_fused` after a load), so a weight push cannot leave it stale. A served model
 checks all of its caches' sources at once at the start of each forward step (`StepCheck`): checking each cache
 when used held 7.6% of a decode step's samples, the pass 2% (the benchmark model, py-spy on one Xeon core;
-benchmarks/NOTES.md). Importable without vLLM.
+the git history of benchmarks/NOTES.md). Importable without vLLM.
 """
 
 from __future__ import annotations

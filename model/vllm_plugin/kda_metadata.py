@@ -4,7 +4,7 @@ only decodes.
 vLLM's GDN builder classifies every step's requests with tensor ops (query lengths, prefill masks, a copy of
 the common metadata) for each KDA cache group. A hybrid model has a group for every few KDA layers, so a decode
 step of the served model paid for three such builds, ~0.3 ms of a ~20 ms CPU step on a 2-core AMD EPYC (a
-profile of the engine step; benchmarks/NOTES.md). When every request brings exactly one token to a state it
+profile of the engine step; the git history of benchmarks/NOTES.md). When every request brings exactly one token to a state it
 already has, the answer is known without them: all requests are decodes, their states are the block table's
 (as vLLM's build selects them, for each state cache mode) and their query offsets are the common ones. Any
 other step takes vLLM's build unchanged.

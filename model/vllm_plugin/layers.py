@@ -155,7 +155,7 @@ def vllm_kernel_decodes_latents(isa: str, longest: int) -> bool:
     (`longest` latents). On AMX CPUs (bf16 caches) vLLM's AMX kernel is the faster but for short sequences
     (`OUR_KERNEL_MAX_LATENTS`): 8.0 against 11.8 ms for 8 sequences of 16K latents on a Xeon. Elsewhere ours,
     which reads each latent once where vLLM's kernel reads a key copy and a value copy: 13.3 against 20.9 ms on
-    that Xeon in fp32, 12.9 against 25.0 ms in bf16 on an AVX2 CPU (benchmarks/NOTES.md)."""
+    that Xeon in fp32, 12.9 against 25.0 ms in bf16 on an AVX2 CPU (the git history of benchmarks/NOTES.md)."""
     return isa == "amx" and longest > OUR_KERNEL_MAX_LATENTS
 
 
@@ -163,7 +163,7 @@ def tiles_attend_prefills(isa: str, dtype: torch.dtype) -> bool:
     """Whether MLA prefill attention runs in `prefill_attention` (AMX tiles) rather than torch's CPU flash
     kernel (`chunk_attention`): where vLLM chose its AMX kernel for the layer (a bf16 cache on an AMX CPU), the
     layer computes in bf16 (`dtype`; fp32 compute can be asked for) and our kernel's build has AMX. A 4K chunk
-    at 16K tokens, 8 heads of 32, one Xeon core: 168-181 against 448-483 ms (benchmarks/NOTES.md)."""
+    at 16K tokens, 8 heads of 32, one Xeon core: 168-181 against 448-483 ms (the git history of benchmarks/NOTES.md)."""
     return isa == "amx" and dtype == torch.bfloat16 and amx_available()
 
 
