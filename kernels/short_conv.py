@@ -255,3 +255,51 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, split: list[int]) -> 
     """SiLU(causal depthwise conv(x)) with zero history, split into three contiguous outputs (any device Triton
     runs on: CUDA, or the CPU interpreter under TRITON_INTERPRET=1). x [B, T, C]; weight [C, 1, W], W <= 4."""
     return short_conv_silu_op(x, weight, list(split))
+
+
+@triton.jit
+def short_conv_decode_kernel(
+    x, w, state, slots, y, C, sx, s_slot, s_c, s_w,
+    W: tl.constexpr, BC: tl.constexpr,
+):
+    """One new token of row i_n: its window is the slot's W-1 inputs (oldest first) and x; the slot advances by one.
+    A row whose slot is negative (a padded row of a CUDA graph's batch) gets zeros and touches no slot."""
+    i_n = tl.program_id(0)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_c = cols < C
+    slot = tl.load(slots + i_n).to(tl.int64)
+    if slot < 0:
+        tl.store(y + i_n * C + cols, tl.zeros([BC], dtype=tl.float32).to(y.dtype.element_ty), mask=m_c)
+    else:
+        x_new = tl.load(x + i_n * sx + cols, mask=m_c, other=0.0)
+        base = state + slot * s_slot + cols.to(tl.int64) * s_c
+        a = x_new.to(tl.float32) * tl.load(w + cols * W + (W - 1), mask=m_c, other=0.0).to(tl.float32)
+        for j in tl.static_range(W - 1):
+            h = tl.load(base + j * s_w, mask=m_c, other=0.0)
+            a += h.to(tl.float32) * tl.load(w + cols * W + j, mask=m_c, other=0.0).to(tl.float32)
+            if j > 0:  # input j moves to j - 1 (read in the step before)
+                tl.store(base + (j - 1) * s_w, h, mask=m_c)
+        tl.store(base + (W - 2) * s_w, x_new.to(state.dtype.element_ty), mask=m_c)
+        tl.store(y + i_n * C + cols, (a * tl.sigmoid(a)).to(y.dtype.element_ty), mask=m_c)
+
+
+DECODE_BLOCK_C = 256
+
+
+def short_conv_silu_decode(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step of the conv + SiLU over a pool of conv states, in place: x [n, C] (one new token per row),
+    weight [C, 1, W] (2 <= W), state [slots, C, W-1] (any strides: a serving engine's slots lie in pages),
+    slots [n] (negative: a padded row, zeros out and no slot touched). Returns y [n, C] in x's dtype."""
+    n, C = x.shape
+    W = weight.shape[-1]
+    if W < 2 or tuple(state.shape[1:]) != (C, W - 1) or slots.shape != (n,) or x.stride(-1) != 1:
+        raise ValueError(f"short_conv_silu_decode: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"state {tuple(state.shape)}, slots {tuple(slots.shape)}")
+    y = torch.empty(n, C, dtype=x.dtype, device=x.device)
+    if n:
+        short_conv_decode_kernel[(n, triton.cdiv(C, DECODE_BLOCK_C))](
+            x, weight.contiguous(), state, slots, y, C, x.stride(0), *state.stride(), W=W, BC=DECODE_BLOCK_C,
+        )
+    return y

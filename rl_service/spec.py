@@ -321,9 +321,14 @@ CustomResources = Annotated[
 
 class ResourcesSpec(_Strict):
     rollout_cpus: float = Field(1.0, gt=0.0, le=1024.0, description="CPUs per rollout worker.")
-    rollout_gpus: float = Field(0.0, ge=0.0, le=64.0)
+    rollout_gpus: float = Field(
+        0.0, ge=0.0, le=64.0, description="GPUs per rollout worker. Below 1, the worker's engine shares a device "
+        "(with the learner, or other workers) and takes this share of the device's memory (vLLM's "
+        "gpu_memory_utilization).")
     learner_cpus: float = Field(1.0, gt=0.0, le=1024.0)
-    learner_gpus: int = Field(0, ge=0, le=64)
+    learner_gpus: float = Field(
+        0, ge=0, le=64, description="GPUs per learner rank: a whole number, or (one learner rank) a share of one "
+        "device below 1, so the learner and the rollout engines share it, e.g. 0.5 with rollout_gpus 0.4.")
     num_learners: int = Field(1, ge=1, le=1024, description="Data-parallel learner ranks.")
     rollout_custom: CustomResources = Field(
         default_factory=dict, description="Custom Ray resources each rollout worker needs, e.g. {'rollout': 1}.")
@@ -331,6 +336,15 @@ class ResourcesSpec(_Strict):
         default_factory=dict, description="Custom Ray resources each learner rank needs, e.g. {'learner': 1}.")
     custom: CustomResources = Field(
         default_factory=dict, description="Older name of rollout_custom (merged into it; rollout_custom wins).")
+
+    @model_validator(mode="after")
+    def _check_gpus(self) -> ResourcesSpec:
+        if self.learner_gpus != int(self.learner_gpus) and (self.learner_gpus > 1 or self.num_learners > 1):
+            raise ValueError(f"resources.learner_gpus: a share of one device ({self.learner_gpus}) needs one "
+                             f"learner rank and must be below 1; use whole GPUs otherwise")
+        if self.rollout_gpus > 1 and self.rollout_gpus != int(self.rollout_gpus):
+            raise ValueError(f"resources.rollout_gpus: above 1 it must be a whole number, got {self.rollout_gpus}")
+        return self
 
     @model_validator(mode="after")
     def _check_custom(self) -> ResourcesSpec:

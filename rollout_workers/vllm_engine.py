@@ -145,6 +145,9 @@ def build_llm(config: EngineConfig) -> Any:
     """The `vllm.LLM` an engine config describes (float32 on CPU, bfloat16 on GPU for dtype 'auto')."""
     from vllm import LLM  # heavy import, only where an engine is built
 
+    from model.vllm_plugin import register
+
+    register()  # vLLM finds it through the package's entry point, if installed; a checkout on PYTHONPATH has none
     tokenizer_dir = config.tokenizer_dir or config.model_dir
     dtype = config.dtype
     if dtype == "auto":

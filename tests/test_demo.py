@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from api.cli.demo import DemoConfig, run_demo
+from api.cli.demo import SHARED_GPU_RESOURCES, DemoConfig, demo_job_spec, run_demo
 from reward_models.schedule import RewardSchedule
 
 
@@ -43,3 +43,17 @@ def test_short_demo_end_to_end(tmp_path) -> None:
     applied = [e["data"] for e in result["events"] if e["kind"] == "schedule_applied" and e["data"]["version"] == 2]
     first_v2 = next(m["step"] for m in train if m["schedule/version"] == 2)
     assert [e["step"] for e in applied] == [first_v2]  # one step numbering in events and metrics
+
+
+def test_demo_on_a_gpu_shares_it_and_a_bad_device_is_a_message() -> None:
+    from typer.testing import CliRunner
+
+    from api.cli.cli import app
+    from rl_service.spec import JobSpec
+
+    on_gpu = JobSpec.model_validate(demo_job_spec(DemoConfig(device="cuda")))
+    assert on_gpu.resources.learner_gpus + on_gpu.resources.rollout_gpus <= 1
+    assert on_gpu.resources.model_dump(include=set(SHARED_GPU_RESOURCES)) == SHARED_GPU_RESOURCES
+    assert JobSpec.model_validate(demo_job_spec(DemoConfig(device="cpu"))).resources.learner_gpus == 0
+    result = CliRunner().invoke(app, ["demo", "--device", "tpu"])
+    assert result.exit_code == 2 and "device must be auto, cpu or cuda, got 'tpu'" in result.output

@@ -48,6 +48,22 @@ class DemoConfig:
     eval_tasks: int = 50
     patch_at_step: int | None = None  # default: half-way
     seed: int = 0
+    # "cuda": the learner and the rollout engine share this machine's first GPU; "auto": "cuda" where there is one
+    device: str = "auto"
+
+
+# One GPU shared (Ray's GPU shares): the learner's half and the engine's 0.4 of the device's memory.
+SHARED_GPU_RESOURCES = {"learner_gpus": 0.5, "rollout_gpus": 0.4}
+
+
+def resolve_device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 # The LR schedule and rollout/learner mismatch correction the demo's and the benchmarks' results were measured
@@ -87,6 +103,7 @@ def demo_job_spec(cfg: DemoConfig) -> dict[str, Any]:
         "checkpoint_every": max(cfg.rl_steps // 3, 1),
         "eval_every": max(cfg.rl_steps // 4, 5),
         "seed": cfg.seed,
+        **({"resources": SHARED_GPU_RESOURCES} if resolve_device(cfg.device) == "cuda" else {}),
     }
 
 
@@ -238,11 +255,17 @@ def register(app: typer.Typer) -> None:
         steps: int = typer.Option(DemoConfig.rl_steps, help="RL steps."),
         out: Path = typer.Option(DemoConfig.out_dir, help="Where the report and service data go."),
         seed: int = typer.Option(0, help="Seed for tasks, model init and sampling."),
+        device: str = typer.Option("auto", help="cpu, cuda (the learner and the engine share the first GPU) or "
+                                   "auto (cuda where there is a GPU)."),
     ) -> None:
         """Run the main job end to end on this machine and write a report."""
         console = Console()
         try:
-            result = run_demo(DemoConfig(out_dir=out, rl_steps=steps, seed=seed), console)
+            result = run_demo(DemoConfig(out_dir=out, rl_steps=steps, seed=seed, device=resolve_device(device)),
+                              console)
+        except ValueError as e:
+            console.print(f"[red]demo failed:[/red] {e}")
+            raise typer.Exit(2) from None
         except (RuntimeError, httpx.HTTPStatusError) as e:
             console.print(f"[red]demo failed:[/red] {e}")
             raise typer.Exit(1) from None

@@ -28,6 +28,7 @@ from kernels.kda.recurrent_cpu import (
     gated_rms_norm_cpu,
     slots_contiguous,
 )
+from kernels.short_conv import short_conv_silu_decode
 from model.layers.kda import KimiDeltaAttention
 from model.vllm_plugin.fused import FusedLinear, derived_arrays, derived_linear, fused, linear
 
@@ -100,8 +101,12 @@ def _decode_conv(
     pool = conv_state.transpose(-1, -2)  # [slots, W-1, C]: vLLM's own layout on CPU
     window = torch.cat([pool.index_select(0, idx).to(qkv.dtype), qkv.unsqueeze(1)], dim=1)  # [n, W, C]
     pool.index_copy_(0, idx, window[:, 1:].to(pool.dtype))
-    y = F.silu((window * layer.conv_weight().to(qkv.dtype).squeeze(1).t()).sum(1))
-    n = qkv.shape[0]
+    return _split_heads(layer, F.silu((window * layer.conv_weight().to(qkv.dtype).squeeze(1).t()).sum(1)))
+
+
+def _split_heads(layer: KimiDeltaAttention, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's output for one token per request [n, C] -> q, k [n, 1, H, K], v [n, 1, HV, V]."""
+    n = y.shape[0]
     q, k, v = y.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     return (q.view(n, 1, layer.num_heads, layer.head_dim), k.view(n, 1, layer.num_heads, layer.head_dim),
             v.view(n, 1, layer.num_v_heads, layer.v_head_dim))
@@ -122,8 +127,11 @@ def _decode(
             scale=layer.head_dim**-0.5, lower_bound=layer.gate_kwargs()["lower_bound"], A_log=a_log,
             dt_bias=dt_bias, slots=slots, pool=recurrent_state,
         )  # fp32, as the output norm's compiled pass reads it
-    idx = slots.long()
-    q, k, v = _decode_conv(layer, qkv, conv_state, idx)
+    if qkv.is_cuda:  # padded rows (slot < 0, in a CUDA graph's batch) leave every slot alone
+        y = short_conv_silu_decode(qkv, layer.conv_weight(), conv_state, slots)
+        q, k, v = _split_heads(layer, y)
+    else:
+        q, k, v = _decode_conv(layer, qkv, conv_state, slots.long())
     # Batch rows are the sequences (T = 1); the pool's slots are read and written in place.
     o, _ = fused_recurrent_kda(
         q, k, v, f[:, None], beta[:, None], initial_state=recurrent_state, ssm_state_indices=slots,

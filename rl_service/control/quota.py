@@ -24,7 +24,7 @@ class ResourceCaps(_Strict):
     """Per-job maxima; None leaves that resource to the level above (the operator's limits, the spec's bounds)."""
 
     learner_cpus: float | None = Field(None, gt=0, description="resources.learner_cpus (per learner rank)")
-    learner_gpus: int | None = Field(None, ge=0, description="resources.learner_gpus (per learner rank)")
+    learner_gpus: float | None = Field(None, ge=0, description="resources.learner_gpus (per learner rank)")
     num_learners: int | None = Field(None, ge=1, description="resources.num_learners")
     rollout_cpus: float | None = Field(None, gt=0, description="resources.rollout_cpus (per rollout worker)")
     rollout_gpus: float | None = Field(None, ge=0, description="resources.rollout_gpus (per rollout worker)")
@@ -38,7 +38,7 @@ class JobLimits(ResourceCaps):
     """The operator's maxima for every job (the defaults suit one machine with a few GPUs)."""
 
     learner_cpus: float | None = Field(32.0, gt=0)
-    learner_gpus: int | None = Field(8, ge=0)
+    learner_gpus: float | None = Field(8, ge=0)
     num_learners: int | None = Field(16, ge=1)
     rollout_cpus: float | None = Field(32.0, gt=0)
     rollout_gpus: float | None = Field(8.0, ge=0)

@@ -496,6 +496,15 @@ def start_data_parallel(spec: JobSpec, config: LearnerConfig, model_dir: Path, i
                               progress=progress, rank_timeout_s=spec.learner_rank_deadline_s)
 
 
+WHOLE_DEVICE_MEMORY_SHARE = 0.9  # an engine alone on its GPU: vLLM's default
+
+
+def engine_memory_share(rollout_gpus: float) -> float:
+    """vLLM's gpu_memory_utilization for a rollout engine given its Ray GPU share: a worker with a share below
+    one device shares that device (with the learner, or other workers) and holds that share of its memory."""
+    return rollout_gpus if 0 < rollout_gpus < 1 else WHOLE_DEVICE_MEMORY_SHARE
+
+
 def seeded_vllm_engine(config: Any) -> Any:
     """EngineFactory for the rollout workers (runs inside the worker process)."""
     return VLLMEngine(config)
@@ -509,10 +518,11 @@ def default_pool_factory(spec: JobSpec, weights_dir: Path) -> RolloutPoolLike:
     max_len = max(spec.rollout.max_total_tokens + 16, 64)
     # Seeded sampling needs whole-prompt prefills: vLLM rewinds a request's generator after a partial
     # (chunked) prefill, which CPU generators cannot do ("CPU Generator does not use offset").
+    res = spec.resources
     engine = EngineConfig(model_dir=str(weights_dir), tokenizer_dir=str(weights_dir), max_model_len=max_len,
                           kv_cache_gib=spec.rollout.kv_cache_gib, seed=spec.seed,
+                          gpu_memory_utilization=engine_memory_share(res.rollout_gpus),
                           engine_kwargs={"max_num_batched_tokens": max(16 * max_len, 8192)})
-    res = spec.resources
     # under the scheduler, each worker in its own bundle of the job's placement group (not a learner's)
     pg = ray.util.get_current_placement_group()
     return RolloutPool(functools.partial(seeded_vllm_engine, engine), reg, spec.rollout.num_workers, env_options=spec.environment.options,

@@ -40,3 +40,24 @@ def test_custom_is_the_older_name_of_rollout_custom() -> None:
 def test_bad_custom_resources_are_rejected_naming_the_field(field: str, value: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         ResourcesSpec(**{field: value})
+
+
+def test_one_gpu_shared_by_the_learner_and_the_engine() -> None:
+    """Shares of one device: Ray's fractional GPUs place both bundles on it, and the engine holds its share of the
+    device's memory (a whole GPU per worker keeps vLLM's default)."""
+    from rl_service.training.runner import WHOLE_DEVICE_MEMORY_SHARE, engine_memory_share
+
+    bundles = job_bundles(spec_with({"learner_gpus": 0.5, "rollout_gpus": 0.4}, num_workers=1))
+    assert bundles == [{"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.4}]
+    assert engine_memory_share(0.4) == 0.4
+    assert engine_memory_share(1) == engine_memory_share(2) == WHOLE_DEVICE_MEMORY_SHARE
+
+
+@pytest.mark.parametrize(("resources", "message"), [
+    ({"learner_gpus": 0.5, "num_learners": 2}, "resources.learner_gpus: a share of one device"),
+    ({"learner_gpus": 1.5}, "resources.learner_gpus: a share of one device"),
+    ({"rollout_gpus": 1.5}, "resources.rollout_gpus: above 1 it must be a whole number"),
+])
+def test_gpu_shares_that_cannot_be_placed_are_refused(resources: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ResourcesSpec(**resources)

@@ -175,6 +175,19 @@ class ServedEngine:
             if a != b:
                 break
 
+    def test_shrinking_batch_matches_hf(self, engine, hf_model) -> None:
+        """37 sequences that finish one after another: decode steps at every batch size from 37 down to 1, most of
+        them not a captured graph's size (a graph's padded rows have no state slot)."""
+        from vllm import SamplingParams
+
+        prompts = _prompts([23 + 11 * i for i in range(37)], seed=5)
+        params = [SamplingParams(max_tokens=2 + i, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
+                  for i in range(len(prompts))]
+        outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = [o.outputs[0] for o in outputs]
+        assert [len(o.token_ids) for o in outputs] == [2 + i for i in range(len(prompts))]
+        _check_against_hf(hf_model, prompts, outputs)
+
     def test_record_greedy_outputs(self, engine, recorded: dict) -> None:
         prompts = _prompts(**AGREEMENT_PROMPTS)
         recorded[self.NAME] = [list(o.token_ids) for o in _generate(engine, prompts, _greedy())]

@@ -18,7 +18,7 @@ from kernels.kda import naive_recurrent_kda  # noqa: E402
 from kernels.kda.triton_chunk import chunk_kda_fwd_op, chunk_kda_triton, config_key  # noqa: E402
 from kernels.kda.triton_config import KDAKernelConfig  # noqa: E402
 from kernels.kda.triton_recurrent import fused_recurrent_kda_triton  # noqa: E402
-from kernels.short_conv import short_conv_silu, short_conv_silu_op  # noqa: E402
+from kernels.short_conv import short_conv_silu, short_conv_silu_decode, short_conv_silu_op  # noqa: E402
 
 GRAD_NAMES = ["q", "k", "v", "g", "beta", "initial_state", "dt_bias", "A_log"]
 
@@ -363,6 +363,38 @@ def short_conv_case(seed):
     return checks
 
 
+def short_conv_decode_case(seed):
+    """The decode step of the conv over a pool of states whose slots lie apart in pages, against the fp64 window
+    sum: rows of live slots (in no order), a padded row (slot -1), 1 and 3 state inputs, channel blocks that leave a
+    partial one."""
+    import kernels.short_conv as sc
+
+    torch.manual_seed(seed)
+    checks = {}
+    saved, sc.DECODE_BLOCK_C = sc.DECODE_BLOCK_C, 32
+    for W, C in ((4, 70), (2, 40)):
+        pages = torch.randn(6, C * (W - 1) + 24)
+        pool = pages[:, 8:8 + C * (W - 1)].view(6, C, W - 1)
+        before = pages.clone()
+        slots = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
+        x, weight = torch.randn(4, C), torch.randn(C, 1, W)
+        y = short_conv_silu_decode(x, weight, pool, slots)
+        live = [i for i, s in enumerate(slots.tolist()) if s >= 0]
+        window = torch.cat([before[:, 8:8 + C * (W - 1)].view(6, C, W - 1)[slots[live].long()].double(),
+                            x[live].double()[:, :, None]], dim=-1)  # [live, C, W]
+        want = torch.nn.functional.silu((window * weight.double().squeeze(1)).sum(-1))
+        checks[f"W{W}_out"] = rel_err(y[live], want)
+        checks[f"W{W}_state"] = rel_err(pool[slots[live].long()], window[:, :, 1:])
+        checks[f"W{W}_padded_zero"] = float(y[1].abs().max())
+        untouched = [s for s in range(6) if s not in slots.tolist()]
+        margins = torch.ones_like(pages, dtype=torch.bool)
+        margins[:, 8:8 + C * (W - 1)] = False
+        checks[f"W{W}_others_untouched"] = float(max((pages[untouched] - before[untouched]).abs().max(),
+                                                     (pages[margins] - before[margins]).abs().max()))
+    sc.DECODE_BLOCK_C = saved
+    return checks
+
+
 def main() -> None:
     results = {
         "bounded": chunk_case(2, 45, 1, 2, 32, 16, 32, 1, gate="bounded", beta_logits=True),
@@ -413,6 +445,7 @@ def main() -> None:
         "expanded_grads": expanded_grads_case(10),
         "attn_res": attn_res_case(11),
         "short_conv": short_conv_case(13),
+        "short_conv_decode": short_conv_decode_case(14),
         "no_grad": no_grad_case(12),
         # chunks of 4 sub-blocks with short ones, the w/u columns in two slices, the scores grid row blocks first
         "no_grad_chunk64": no_grad_case(16, 64, KDAKernelConfig(infer_wu_block=16, scores_row_block_first=True),
