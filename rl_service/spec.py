@@ -174,6 +174,10 @@ class AlgorithmSpec(_Strict):
     process_scale: Literal["batch", "fixed"] = Field("batch", description="Taper: how process advantages scale.")
     gamma: float | None = Field(
         None, ge=0.0, le=1.0, description="Taper: discount for process returns-to-go; null = the step only.")
+    compile_layers: Literal["auto", "stack", "parts", "none"] = Field(
+        "auto", description="Taper: torch.compile of the learner's layers. auto: the layer stack as one graph "
+        "(shapes dynamic, so a new micro-batch shape does not recompile) where one learner trains on a CUDA "
+        "device, eager on CPU and for data-parallel ranks; stack / parts: always; none: eager.")
 
     @model_validator(mode="before")
     @classmethod

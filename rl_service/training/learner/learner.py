@@ -57,7 +57,7 @@ class Learner:
         self.config = config
         self.model = model
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.compiled_layers = self._compile_layers(compile_layers)
+        self.compiled_layers = self._compile_layers(compile_layers or config.compile_layers)
         self.ref_model = ref_model
         if config.beta > 0 and ref_model is None:
             raise ValueError("LearnerConfig.beta > 0 needs a reference model")
@@ -83,20 +83,18 @@ class Learner:
         self.optimizer_steps = 0
 
     # ---- helpers ----
-    def _compile_layers(self, scope: str | None) -> str | None:
-        """`compile_layers(scope)` of a Taper model ("stack": the layer stack as one compiled graph); None or "none"
-        keeps it eager (the default). "auto" picks "stack" on a single CUDA device and leaves CPU (compile time
-        outweighs the gain there) and data-parallel wrappers eager. Not the default yet: the learner's own step
-        (fp32 weights under autocast, a new batch shape per micro-batch, padding masks) has not been timed or
-        checked compiled on a GPU; each new shape costs a compile (~100 s for the stack) until dynamo marks the
-        shapes dynamic (docs/benchmarks/model.md)."""
+    def _compile_layers(self, scope: str) -> str | None:
+        """`compile_layers(scope)` of a Taper model ("stack": the layer stack as one compiled graph, "parts": each
+        layer part); "none" keeps it eager. "auto" picks "stack" on a single CUDA device and leaves CPU (compile
+        time outweighs the gain there) and data-parallel wrappers eager. Shapes are compiled dynamic: a
+        micro-batch's rows and length change from one to the next (docs/benchmarks/model.md)."""
         if scope == "auto":
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-            scope = "stack" if self.device.type == "cuda" and not distributed else None
+            scope = "stack" if self.device.type == "cuda" and not distributed else "none"
         inner = getattr(self.model, "model", None)
-        if scope in (None, "none") or not hasattr(inner, "compile_layers"):
+        if scope == "none" or not hasattr(inner, "compile_layers"):
             return None
-        inner.compile_layers(scope)
+        inner.compile_layers(scope, dynamic=True)
         return scope
 
     def _autocast(self) -> contextlib.AbstractContextManager:
