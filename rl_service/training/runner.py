@@ -45,6 +45,7 @@ from rl_service.hooks import JobHooks
 from rl_service.placement import learner_bundle_indices, rollout_bundle_indices
 from rl_service.spec import JobSpec, checkpoint_ref
 from rl_service.task_files import load_tasks
+from rl_service.training import gpu_memory
 from rl_service.training import step as pipeline
 from rl_service.training.checkpoint import (
     latest_checkpoint,
@@ -227,6 +228,21 @@ class JobRunner:
             self._evaluate(0)
         return self._loop(start)
 
+    def _check_gpu_memory(self) -> None:
+        """Before the model goes to a GPU: the learner's state and the engines that share its device must fit."""
+        if self.device.type != "cuda":
+            return
+        res = self.spec.resources
+        # engines with a share below one device share the learner's (one GPU); whole GPUs are their own
+        shared = res.rollout_gpus < 1 and res.learner_gpus < 1
+        engines = engine_memory_share(res.rollout_gpus) * self.spec.rollout.num_workers if shared else 0.0
+        free, total = torch.cuda.mem_get_info(self.device)
+        need = gpu_memory.plan(sum(p.numel() for p in self.model.parameters()), engines, free, total)
+        self.hooks.emit_event("gpu_memory", {"phase": "start", "learner_gib": need.learner_bytes / 2**30,
+                                             "engines_gib": need.engines_bytes / 2**30, "free_gib": free / 2**30})
+        if not need.fits:
+            raise ValueError(need.describe())
+
     def setup(self) -> int:
         """Tasks, model, learner, and the state of the newest checkpoint if there is one.
         Returns the first step to run."""
@@ -237,6 +253,7 @@ class JobRunner:
 
         self._progress()
         self.model, self.tokenizer = build_policy(self.spec)
+        self._check_gpu_memory()
         self.model.to(self.device)
         self._progress()
         if not (self.initial_dir / "config.json").exists():

@@ -61,3 +61,16 @@ def test_one_gpu_shared_by_the_learner_and_the_engine() -> None:
 def test_gpu_shares_that_cannot_be_placed_are_refused(resources: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ResourcesSpec(**resources)
+
+
+def test_a_learner_and_engines_too_big_for_their_gpu_are_named_with_the_numbers() -> None:
+    from rl_service.training.gpu_memory import LEARNER_STATE_BYTES_PER_PARAM, LEARNER_WORKSPACE_BYTES, plan
+
+    gib = 1 << 30
+    fits = plan(110_000_000, 0.4, free_bytes=120 * gib, total_bytes=140 * gib)
+    assert fits.fits and fits.engines_bytes == int(0.4 * 140 * gib)
+    assert fits.learner_bytes == 110_000_000 * LEARNER_STATE_BYTES_PER_PARAM + LEARNER_WORKSPACE_BYTES
+    too_big = plan(7_000_000_000, 0.4, free_bytes=120 * gib, total_bytes=140 * gib)
+    assert not too_big.fits
+    assert too_big.describe() == ("resources: the learner needs 106.3 GiB and the rollout engines on its device take "
+                                  "56.0 GiB (rollout_gpus x its memory), but 120.0 of the device's 140.0 GiB are free")
