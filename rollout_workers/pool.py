@@ -96,7 +96,8 @@ class RolloutPool:
         self.stalls = 0  # workers replaced because a chunk outlived chunk_timeout_s
         self.chunks_done = 0
         self._placement = (placement_group, list(bundle_indices or []))
-        self._weights: tuple[ray.ObjectRef, int] | None = None
+        self._weights: tuple[Any, int] | None = None  # the last push (object ref or DeviceWeights) and its version
+        self._device_buffer: torch.Tensor | None = None  # what the last DeviceWeights push points into
         self._workers = [self._spawn(slot) for slot in range(num_workers)]
         ray.get([w.ping.remote() for w in self._workers])  # engines built: surface startup errors here
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="taper-rollout-pool")
@@ -239,9 +240,14 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ weights and stats
     def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
-        """Load new weights into every worker's running engine; returns seconds taken."""
+        """Load new weights into every worker's running engine; returns seconds taken. CUDA tensors of the GPU
+        every engine is on go by CUDA IPC (one device buffer, kept until the next push); others through the
+        object store."""
         t0 = time.monotonic()
-        ref = ray.put(dict(state_dict))
+        ref: Any = self._device_weights(state_dict)
+        if ref is None:
+            self._device_buffer = None
+            ref = ray.put(dict(state_dict))
         self._weights = (ref, version)
         pending = {w.load_weights.remote(ref, version): (slot, w) for slot, w in enumerate(self._workers)}
         for r, (slot, w) in pending.items():
@@ -250,6 +256,19 @@ class RolloutPool:
             except _WORKER_LOST:
                 self._replace(slot, w)  # the replacement loads these weights on start
         return time.monotonic() - t0
+
+    def _device_weights(self, state_dict: Mapping[str, torch.Tensor]) -> Any:
+        """The state dict as `DeviceWeights` where it lies on the GPU of every worker's engine, else None."""
+        first = next(iter(state_dict.values()), None)
+        if first is None or not first.is_cuda:
+            return None
+        from rollout_workers.device_weights import DeviceWeights, device_uuid
+
+        engines = set(ray.get([w.device_uuid.remote() for w in self._workers]))
+        if engines != {device_uuid(first.device)}:
+            return None
+        self._device_buffer, weights = DeviceWeights.pack(state_dict)
+        return weights
 
     def stats(self) -> dict[str, float]:
         per_worker = []

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from rollout_workers.agent import AgentLoop, EpisodeSpec, run_groups
+from rollout_workers.device_weights import DeviceWeights, device_uuid
 from rollout_workers.engine import Engine, EngineConfig
 from rollout_workers.environments.base import Environment
 from rollout_workers.environments.policy import EnvironmentPolicy
@@ -67,7 +68,7 @@ class RolloutEngineHost:
             self.env_factory = env
         self.engine = build_engine(engine)
         if weights is not None:
-            self.engine.load_weights(weights, weight_version)
+            self.load_weights(weights, weight_version)
         self.max_model_len = engine.max_model_len if isinstance(engine, EngineConfig) else None
         self.stats_ = RolloutStats()
         self.tool_runner = ToolRunner()
@@ -99,10 +100,21 @@ class RolloutEngineHost:
         )
         return run_groups(loop, groups)
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> float:
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor] | DeviceWeights, version: int) -> float:
+        """`state_dict` may be `DeviceWeights` (the sender's buffer on this engine's GPU): copied from there."""
         t0 = time.monotonic()
-        self.engine.load_weights(state_dict, version)
+        if isinstance(state_dict, DeviceWeights):
+            import torch
+
+            self.engine.load_weights(state_dict.open(), version)
+            torch.cuda.synchronize()  # the copies are done before the sender may reuse its buffer
+        else:
+            self.engine.load_weights(state_dict, version)
         return time.monotonic() - t0
+
+    def device_uuid(self) -> str | None:
+        """The GPU this worker's engine runs on (None on CPU)."""
+        return device_uuid()
 
     def weight_version(self) -> int:
         return self.engine.weight_version

@@ -28,8 +28,9 @@ class ShippedTensor(torch.Tensor):
 
 
 def shippable_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's state as detached CPU `ShippedTensor`s. `dtype`: the engines' dtype, to send half the
-    bytes to bf16 engines (floating tensors only, balancing biases excepted)."""
+    """The model's state as detached `ShippedTensor`s on the model's device (pickled, they travel from the CPU;
+    a pool whose engines share the model's GPU takes them from there). `dtype`: the engines' dtype, to send half
+    the bytes to bf16 engines (floating tensors only, balancing biases excepted)."""
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         t = value.detach()
@@ -37,5 +38,5 @@ def shippable_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> 
             t = t.full_tensor()
         if dtype is not None and t.is_floating_point() and not name.endswith(BALANCING_BUFFER_SUFFIXES):
             t = t.to(dtype)
-        out[name] = t.to("cpu").as_subclass(ShippedTensor)
+        out[name] = t.as_subclass(ShippedTensor)
     return out
